@@ -71,12 +71,16 @@ def add_arguments(
         parser.add_argument(_flag(f.name), **kwargs)
 
 
-def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """Build `cls` from parsed args; validation runs in its __post_init__."""
+def from_args(cls: type[T], args: argparse.Namespace, exclude: Iterable[str] = ()) -> T:
+    """Build `cls` from parsed args (excluded fields keep their defaults).
+
+    Validation runs in the dataclass's __post_init__.
+    """
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
+    skip = set(exclude)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if not hasattr(args, f.name):
+        if f.name in skip or not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
         if _scalar_type(hints[f.name])[2] and value is not None:

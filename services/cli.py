@@ -1,0 +1,67 @@
+"""`corestream`: one command for every process of the cluster.
+
+    corestream coordinator | engine | frontend   run one service
+    corestream serve                             run a whole cluster on 127.0.0.1
+
+Config modules are torch-free, so building the parsers never loads torch; a
+service's code is imported only when that service runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from services.common.config import add_arguments
+from services.coordinator.config import CoordinatorConfig
+from services.engine.config import EngineConfig
+from services.engine.worker.config import RunnerConfig
+from services.frontend.config import FrontendConfig
+from services.serve_config import SERVE_OWNED, ServeConfig
+
+SERVICES: dict[str, tuple[tuple[type, ...], str, str]] = {
+    "coordinator": ((CoordinatorConfig,), "services.coordinator.main", "Run the DP coordinator."),
+    "engine": ((EngineConfig, RunnerConfig), "services.engine.main", "Run one engine-core."),
+    "frontend": ((FrontendConfig,), "services.frontend.main", "Run the public frontend."),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="corestream", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (classes, _, help_text) in SERVICES.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        for cls in classes:
+            add_arguments(p, cls)
+    serve = sub.add_parser(
+        "serve",
+        help="Run coordinator, engines and frontend as separate processes on 127.0.0.1.",
+        description="Run coordinator, engines and frontend as separate processes on 127.0.0.1; "
+        "every flag of those services is accepted and passed to the process that owns it.",
+    )
+    add_arguments(serve, ServeConfig)
+    for classes, _, _ in SERVICES.values():
+        for cls in classes:
+            add_arguments(serve, cls, exclude=SERVE_OWNED)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            from services.serve import run as run_serve
+
+            return run_serve(args)
+        module = importlib.import_module(SERVICES[args.command][1])
+        return int(module.run(args))
+    except ValueError as e:
+        # Config validation: name the field and the limit, no traceback.
+        print(f"corestream {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The engine registry: who is serving, where, and how loaded.
+
+Plain Python guarded by one condition variable. Every change bumps
+`generation`, which watchers wait on; readers get immutable snapshots.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEntry:
+    engine_id: str
+    engine_index: int
+    address: str
+    model: str
+    max_model_len: int
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_cache_usage: float = 0.0
+    state: int = 0
+    """A common.v1.EngineState value."""
+    step_counter: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    engines: tuple[EngineEntry, ...]
+    generation: int
+
+
+class EngineRegistry:
+    def __init__(self) -> None:
+        self._engines: dict[str, EngineEntry] = {}
+        self._generation = 0
+        self._ids = itertools.count(1)
+        self._changed = threading.Condition()
+        self._closed = False
+
+    def register(
+        self, engine_index: int, address: str, model: str, max_model_len: int, state: int
+    ) -> str:
+        """Add an engine; a re-registration from the same address replaces the old entry."""
+        with self._changed:
+            for stale in [e.engine_id for e in self._engines.values() if e.address == address]:
+                del self._engines[stale]
+            engine_id = f"engine-{engine_index}-{next(self._ids)}"
+            self._engines[engine_id] = EngineEntry(
+                engine_id, engine_index, address, model, max_model_len, state=state
+            )
+            self._bump()
+            return engine_id
+
+    def update(
+        self,
+        engine_id: str,
+        *,
+        num_waiting: int,
+        num_running: int,
+        kv_cache_usage: float,
+        state: int,
+        step_counter: int,
+    ) -> bool:
+        """Record a load report; False if the engine is not registered."""
+        with self._changed:
+            entry = self._engines.get(engine_id)
+            if entry is None:
+                return False
+            new = replace(
+                entry,
+                num_waiting=num_waiting,
+                num_running=num_running,
+                kv_cache_usage=kv_cache_usage,
+                state=state,
+                step_counter=step_counter,
+            )
+            # Only real changes wake watchers; a heartbeat with equal load does not.
+            changed = (new.num_waiting, new.num_running, new.kv_cache_usage, new.state) != (
+                entry.num_waiting,
+                entry.num_running,
+                entry.kv_cache_usage,
+                entry.state,
+            )
+            self._engines[engine_id] = new
+            if changed:
+                self._bump()
+            return True
+
+    def remove(self, engine_id: str) -> None:
+        with self._changed:
+            if self._engines.pop(engine_id, None) is not None:
+                self._bump()
+
+    def snapshot(self) -> Snapshot:
+        with self._changed:
+            return self._snapshot()
+
+    def wait_for_change(self, after_generation: int, timeout: float) -> Snapshot:
+        """Block until the generation passes `after_generation`, the timeout, or close()."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._generation > after_generation or self._closed, timeout
+            )
+            return self._snapshot()
+
+    def close(self) -> None:
+        """Wake every watcher so that streams can end at shutdown."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _snapshot(self) -> Snapshot:
+        engines = tuple(sorted(self._engines.values(), key=lambda e: (e.engine_index, e.engine_id)))
+        return Snapshot(engines, self._generation)
+
+    def _bump(self) -> None:
+        self._generation += 1
+        self._changed.notify_all()

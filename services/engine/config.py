@@ -1,0 +1,54 @@
+"""EngineConfig: the engine-core's own settings (the model runner has RunnerConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import doc
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    host: str = doc("Interface the EngineCoreService binds to.", default="127.0.0.1")
+    port: int = doc("Port of the EngineCoreService; 0 picks any free port.", default=0)
+    engine_index: int = doc("Data-parallel rank of this engine.", default=0)
+    coordinator: str = doc(
+        "host:port of the DP coordinator to register with; empty runs standalone.", default=""
+    )
+    advertise_address: str = doc(
+        "Address registered with the coordinator; empty means host:bound port.", default=""
+    )
+    max_num_seqs: int = doc("Most requests running in one step.", default=128)
+    max_num_batched_tokens: int = doc(
+        "Token budget of one step (prefill chunks plus decodes).", default=2048
+    )
+    scheduling_policy: str = doc(
+        "Order of admission: fcfs (arrival) or priority (lower value first).", default="fcfs"
+    )
+    log_level: str = doc("Log level: debug, info, warning, error.", default="info")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.engine_index < 0:
+            raise ValueError(f"engine_index must be >= 0, got {self.engine_index}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        for name in ("coordinator", "advertise_address"):
+            value = getattr(self, name)
+            if value and ":" not in value:
+                raise ValueError(f"{name} must be host:port, got {value!r}")

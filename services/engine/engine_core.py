@@ -1,0 +1,269 @@
+"""EngineCore: the busy loop around the scheduler and the model runner.
+
+Threads: callers (the server's Session input threads) only put items on
+`input_queue` (and aborts also on `aborts_queue`); the busy-loop thread owns the
+scheduler and the runner; the output thread moves each step's `StepOutputs` from
+`output_queue` to the Sessions. Nothing in the busy loop waits on the network.
+
+    while state allows: process input (block only when idle); step; publish stats
+    step = schedule -> execute -> apply aborts -> update
+
+Lifecycle: STARTING -> RUNNING (start) -> DRAINING (shutdown) -> STOPPED, or DEAD
+when execute raises: then every request fails with an error output and every
+Session hears engine_state DEAD.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from services.common.model_info import ModelInfo
+from services.engine.config import EngineConfig
+from services.engine.request import FinishReason, Request, RequestUpdate
+from services.engine.scheduler.kv_cache_manager import KVCacheManager
+from services.engine.scheduler.output import SchedulerOutput
+from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
+from services.engine.session_router import EngineState, SessionRouter, StepOutputs
+
+logger = logging.getLogger(__name__)
+
+# google.rpc.Code values carried by error outputs.
+INVALID_ARGUMENT = 3
+INTERNAL = 13
+UNAVAILABLE = 14
+
+
+class InputType(enum.Enum):
+    ADD = enum.auto()
+    ABORT = enum.auto()
+    WAKEUP = enum.auto()
+    SHUTDOWN = enum.auto()
+
+
+class ModelRunner(Protocol):
+    """What the core needs of services.engine.worker.model_runner.ModelRunner."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]: ...
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+        self.config = config
+        self.runner = runner
+        kv_cache = KVCacheManager(runner.num_blocks, runner.block_size)
+        # A context longer than the whole cache could never be held: cap it.
+        self.max_model_len = min(runner.model_info.max_model_len, kv_cache.capacity_tokens)
+        if self.max_model_len < runner.model_info.max_model_len:
+            logger.warning("max_model_len capped to the KV cache's %d tokens", self.max_model_len)
+        self.scheduler = Scheduler(
+            kv_cache,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+        )
+        self.input_queue: queue.Queue[tuple[InputType, Any]] = queue.Queue()
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self.output_queue: queue.Queue[StepOutputs | None] = queue.Queue()
+        self.sessions = SessionRouter()
+        self._state = EngineState.STARTING
+        self._state_listeners: list[Callable[[EngineState], None]] = []
+        self._stats = SchedulerStats()
+        self._drain_deadline = 0.0
+        self._loop_thread = threading.Thread(target=self._run_busy_loop, name="engine-loop",
+                                             daemon=True)
+        self._output_thread = threading.Thread(target=self._run_output_loop,
+                                               name="engine-output", daemon=True)
+
+    # ---- called from other threads ---------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """The stats after the latest loop iteration (a consistent snapshot)."""
+        return self._stats
+
+    def add_state_listener(self, listener: Callable[[EngineState], None]) -> None:
+        """Called (on the thread that changes it) with every new state."""
+        self._state_listeners.append(listener)
+
+    def start(self) -> None:
+        """Start the loop; the runner must be warm by now."""
+        self._output_thread.start()
+        self._set_state(EngineState.RUNNING)
+        self._loop_thread.start()
+
+    def add_request(self, request: Request) -> None:
+        if self._state is not EngineState.RUNNING:
+            self._reject([request], UNAVAILABLE, f"engine is {self._state.name.lower()}")
+            return
+        self.input_queue.put((InputType.ADD, request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        # Both queues: aborts_queue applies right after the running step's execute,
+        # input_queue keeps the order with an ADD that has not been processed yet.
+        self.aborts_queue.put(request_ids)
+        self.input_queue.put((InputType.ABORT, request_ids))
+
+    def wakeup(self) -> None:
+        self.input_queue.put((InputType.WAKEUP, None))
+
+    def shutdown(self, drain_timeout_s: float = 0.0, join_timeout_s: float = 10.0) -> None:
+        """Stop accepting, finish in-flight requests for up to drain_timeout_s, abort the
+        rest with UNAVAILABLE, tell every Session STOPPED and join the threads."""
+        if self._loop_thread.is_alive():
+            self.input_queue.put((InputType.SHUTDOWN, drain_timeout_s))
+            self._loop_thread.join(join_timeout_s)
+        elif self._state is EngineState.STARTING:
+            self._set_state(EngineState.STOPPED)
+        if self._output_thread.is_alive():
+            self.output_queue.put(None)
+            self._output_thread.join(join_timeout_s)
+        self.sessions.wake_all()
+
+    # ---- the busy loop ---------------------------------------------------------
+
+    def _run_busy_loop(self) -> None:
+        try:
+            while self._state in (EngineState.RUNNING, EngineState.DRAINING):
+                self._process_input_queue()
+                if self.scheduler.has_work():
+                    self.step()
+                self._publish_stats()
+                if self._state is EngineState.DRAINING and self._drain_over():
+                    break
+        except Exception as exc:
+            logger.exception("engine loop failed; the engine is dead")
+            self._die(f"engine failed: {type(exc).__name__}: {exc}")
+            return
+        self._stop()
+
+    def _process_input_queue(self) -> None:
+        block = self._state is EngineState.RUNNING and not self.scheduler.has_work()
+        while True:
+            try:
+                kind, payload = self.input_queue.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            self._handle_input(kind, payload)
+
+    def _handle_input(self, kind: InputType, payload: Any) -> None:
+        if kind is InputType.ADD:
+            self._add(payload)
+        elif kind is InputType.ABORT:
+            self._emit(self.scheduler.abort_requests(payload))
+        elif kind is InputType.SHUTDOWN and self._state is EngineState.RUNNING:
+            self._drain_deadline = time.monotonic() + payload
+            self._set_state(EngineState.DRAINING)
+            self._broadcast()
+
+    def _add(self, request: Request) -> None:
+        if self._state is not EngineState.RUNNING:
+            self._reject([request], UNAVAILABLE, f"engine is {self._state.name.lower()}")
+            return
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejected as exc:
+            self._reject([request], INVALID_ARGUMENT, str(exc))
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            time.sleep(0.001)  # work exists but none fits yet; do not spin hot
+            return
+        sampled = self.runner.execute(out)
+        aborted = self._apply_aborts()
+        self._emit(aborted + self.scheduler.update_from_output(out, sampled))
+
+    def _apply_aborts(self) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        while True:
+            try:
+                updates += self.scheduler.abort_requests(self.aborts_queue.get_nowait())
+            except queue.Empty:
+                return updates
+
+    def _publish_stats(self) -> None:
+        self._stats = self.scheduler.stats()
+
+    def _drain_over(self) -> bool:
+        return not self.scheduler.has_work() or time.monotonic() >= self._drain_deadline
+
+    # ---- endings ---------------------------------------------------------------
+
+    def _stop(self) -> None:
+        self._emit(self.scheduler.finish_all(FinishReason.ERROR, UNAVAILABLE,
+                                             "engine shut down before the request finished"))
+        self._set_state(EngineState.STOPPED)
+        self._reject_pending_adds("engine is stopped")
+        self._publish_stats()
+        self._broadcast()
+
+    def _die(self, message: str) -> None:
+        self._set_state(EngineState.DEAD)
+        try:
+            self._emit(self.scheduler.finish_all(FinishReason.ERROR, INTERNAL, message))
+        except Exception:
+            logger.exception("could not fail the requests of a dead engine")
+        self._reject_pending_adds(message)
+        self._broadcast()
+
+    def _reject_pending_adds(self, message: str) -> None:
+        while True:
+            try:
+                kind, payload = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            if kind is InputType.ADD:
+                self._reject([payload], UNAVAILABLE, message)
+
+    def _reject(self, requests: Iterable[Request], code: int, message: str) -> None:
+        self._emit([
+            RequestUpdate(r.request_id, r.session_id, finish_reason=FinishReason.ERROR,
+                          error_code=code, error_message=message)
+            for r in requests
+        ])
+
+    # ---- outputs ---------------------------------------------------------------
+
+    def _emit(self, updates: list[RequestUpdate]) -> None:
+        if not updates:
+            return
+        by_session: dict[str, list[RequestUpdate]] = {}
+        for u in updates:
+            by_session.setdefault(u.session_id, []).append(u)
+        self.output_queue.put(StepOutputs(by_session, self.scheduler.stats(), self._state,
+                                          time.time()))
+
+    def _broadcast(self) -> None:
+        self.output_queue.put(StepOutputs({}, self.scheduler.stats(), self._state, time.time(),
+                                          broadcast=True))
+
+    def _set_state(self, state: EngineState) -> None:
+        logger.info("engine %d: %s", self.config.engine_index, state.name)
+        self._state = state
+        for listener in self._state_listeners:
+            listener(state)
+
+    def _run_output_loop(self) -> None:
+        while (step := self.output_queue.get()) is not None:
+            self.sessions.route(step)

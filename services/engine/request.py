@@ -1,0 +1,101 @@
+"""A request as the engine core tracks it, free of protobuf and torch.
+
+The server converts each wire AddRequest into a `Request`; the scheduler moves it
+between its waiting and running queues and appends the sampled tokens; the
+engine core reports `RequestUpdate`s back per session.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.common.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class FinishReason(enum.IntEnum):
+    """Mirrors corestream.common.v1.FinishReason, so the edge converts by value."""
+
+    LENGTH = 1
+    EOS_TOKEN = 2
+    STOP_TOKEN = 3
+    ABORT = 5
+    ERROR = 6
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    """Lower values are served first under the priority policy."""
+    session_id: str = ""
+    """The Session that added the request; its outputs go back there."""
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose keys and values are in the KV cache."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to feed the model: a (rest of a) prompt, or the last sampled token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output, without concatenating the whole history."""
+        n_prompt = len(self.prompt_token_ids)
+        if stop <= n_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : stop - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n_prompt]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestUpdate:
+    """What one step (or an abort or a rejection) changed for one request."""
+
+    request_id: str
+    session_id: str
+    new_token_ids: Sequence[int] = ()
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    error_code: int = 0
+    """A google.rpc.Code for FinishReason.ERROR."""
+    error_message: str = ""
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,257 @@
+"""Scheduler: continuous batching over a paged KV cache, in plain Python.
+
+Each step hands out a token budget. There is no prefill or decode phase: every
+request simply has `num_uncomputed_tokens` (a whole or partial prompt, or the one
+token sampled last step), and the scheduler gives each as many as the budget
+allows. Running requests go first, in admission order, so that decodes and
+unfinished prefill chunks never starve; waiting requests are then admitted by
+the policy while the budget, `max_num_seqs` and free blocks allow. When a
+running request cannot get a block, the policy's victim (FCFS: the newest
+running request) is preempted by recompute: its blocks are freed and it waits
+again with nothing computed, so its prompt and its generated tokens are
+recomputed as one longer prompt when it is readmitted.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from services.engine.request import FinishReason, Request, RequestStatus, RequestUpdate
+from services.engine.scheduler.kv_cache_manager import KVCacheManager
+from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from services.engine.scheduler.policy import make_request_queue
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request can never run on this engine (an INVALID_ARGUMENT for the client)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    step_counter: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        policy: str = "fcfs",
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting = make_request_queue(policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_counter = 0
+        self._finished_since_last_step: set[str] = set()
+
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise RequestRejected naming the limit it breaks."""
+        self._check_admissible(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _check_admissible(self, request: Request) -> None:
+        n_prompt = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        if n_prompt == 0:
+            raise RequestRejected("prompt is empty")
+        if n_prompt >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {n_prompt} tokens; max_model_len is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        max_tokens = request.sampling.max_tokens
+        total = n_prompt + (max_tokens if max_tokens is not None else 1)
+        needed = self.kv_cache.blocks_needed(min(total, self.max_model_len))
+        if needed > self.kv_cache.num_blocks:
+            raise RequestRejected(
+                f"prompt ({n_prompt} tokens) + max_tokens needs {needed} KV blocks; "
+                f"the whole KV cache holds {self.kv_cache.num_blocks} "
+                f"({self.kv_cache.capacity_tokens} tokens)"
+            )
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestUpdate]:
+        """Drop unfinished requests; unknown and finished ids are ignored (aborts race
+        with finishing)."""
+        updates = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+            else:
+                self.running.remove(req)
+            self._finish(req, FinishReason.ABORT)
+            updates.append(RequestUpdate(rid, req.session_id, finish_reason=FinishReason.ABORT))
+        return updates
+
+    def finish_all(self, reason: FinishReason, error_code: int = 0,
+                   error_message: str = "") -> list[RequestUpdate]:
+        """End every request (shutdown or a fatal error)."""
+        updates = []
+        for req in list(self.requests.values()):
+            if req.status is RequestStatus.WAITING:
+                self.waiting.remove(req)
+            else:
+                self.running.remove(req)
+            self._finish(req, reason)
+            updates.append(RequestUpdate(req.request_id, req.session_id, finish_reason=reason,
+                                         error_code=error_code, error_message=error_message))
+        return updates
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache.usage,
+            step_counter=self.step_counter,
+        )
+
+    # ---- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_counter += 1
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        # Running requests first: each gets what it still needs, up to the budget.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_uncomputed_tokens, budget)
+            num_running = len(self.running)
+            room = self._make_room(req, req.num_computed_tokens + n, unscheduled_from=i)
+            preempted |= len(self.running) < num_running
+            if not room:
+                continue  # req itself was the victim; running[i] is now the next one
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
+
+        # Then admit waiting requests. Not after a preemption: the freed blocks are
+        # for the survivors, and readmitting the victim now would thrash.
+        while (
+            not preempted
+            and budget > 0
+            and self.waiting
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting.peek()
+            n = min(req.num_uncomputed_tokens, budget)
+            if not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+
+        # An empty output is not executed, so keep the finished ids for the next one.
+        if not scheduled:
+            return SchedulerOutput(requests=())
+        finished, self._finished_since_last_step = self._finished_since_last_step, set()
+        return SchedulerOutput(requests=scheduled, finished_request_ids=frozenset(finished))
+
+    def _make_room(self, req: Request, num_tokens: int, unscheduled_from: int) -> bool:
+        """Grow req's blocks to num_tokens, preempting unscheduled running requests
+        (those at index >= unscheduled_from) as needed. False if req itself was preempted."""
+        while not self.kv_cache.allocate_slots(req.request_id, num_tokens):
+            victim = self.waiting.pick_victim(self.running[unscheduled_from:])
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.add_preempted(req)
+        logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.token_slice(start, start + n),
+            start_pos=start,
+            block_ids=list(self.kv_cache.block_ids(req.request_id)),
+            sample=start + n == req.num_tokens,
+            sampling=req.sampling,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=tuple(req.output_token_ids),
+            eos_token_ids=req.eos_token_ids,
+        )
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[RequestUpdate]:
+        """Advance what ran, append sampled tokens and finish requests that stop."""
+        updates = []
+        for sr in out.requests:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted between execute and update
+            req.num_computed_tokens += len(sr.token_ids)
+            if not sr.sample:
+                continue  # a prefill chunk: nothing to report yet
+            token = sampled[sr.request_id]
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                if reason is FinishReason.STOP_TOKEN:
+                    req.stop_token_id = token
+                self.running.remove(req)
+                self._finish(req, reason)
+            updates.append(RequestUpdate(
+                req.request_id, req.session_id, new_token_ids=(token,), finish_reason=reason,
+                stop_token_id=req.stop_token_id,
+            ))
+        return updates
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling
+        # The sampler masks EOS and stop tokens until min_tokens exist; this only
+        # guards against a runner that does not.
+        if req.num_output_tokens > sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return FinishReason.EOS_TOKEN
+            if token in sp.stop_token_ids:
+                return FinishReason.STOP_TOKEN
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv_cache.free(req.request_id)
+        del self.requests[req.request_id]
+        self._finished_since_last_step.add(req.request_id)

@@ -1,0 +1,222 @@
+"""EngineCoreService: the engine core's gRPC edge (protobuf stops here).
+
+Each Session gets an input thread that turns SessionRequests into engine-core
+calls, while the RPC's handler thread drains the Session's queue and yields one
+SessionResponse per step that advanced any of its requests. When a Session ends
+or breaks, its unfinished requests are aborted. Readiness follows the engine
+state: SERVING only while RUNNING (so not before warmup, nor while draining/dead).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from corestream.common.v1 import common_pb2
+from corestream.engine.v1 import engine_core_service_pb2 as pb
+from corestream.engine.v1 import engine_core_service_pb2_grpc
+
+from services.common.convert import sampling_from_proto
+from services.common.grpc_server import (
+    INTERNAL_MAX_MESSAGE_BYTES,
+    Health,
+    add_health_and_reflection,
+    server_options,
+)
+from services.engine.engine_core import EngineCore
+from services.engine.request import Request, RequestUpdate
+from services.engine.session_router import EngineState, SessionItem, SessionOutputs, UtilityReply
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineCoreService"].full_name
+# Sessions hold a pool thread each for their lifetime; health watchers too.
+MAX_WORKERS = 256
+
+
+def request_from_proto(add: pb.AddRequest, session_id: str) -> Request:
+    return Request(
+        request_id=add.request_id,
+        prompt_token_ids=list(add.prompt_token_ids),
+        sampling=sampling_from_proto(add.sampling),
+        eos_token_ids=tuple(add.eos_token_ids),
+        arrival_time=add.arrival_time or time.time(),
+        priority=add.priority,
+        session_id=session_id,
+    )
+
+
+def output_to_proto(u: RequestUpdate) -> pb.RequestOutput:
+    out = pb.RequestOutput(
+        request_id=u.request_id,
+        new_token_ids=list(u.new_token_ids),
+        finish_reason=int(u.finish_reason) if u.finish_reason is not None else 0,
+        num_cached_tokens=u.num_cached_tokens,
+        error_code=u.error_code,
+        error_message=u.error_message,
+    )
+    if u.stop_token_id is not None:
+        out.stop_token_id = u.stop_token_id
+    return out
+
+
+def response_to_proto(msg: SessionOutputs, engine_index: int) -> pb.SessionResponse:
+    s = msg.stats
+    return pb.SessionResponse(
+        engine_index=engine_index,
+        outputs=[output_to_proto(u) for u in msg.updates],
+        scheduler_stats=pb.SchedulerStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage, step_counter=s.step_counter,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+        ),
+        timestamp=msg.timestamp,
+        engine_state=common_pb2.EngineState.ValueType(int(msg.state)),
+    )
+
+
+class _SessionState:
+    """What one Session's two threads share: its unfinished request ids."""
+
+    def __init__(self, session_id: str, q: queue.Queue[SessionItem]) -> None:
+        self.session_id = session_id
+        self.queue = q
+        self.lock = threading.Lock()
+        self.unfinished: set[str] = set()
+        self.input_done = False
+
+    def done(self) -> bool:
+        with self.lock:
+            return self.input_done and not self.unfinished
+
+
+class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer):
+    def __init__(self, core: EngineCore, runner: Any) -> None:
+        self.core = core
+        self.runner = runner
+
+    def Session(  # noqa: N802 (gRPC method name)
+        self, request_iterator: Iterator[pb.SessionRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.SessionResponse]:
+        session_id = uuid.uuid4().hex
+        session = _SessionState(session_id, self.core.sessions.open(session_id))
+        context.add_callback(lambda: session.queue.put(None))
+        reader = threading.Thread(
+            target=self._read_session, args=(request_iterator, session),
+            name=f"session-{session.session_id[:8]}", daemon=True,
+        )
+        reader.start()
+        try:
+            yield from self._write_session(session, context)
+        finally:
+            self.core.sessions.close(session.session_id)
+            with session.lock:
+                orphans = list(session.unfinished)
+            if orphans:
+                logger.info("session ended; aborting %d requests", len(orphans))
+                self.core.abort_requests(orphans)
+
+    def _write_session(
+        self, session: _SessionState, context: grpc.ServicerContext
+    ) -> Iterator[pb.SessionResponse]:
+        while not session.done():
+            item = session.queue.get()
+            if item is None:
+                return  # the client went away, or the engine closed
+            if isinstance(item, UtilityReply):
+                yield pb.SessionResponse(
+                    engine_index=self.core.config.engine_index,
+                    engine_state=common_pb2.EngineState.ValueType(int(self.core.state)),
+                    utility_result=pb.UtilityResult(
+                        call_id=item.call_id, result_json=item.result_json,
+                        failure_message=item.failure_message),
+                )
+                continue
+            with session.lock:
+                session.unfinished.difference_update(
+                    u.request_id for u in item.updates if u.finished)
+            yield response_to_proto(item, self.core.config.engine_index)
+            if item.state is EngineState.STOPPED:
+                return
+            if item.state is EngineState.DEAD:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
+
+    def _read_session(
+        self, request_iterator: Iterator[pb.SessionRequest], session: _SessionState
+    ) -> None:
+        try:
+            for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "add":
+                    with session.lock:
+                        session.unfinished.add(msg.add.request_id)
+                    self.core.add_request(request_from_proto(msg.add, session.session_id))
+                elif kind == "abort":
+                    self.core.abort_requests(list(msg.abort.request_ids))
+                elif kind == "utility":
+                    session.queue.put(UtilityReply(
+                        msg.utility.call_id,
+                        failure_message=f"unknown utility method {msg.utility.method!r}"))
+                elif kind == "hello":
+                    logger.info("session %s from frontend %r", session.session_id[:8],
+                                msg.hello.frontend_id)
+        except grpc.RpcError:
+            pass  # the client broke the stream; the handler's callback ends the Session
+        except Exception:
+            logger.exception("session input failed")
+            session.queue.put(None)
+        with session.lock:
+            session.input_done = True
+            idle = not session.unfinished
+        if idle:
+            session.queue.put(None)
+
+    def GetEngineInfo(  # noqa: N802 (gRPC method name)
+        self, request: pb.GetEngineInfoRequest, context: grpc.ServicerContext
+    ) -> pb.GetEngineInfoResponse:
+        info = self.runner.model_info
+        return pb.GetEngineInfoResponse(
+            engine_index=self.core.config.engine_index,
+            model=info.name,
+            max_model_len=self.core.max_model_len,
+            vocab_size=info.vocab_size,
+            num_kv_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            dtype=str(getattr(self.runner, "dtype", info.dtype)).removeprefix("torch."),
+            device=str(getattr(self.runner, "device", "")),
+            state=common_pb2.EngineState.ValueType(int(self.core.state)),
+        )
+
+
+class EngineServer:
+    """The gRPC server of one engine: EngineCoreService, health and reflection."""
+
+    def __init__(self, core: EngineCore, runner: Any, host: str, port: int) -> None:
+        self.core = core
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="grpc"),
+            options=server_options(INTERNAL_MAX_MESSAGE_BYTES),
+        )
+        engine_core_service_pb2_grpc.add_EngineCoreServiceServicer_to_server(
+            EngineCoreServicer(core, runner), self.server)
+        self.health: Health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        core.add_state_listener(lambda state: self.health.set_ready(state is EngineState.RUNNING))
+
+    def start(self) -> None:
+        self.server.start()
+        self.health.set_ready(self.core.state is EngineState.RUNNING)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.health.shutdown()
+        self.server.stop(grace_s).wait()

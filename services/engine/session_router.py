@@ -1,0 +1,94 @@
+"""SessionRouter: fans each step's outputs out to the Sessions that own them.
+
+The busy loop puts one `StepOutputs` per step on the engine's output queue; the
+output thread hands it here, and each open Session's queue receives a
+`SessionOutputs` holding only that Session's updates. State changes (draining,
+stopped, dead) are broadcast to every Session, with or without updates.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from services.engine.request import RequestUpdate
+from services.engine.scheduler.scheduler import SchedulerStats
+
+
+class EngineState(enum.IntEnum):
+    """Mirrors corestream.common.v1.EngineState, so the edge converts by value."""
+
+    STARTING = 1
+    RUNNING = 2
+    DRAINING = 3
+    STOPPED = 4
+    DEAD = 5
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutputs:
+    """Everything one busy-loop step (or one state change) produced, by session id."""
+
+    by_session: dict[str, list[RequestUpdate]]
+    stats: SchedulerStats
+    state: EngineState
+    timestamp: float
+    broadcast: bool = False
+    """Deliver to every open Session, even those without updates (state changes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOutputs:
+    updates: list[RequestUpdate]
+    stats: SchedulerStats
+    state: EngineState
+    timestamp: float
+    session_id: str = field(default="")
+
+
+@dataclass(frozen=True, slots=True)
+class UtilityReply:
+    call_id: int
+    result_json: str = ""
+    failure_message: str = ""
+
+
+# What a Session's queue carries; None means the engine will send nothing more.
+SessionItem = SessionOutputs | UtilityReply | None
+
+
+class SessionRouter:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.Queue[SessionItem]] = {}
+
+    def open(self, session_id: str) -> queue.Queue[SessionItem]:
+        q: queue.Queue[SessionItem] = queue.Queue()
+        with self._lock:
+            if session_id in self._queues:
+                raise ValueError(f"session {session_id!r} is already open")
+            self._queues[session_id] = q
+        return q
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            self._queues.pop(session_id, None)
+
+    def route(self, step: StepOutputs) -> None:
+        with self._lock:
+            targets = list(self._queues.items())
+        for session_id, q in targets:
+            updates = step.by_session.get(session_id)
+            if updates or step.broadcast:
+                q.put(SessionOutputs(updates or [], step.stats, step.state, step.timestamp,
+                                     session_id))
+        # Updates for sessions that closed meanwhile are dropped: nobody is listening.
+
+    def wake_all(self) -> None:
+        """Unblock every Session reader (None means: the engine will send nothing more)."""
+        with self._lock:
+            targets = list(self._queues.values())
+        for q in targets:
+            q.put(None)

@@ -1,0 +1,197 @@
+"""ModelRunner: loads the model, owns the KV cache, and runs one step per call.
+
+A step flattens every scheduled request into one batch (tokens, positions, cache
+slots, block tables) built on the host in one pass, runs a single forward over all
+of them, samples from the last position of each request that asks for a token,
+and brings the sampled ids to the host with the step's only device sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from services.common.model_info import ModelInfo, load_model_info
+from services.common.sampling import SamplingParams
+from services.common.tiny_checkpoint import resolve_model
+from services.engine.models.attention_metadata import AttentionMetadata
+from services.engine.models.decoder_config import DecoderConfig
+from services.engine.models.loader import load_model, torch_dtype
+from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from services.engine.worker.config import RunnerConfig
+from services.engine.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but torch sees no CUDA device")
+    return torch.device(name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
+    """[N] row in the flattened batch of each sampled request's last token."""
+    sampled: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        path = resolve_model(config.model)
+        info = load_model_info(path)
+        if config.max_model_len > info.max_model_len:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the checkpoint's "
+                f"{info.max_model_len}"
+            )
+        if config.max_model_len:
+            info = dataclasses.replace(info, max_model_len=config.max_model_len)
+        self._model_info = info
+        self._device = pick_device(config.device)
+        self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
+        with torch.inference_mode():
+            self.model = load_model(path, self._dtype, self._device)
+        self.kv_caches = self._allocate_kv_cache(self.model.config)
+        self.sampler = Sampler(self._device, config.seed)
+        logger.info(
+            "model runner ready: %s on %s (%s), %d KV blocks of %d tokens",
+            info.name, self.device, self.dtype, self.num_blocks, self.block_size,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_caches[0].shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    @property
+    def dtype(self) -> str:
+        return str(self._dtype).removeprefix("torch.")
+
+    def _allocate_kv_cache(self, model_config: DecoderConfig) -> list[torch.Tensor]:
+        per_token = (
+            2 * model_config.num_key_value_heads * model_config.head_dim
+            * self._dtype.itemsize * model_config.num_hidden_layers
+        )
+        block_bytes = per_token * self.block_size
+        num_blocks = self.config.kv_cache_memory // block_bytes
+        needed = -(-self.model_info.max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"kv_cache_memory {self.config.kv_cache_memory} bytes holds {num_blocks} blocks "
+                f"of {block_bytes} bytes, but one max_model_len ({self.model_info.max_model_len}) "
+                f"sequence needs {needed}: raise kv_cache_memory to at least "
+                f"{needed * block_bytes} or lower max_model_len"
+            )
+        shape = (
+            2, num_blocks, self.block_size,
+            model_config.num_key_value_heads, model_config.head_dim,
+        )
+        # Zeros, not empty: attention multiplies masked-out slots by zero weights, and
+        # uninitialized memory may hold NaN, which would survive that product.
+        return [
+            torch.zeros(shape, dtype=self._dtype, device=self._device)
+            for _ in range(model_config.num_hidden_layers)
+        ]
+
+    def warmup(self) -> None:
+        """One small prefill and one decode, so first-request latency excludes lazy setup."""
+        num_tokens = min(8, self.model_info.max_model_len - 1)
+        blocks = list(range(-(-(num_tokens + 1) // self.block_size)))
+        greedy = SamplingParams(temperature=0.0)
+        prompt = [0] * num_tokens
+
+        def step(tokens: list[int], start: int) -> None:
+            request = ScheduledRequest(
+                "warmup", tokens, start, blocks, True, greedy, prompt, []
+            )
+            self.execute(SchedulerOutput([request]))
+
+        step(prompt, 0)
+        step([0], num_tokens)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run every scheduled request in one forward; the sampled token of each that samples."""
+        if out.is_empty:
+            return {}
+        batch = self._prepare(out.requests)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        if not batch.sampled:
+            return {}
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        tokens = self.sampler(logits, batch.sampled).tolist()
+        return {r.request_id: t for r, t in zip(batch.sampled, tokens, strict=True)}
+
+    def _prepare(self, requests: Sequence[ScheduledRequest]) -> _Batch:
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        max_blocks = 0
+        for r in requests:
+            end = r.start_pos + len(r.token_ids)
+            if end > self.model_info.max_model_len or len(r.block_ids) * block_size < end:
+                raise ValueError(
+                    f"request {r.request_id}: {end} tokens do not fit max_model_len "
+                    f"{self.model_info.max_model_len} or its {len(r.block_ids)} blocks"
+                )
+            input_ids.extend(r.token_ids)
+            span = range(r.start_pos, end)
+            positions.extend(span)
+            slots.extend(r.block_ids[p // block_size] * block_size + p % block_size for p in span)
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, len(r.block_ids))
+            if r.sample:
+                sample_rows.append(len(input_ids) - 1)
+                sampled.append(r)
+        # Pad with block 0: always a valid index, and masked out by seq_lens.
+        tables = [list(r.block_ids) + [0] * (max_blocks - len(r.block_ids)) for r in requests]
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(tables, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            seq_lens_host=seq_lens,
+            query_start_loc_host=query_start_loc,
+        )
+        return _Batch(
+            input_ids=self._to_device(input_ids, torch.int64),
+            positions=self._to_device(positions, torch.int64),
+            meta=meta,
+            sample_rows=self._to_device(sample_rows, torch.int64),
+            sampled=sampled,
+        )
+
+    def _to_device(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=dtype)
+        if self._device.type == "cpu":
+            return tensor
+        # Pinned source + non_blocking: the copy overlaps and does not sync the host.
+        return tensor.pin_memory().to(self._device, non_blocking=True)

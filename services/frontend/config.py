@@ -1,0 +1,59 @@
+"""Configuration of the frontend process (each field is a `corestream frontend` flag)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.common.config import doc
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _check_address(name: str, address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{name} must be HOST:PORT, got {address!r}")
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    host: str = doc("Address to listen on.", default="127.0.0.1")
+    port: int = doc("Port of the public GenerateService.", default=50051)
+    coordinator: str = doc(
+        "HOST:PORT of the DP coordinator; engines are learned from its WatchLoad stream.",
+        default="",
+    )
+    engines: tuple[str, ...] = doc(
+        "Static engine addresses (HOST:PORT), used when no coordinator is given.",
+        default=(),
+    )
+    model: str = doc(
+        "Checkpoint directory whose tokenizer and config are served; empty means the "
+        "built-in tiny checkpoint.",
+        default="",
+    )
+    served_model_name: str = doc(
+        "Model name reported to clients; empty means the checkpoint's name.", default=""
+    )
+    max_prompt_tokens: int = doc(
+        "Longest accepted prompt in tokens; 0 means the model's context length.", default=0
+    )
+    request_timeout_s: float = doc(
+        "Server-side limit on one request's lifetime, in seconds.", default=600.0
+    )
+    log_level: str = doc(f"One of {', '.join(_LOG_LEVELS)}.", default="info")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.coordinator:
+            _check_address("coordinator", self.coordinator)
+        for address in self.engines:
+            _check_address("engines", address)
+        if self.max_prompt_tokens < 0:
+            raise ValueError(f"max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
+        if not (self.request_timeout_s > 0 and math.isfinite(self.request_timeout_s)):
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.log_level.lower() not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")

@@ -1,0 +1,222 @@
+"""One long-lived Session stream to one engine-core, shared by all its requests.
+
+The client sends Hello first, then add and abort messages from a send queue. A
+receive loop demultiplexes each batched SessionResponse by request id into the
+per-request asyncio queues handed out by `add`. When the session breaks, or the
+engine reports STOPPED or DEAD, every request still in flight on it receives an
+`EngineFailure` (UNAVAILABLE) and the client reconnects with backoff; requests
+are never replayed, since the engine may already have produced part of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from corestream.common.v1 import common_pb2
+from corestream.engine.v1 import engine_core_service_pb2 as engine_pb2
+from corestream.engine.v1 import engine_core_service_pb2_grpc as engine_pb2_grpc
+
+from services.common.grpc_server import channel_options
+from services.frontend.backoff import Backoff
+from services.frontend.errors import RequestError, unavailable
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+
+_ENDED_STATES = (common_pb2.ENGINE_STATE_STOPPED, common_pb2.ENGINE_STATE_DEAD)
+_NOT_ACCEPTING_STATES = (common_pb2.ENGINE_STATE_DRAINING, *_ENDED_STATES)
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """The request's engine failed it; the stream ends with this status."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+EngineEvent = engine_pb2.RequestOutput | EngineFailure
+
+
+class _SessionEnded(Exception):
+    pass
+
+
+class EngineClient:
+    def __init__(
+        self,
+        address: str,
+        frontend_id: str,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.address = address
+        self._frontend_id = frontend_id
+        self._on_change = on_change
+        self._streams: dict[str, asyncio.Queue[EngineEvent]] = {}
+        self._send_queue: asyncio.Queue[engine_pb2.SessionRequest | None] | None = None
+        self._connected = False
+        self._state: int = common_pb2.ENGINE_STATE_UNSPECIFIED
+        self._task: asyncio.Task[None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    @property
+    def accepting(self) -> bool:
+        """Connected and not draining: new requests may go here."""
+        return self._connected and self._state not in _NOT_ACCEPTING_STATES
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def start(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
+        self._task = asyncio.create_task(self._run(), name=f"engine-session-{self.address}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._set_connected(False)
+        self._fail_all("the frontend closed its session to the engine")
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    def add(self, request: engine_pb2.AddRequest) -> asyncio.Queue[EngineEvent]:
+        """Send the request; its outputs (and a possible failure) arrive on the queue."""
+        if not self.accepting or self._send_queue is None:
+            raise unavailable(f"engine {self.address} is not accepting requests")
+        if request.request_id in self._streams:
+            raise RequestError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request.request_id!r} is already running",
+                field="request_id",
+            )
+        queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self._send_queue.put_nowait(engine_pb2.SessionRequest(add=request))
+        return queue
+
+    def abort(self, request_id: str, notify: bool = False) -> bool:
+        """Abort in the engine and stop listening; with `notify` the request's queue
+        receives a FINISH_REASON_ABORT output so that its stream ends normally."""
+        queue = self._streams.pop(request_id, None)
+        if queue is None:
+            return False
+        if notify:
+            queue.put_nowait(
+                engine_pb2.RequestOutput(
+                    request_id=request_id, finish_reason=common_pb2.FINISH_REASON_ABORT
+                )
+            )
+        if self._send_queue is not None:
+            self._send_queue.put_nowait(
+                engine_pb2.SessionRequest(
+                    abort=engine_pb2.AbortRequests(request_ids=[request_id])
+                )
+            )
+        return True
+
+    async def _run(self) -> None:
+        backoff = Backoff()
+        while True:
+            try:
+                await self._session(backoff)
+                reason = "the engine ended the session"
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                reason = f"{e.code().name}: {e.details()}"
+            except _SessionEnded as e:
+                reason = str(e)
+            except Exception as e:  # a bug here must not stop reconnecting
+                log.exception("session to engine %s failed", self.address)
+                reason = repr(e)
+            self._send_queue = None
+            was_connected = self._connected
+            self._set_connected(False)
+            self._fail_all(reason)
+            if was_connected:
+                log.warning("session to engine %s lost: %s", self.address, reason)
+            await asyncio.sleep(backoff.next_delay())
+
+    async def _session(self, backoff: Backoff) -> None:
+        assert self._channel is not None
+        await self._channel.channel_ready()
+        send_queue: asyncio.Queue[engine_pb2.SessionRequest | None] = asyncio.Queue()
+        send_queue.put_nowait(
+            engine_pb2.SessionRequest(
+                hello=engine_pb2.Hello(
+                    frontend_id=self._frontend_id, protocol_version=PROTOCOL_VERSION
+                )
+            )
+        )
+        stub = engine_pb2_grpc.EngineCoreServiceStub(self._channel)
+        call = stub.Session(_drain(send_queue))
+        try:
+            self._send_queue = send_queue
+            self._state = common_pb2.ENGINE_STATE_UNSPECIFIED
+            self._set_connected(True)
+            log.info("session to engine %s open", self.address)
+            async for response in call:
+                backoff.reset()
+                self._on_response(response)
+        finally:
+            send_queue.put_nowait(None)
+            call.cancel()
+
+    def _on_response(self, response: engine_pb2.SessionResponse) -> None:
+        for output in response.outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is None:  # aborted here while the engine was still producing
+                continue
+            queue.put_nowait(output)
+            if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                del self._streams[output.request_id]
+        state = response.engine_state
+        if state != common_pb2.ENGINE_STATE_UNSPECIFIED and state != self._state:
+            self._state = state
+            self._notify()
+        if state in _ENDED_STATES:
+            raise _SessionEnded(
+                f"engine {self.address} is {common_pb2.EngineState.Name(state)}"
+            )
+
+    def _fail_all(self, reason: str) -> None:
+        streams, self._streams = self._streams, {}
+        for queue in streams.values():
+            queue.put_nowait(
+                EngineFailure(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"lost the session to engine {self.address} ({reason}); "
+                    "the request did not complete",
+                )
+            )
+
+    def _set_connected(self, connected: bool) -> None:
+        if connected != self._connected:
+            self._connected = connected
+            self._notify()
+
+    def _notify(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
+
+
+async def _drain(
+    queue: asyncio.Queue[engine_pb2.SessionRequest | None],
+) -> AsyncIterator[engine_pb2.SessionRequest]:
+    while (message := await queue.get()) is not None:
+        yield message

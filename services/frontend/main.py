@@ -1,0 +1,55 @@
+"""`corestream frontend`: load the tokenizer, serve GenerateService until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from services.common.config import from_args
+from services.common.logs import setup_logging
+from services.common.model_info import ModelInfo, load_model_info
+from services.common.tiny_checkpoint import resolve_model
+from services.frontend.config import FrontendConfig
+from services.frontend.server import FrontendServer
+from services.frontend.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+CONFIG_CLASSES = (FrontendConfig,)
+
+# How long running streams may continue after SIGTERM before they are cancelled.
+SHUTDOWN_GRACE_S = 30.0
+
+
+def run(args: argparse.Namespace) -> int:
+    config = from_args(FrontendConfig, args)
+    setup_logging("frontend", config.log_level)
+    if not config.coordinator and not config.engines:
+        log.error("nothing to route to: give --coordinator HOST:PORT or --engines HOST:PORT ...")
+        return 2
+    log.info("config: %s", config)
+    model_dir = resolve_model(config.model or None)
+    model = load_model_info(model_dir)
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    log.info(
+        "model %s: vocab %d, context %d tokens", model.name, model.vocab_size, model.max_model_len
+    )
+    return asyncio.run(_serve(config, tokenizer, model))
+
+
+async def _serve(config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = FrontendServer(config, tokenizer, model)
+    port = await server.start()
+    log.info("frontend listening on %s:%d", config.host, port)
+    await stop.wait()
+    log.info("shutting down: NOT_SERVING, letting running requests finish (%g s)",
+             SHUTDOWN_GRACE_S)
+    await server.stop(SHUTDOWN_GRACE_S)
+    log.info("frontend stopped")
+    return 0

@@ -1,0 +1,255 @@
+"""The public GenerateService and the frontend's gRPC server around it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from corestream.generate.v1 import generate_service_pb2 as generate_pb2
+from corestream.generate.v1 import generate_service_pb2_grpc as generate_pb2_grpc
+
+from services.common.grpc_server import (
+    PUBLIC_MAX_MESSAGE_BYTES,
+    AioHealth,
+    add_aio_health_and_reflection,
+    server_options,
+)
+from services.common.model_info import ModelInfo
+from services.frontend.balancer import Balancer
+from services.frontend.config import FrontendConfig
+from services.frontend.errors import RequestError, invalid_argument, to_status
+from services.frontend.load_watcher import LoadWatcher
+from services.frontend.request_runner import PreparedRequest, RequestRunner
+from services.frontend.tokenizer import TextTokenizer
+from services.frontend.validation import (
+    check_length,
+    check_prompt_text,
+    check_prompt_token_ids,
+    check_sampling,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+MAX_REQUEST_ID_CHARS = 256
+# Longer texts are tokenized off the event loop so that they do not stall other streams.
+_THREADED_TOKENIZE_CHARS = 4096
+_TRACE_KEYS = ("traceparent", "tracestate")
+
+GenerateRequestLike = generate_pb2.GenerateRequest | generate_pb2.GenerateStreamRequest
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(
+        self,
+        config: FrontendConfig,
+        tokenizer: TextTokenizer,
+        model: ModelInfo,
+        balancer: Balancer,
+    ) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        self._model = model
+        self._balancer = balancer
+        self._runner = RequestRunner(tokenizer, model, balancer)
+
+    async def GenerateStream(
+        self, request: generate_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
+        request_id = await _start(request, context)
+        try:
+            async with asyncio.timeout(self._config.request_timeout_s):
+                prepared = await self._prepare(request_id, request, context)
+                async for chunk in self._runner.run(prepared):
+                    yield chunk
+        except RequestError as e:
+            await context.abort_with_status(to_status(e))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message())
+
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.GenerateResponse:
+        request_id = await _start(request, context)
+        response = generate_pb2.GenerateResponse(request_id=request_id)
+        texts: list[str] = []
+        try:
+            async with asyncio.timeout(self._config.request_timeout_s):
+                prepared = await self._prepare(request_id, request, context)
+                async for chunk in self._runner.run(prepared):
+                    texts.append(chunk.text)
+                    response.token_ids.extend(chunk.token_ids)
+                    if chunk.finish_reason:
+                        response.finish_reason = chunk.finish_reason
+                        response.usage.CopyFrom(chunk.usage)
+                        stop = chunk.WhichOneof("matched_stop")
+                        if stop is not None:
+                            setattr(response, stop, getattr(chunk, stop))
+        except RequestError as e:
+            await context.abort_with_status(to_status(e))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message())
+        response.text = "".join(texts)
+        return response
+
+    async def Tokenize(
+        self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.TokenizeResponse:
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        token_ids = await self._encode(request.text, add_special)
+        return generate_pb2.TokenizeResponse(
+            token_ids=token_ids, tokens=self._tokenizer.token_strings(token_ids)
+        )
+
+    async def Detokenize(
+        self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.DetokenizeResponse:
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        for i, token_id in enumerate(request.token_ids):
+            if token_id >= self._tokenizer.vocab_size:
+                error = invalid_argument(
+                    "token_ids",
+                    f"token_ids[{i}] = {token_id} is out of the tokenizer's vocabulary "
+                    f"(token ids must be < {self._tokenizer.vocab_size})",
+                )
+                await context.abort_with_status(to_status(error))
+        text = self._tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        return generate_pb2.DetokenizeResponse(text=text)
+
+    async def GetModelInfo(
+        self, request: generate_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.GetModelInfoResponse:
+        model = self._model
+        response = generate_pb2.GetModelInfoResponse(
+            model=self._config.served_model_name or model.name,
+            architectures=model.architectures,
+            max_context_length=model.max_model_len,
+            vocab_size=model.vocab_size,
+            eos_token_ids=model.eos_token_ids,
+            dtype=model.dtype,
+            num_engines=self._balancer.num_connected,
+        )
+        if model.bos_token_id is not None:
+            response.bos_token_id = model.bos_token_id
+        return response
+
+    async def Abort(
+        self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.AbortResponse:
+        aborted = self._runner.abort(list(request.request_ids))
+        if aborted:
+            log.info("aborted %d request(s) on request", len(aborted))
+        return generate_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def _prepare(
+        self, request_id: str, request: GenerateRequestLike, context: grpc.aio.ServicerContext
+    ) -> PreparedRequest:
+        """Validate (cheap checks first), tokenize and apply the length limits."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise invalid_argument(
+                "request_id",
+                f"request_id has {len(request_id)} characters, "
+                f"at most {MAX_REQUEST_ID_CHARS} are allowed",
+            )
+        sampling = check_sampling(request.sampling, self._model.vocab_size)
+        prompt = request.WhichOneof("prompt")
+        if prompt == "token_ids":
+            token_ids = list(request.token_ids.ids)
+            check_prompt_token_ids(token_ids, self._model.vocab_size)
+        else:
+            check_prompt_text(request.text)
+            token_ids = await self._encode(request.text, add_special_tokens=True)
+        max_tokens = check_length(
+            len(token_ids),
+            sampling.max_tokens,
+            self._model.max_model_len,
+            self._config.max_prompt_tokens,
+        )
+        metadata = dict(context.invocation_metadata() or ())
+        return PreparedRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=dataclasses.replace(sampling, max_tokens=max_tokens),
+            skip_special_tokens=(
+                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            ),
+            priority=request.priority,
+            trace_headers={k: str(metadata[k]) for k in _TRACE_KEYS if k in metadata},
+        )
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > _THREADED_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
+        return self._tokenizer.encode(text, add_special_tokens)
+
+    def _timeout_message(self) -> str:
+        limit = self._config.request_timeout_s
+        return f"the request ran longer than the server's limit of {limit:g} s"
+
+
+async def _start(request: GenerateRequestLike, context: grpc.aio.ServicerContext) -> str:
+    """The request's id (generated when empty), echoed as `x-request-id` metadata."""
+    request_id = request.request_id or uuid.uuid4().hex
+    await context.send_initial_metadata((("x-request-id", request_id),))
+    return request_id
+
+
+class FrontendServer:
+    """GenerateService plus health and reflection, fed by a coordinator or static engines."""
+
+    def __init__(self, config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo) -> None:
+        self._config = config
+        self._frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
+        self.balancer = Balancer(self._frontend_id, on_readiness=self._on_readiness)
+        self._servicer = GenerateServicer(config, tokenizer, model, self.balancer)
+        self._server: grpc.aio.Server | None = None
+        self._health: AioHealth | None = None
+        self._watcher: LoadWatcher | None = None
+        self._health_lock = asyncio.Lock()
+        self._draining = False
+        self._background: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def start(self) -> int:
+        """Serve and start following engines; returns the bound port."""
+        server = grpc.aio.server(options=server_options(PUBLIC_MAX_MESSAGE_BYTES))
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self._servicer, server)
+        self._health = await add_aio_health_and_reflection(server, [SERVICE_NAME])
+        address = f"{self._config.host}:{self._config.port}"
+        self.port = server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+        await server.start()
+        self._server = server
+        if self._config.coordinator:
+            self._watcher = LoadWatcher(self._config.coordinator, self.balancer.update)
+            self._watcher.start()
+        else:
+            await self.balancer.set_static(self._config.engines)
+        return self.port
+
+    async def stop(self, grace_s: float) -> None:
+        """Go NOT_SERVING, refuse new calls, let running ones finish within `grace_s`."""
+        self._draining = True
+        await self._publish_readiness()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._watcher is not None:
+            await self._watcher.close()
+        await self.balancer.close()
+
+    def _on_readiness(self, ready: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._publish_readiness())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _publish_readiness(self) -> None:
+        # Publish the current state, not the event's: tasks may run late but the
+        # last one to run always writes the truth.
+        async with self._health_lock:
+            if self._health is not None:
+                await self._health.set_ready(self.balancer.ready and not self._draining)

@@ -1,0 +1,200 @@
+"""`corestream serve`: the whole cluster as separate processes on 127.0.0.1.
+
+Start order follows the dependencies: coordinator, then engines (which register
+with it), then the frontend (which learns the engines from it). The launcher
+prints the frontend address once the frontend reports SERVING, then watches its
+children. Stop order is the reverse, each child getting SIGTERM and a grace
+period before SIGKILL, so that nothing is left behind. If any child dies on its
+own, the cluster is stopped and serve exits non-zero: a half cluster is worse
+than none for whoever runs it under a supervisor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from corestream.common.v1 import common_pb2
+from corestream.coordinator.v1 import coordinator_service_pb2 as coord_pb
+from corestream.coordinator.v1 import coordinator_service_pb2_grpc as coord_grpc
+from corestream.generate.v1 import generate_service_pb2 as gen_pb
+from corestream.generate.v1 import generate_service_pb2_grpc as gen_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.config import from_args, to_argv
+from services.common.logs import setup_logging
+from services.common.shutdown import ShutdownSignal
+from services.common.tiny_checkpoint import resolve_model
+from services.coordinator.config import CoordinatorConfig
+from services.engine.config import EngineConfig
+from services.engine.worker.config import RunnerConfig
+from services.frontend.config import FrontendConfig
+from services.serve_config import SERVE_OWNED, ServeConfig
+
+log = logging.getLogger("services.serve")
+
+HOST = "127.0.0.1"
+FRONTEND_SERVICE = "corestream.generate.v1.GenerateService"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Children get SIGTERM if serve itself is killed (even with SIGKILL).
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = field(default=None)
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "services.cli", *self.argv]
+        log.info("starting %s: %s", self.name, " ".join(self.argv))
+        # A session of its own: a terminal's Ctrl-C reaches serve alone, which
+        # then stops the children in order.
+        self.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, timeout: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not exit within %.0fs of SIGTERM; killing it", self.name, timeout)
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wait_until(
+    check: Callable[[], bool], children: Sequence[Child], deadline: float, stop: ShutdownSignal
+) -> bool:
+    """Poll `check` until it holds; False on the deadline, shutdown or a dead child."""
+    while time.monotonic() < deadline and not stop.is_set():
+        for child in children:
+            if child.exited() is not None:
+                log.error("%s exited with code %s during startup", child.name, child.exited())
+                return False
+        try:
+            if check():
+                return True
+        except grpc.RpcError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    return False
+
+
+def serving(channel: grpc.Channel, service: str) -> Callable[[], bool]:
+    stub = health_pb2_grpc.HealthStub(channel)
+    request = health_pb2.HealthCheckRequest(service=service)
+    return lambda: (
+        stub.Check(request, timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING
+    )
+
+
+def engines_running(channel: grpc.Channel, count: int) -> Callable[[], bool]:
+    stub = coord_grpc.CoordinatorServiceStub(channel)
+
+    def check() -> bool:
+        engines = stub.ListEngines(coord_pb.ListEnginesRequest(), timeout=1.0).engines
+        return sum(e.state == common_pb2.ENGINE_STATE_RUNNING for e in engines) >= count
+
+    return check
+
+
+def frontend_sees(channel: grpc.Channel, count: int) -> Callable[[], bool]:
+    stub = gen_grpc.GenerateServiceStub(channel)
+    return lambda: stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=1.0).num_engines >= count
+
+
+def plan(args: argparse.Namespace, model: str) -> tuple[ServeConfig, list[Child], str]:
+    """The children to start, each with exactly its own flags."""
+    serve = from_args(ServeConfig, args)
+    coordinator_port = serve.coordinator_port or free_port()
+    coordinator_addr = f"{HOST}:{coordinator_port}"
+    coordinator = from_args(CoordinatorConfig, args, exclude=SERVE_OWNED)
+    runner = from_args(RunnerConfig, args, exclude=SERVE_OWNED)
+    frontend = from_args(FrontendConfig, args, exclude=SERVE_OWNED)
+    engine = from_args(EngineConfig, args, exclude=SERVE_OWNED)
+    children = [
+        Child("coordinator", ["coordinator", *to_argv(coordinator),
+                              "--host", HOST, "--port", str(coordinator_port)]),
+    ]
+    for index in range(serve.engines):
+        children.append(Child(f"engine-{index}", [
+            "engine", *to_argv(engine), *to_argv(runner), "--model", model,
+            "--host", HOST, "--port", "0", "--engine-index", str(index),
+            "--coordinator", coordinator_addr,
+        ]))
+    children.append(Child("frontend", [
+        "frontend", *to_argv(frontend), "--model", model,
+        "--host", HOST, "--port", str(serve.port), "--coordinator", coordinator_addr,
+    ]))
+    return serve, children, coordinator_addr
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging("serve", getattr(args, "log_level", "info"))
+    stop = ShutdownSignal.install()
+    # Write the built-in checkpoint once here, not racily in every child.
+    model = str(resolve_model(args.model or None))
+    serve, children, coordinator_addr = plan(args, model)
+    frontend_addr = f"{HOST}:{serve.port}"
+    coordinator, *engines, frontend = children
+    deadline = time.monotonic() + serve.startup_timeout_s
+    try:
+        with grpc.insecure_channel(coordinator_addr) as to_coordinator, \
+                grpc.insecure_channel(frontend_addr) as to_frontend:
+            # Each stage waits for the one before, so "serving" means every engine is in.
+            stages = [
+                ([coordinator], serving(to_coordinator, "")),
+                (engines, engines_running(to_coordinator, len(engines))),
+                ([frontend], serving(to_frontend, FRONTEND_SERVICE)),
+                ([], frontend_sees(to_frontend, len(engines))),
+            ]
+            for to_start, ready in stages:
+                for child in to_start:
+                    child.start()
+                if not wait_until(ready, children, deadline, stop):
+                    if not stop.is_set():
+                        log.error("the cluster did not become ready within %.0fs",
+                                  serve.startup_timeout_s)
+                    return 0 if stop.is_set() else 1
+        print(f"corestream is serving on {frontend_addr} "
+              f"(model {model}, {serve.engines} engine(s)); Ctrl-C stops it", flush=True)
+        while not stop.wait(0.5):
+            dead = [c for c in children if c.exited() is not None]
+            if dead:
+                for c in dead:
+                    log.error("%s exited unexpectedly with code %s", c.name, c.exited())
+                return 1
+        return 0
+    finally:
+        log.info("stopping the cluster")
+        for child in reversed(children):
+            child.stop(serve.stop_timeout_s)
+        log.info("all processes stopped")

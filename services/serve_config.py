@@ -1,0 +1,37 @@
+"""Configuration of `corestream serve`, the one-machine launcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import doc
+
+# Fields of the services' configs that `serve` sets per child process rather
+# than passing through (the frontend's static `engines` list clashes with
+# serve's engine count).
+SERVE_OWNED = ("host", "port", "coordinator", "engine_index", "engines", "advertise_address")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    port: int = doc("Port of the public frontend on 127.0.0.1.", default=50051)
+    engines: int = doc("Number of engine-core processes (data-parallel ranks).", default=1)
+    coordinator_port: int = doc("Port of the coordinator (0 = any free port).", default=0)
+    startup_timeout_s: float = doc(
+        "Give up if the cluster is not serving within this many seconds.", default=300.0
+    )
+    stop_timeout_s: float = doc(
+        "Time each process gets to exit after SIGTERM before it is killed.", default=15.0
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 1 <= self.engines <= 64:
+            raise ValueError(f"engines must be in [1, 64], got {self.engines}")
+        if not 0 <= self.coordinator_port <= 65535:
+            raise ValueError(f"coordinator_port must be in [0, 65535], got {self.coordinator_port}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if self.stop_timeout_s <= 0:
+            raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s}")

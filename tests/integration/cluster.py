@@ -1,0 +1,95 @@
+"""Start and stop a real `corestream serve` cluster for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Cluster:
+    """`corestream serve` in a subprocess; its output is kept for failure messages."""
+
+    def __init__(self, extra_args: Sequence[str] = (), startup_timeout: float = 180) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
+               *extra_args]
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + startup_timeout
+        while not self._ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("serve did not start:\n" + self.output())
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "corestream is serving on" in line:
+                self._ready.set()
+
+    def output(self) -> str:
+        return "".join(self.lines[-200:])
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                for pid in descendants(self.proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

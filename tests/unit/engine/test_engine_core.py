@@ -1,0 +1,206 @@
+"""EngineCore's loop, sessions, errors and shutdown, on a deterministic fake runner."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from services.common.model_info import ModelInfo
+from services.common.sampling import SamplingParams
+from services.engine.config import EngineConfig
+from services.engine.engine_core import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, EngineCore
+from services.engine.request import FinishReason, Request, RequestUpdate
+from services.engine.scheduler.output import SchedulerOutput
+from services.engine.session_router import EngineState, SessionItem, SessionOutputs
+
+VOCAB = 100
+
+
+class FakeRunner:
+    """Samples (last token + 1) % VOCAB; can be told to fail or to block a step."""
+
+    def __init__(self, num_blocks: int = 32, block_size: int = 4, max_model_len: int = 64) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.model_info = ModelInfo("fake", "", ("Fake",), VOCAB, max_model_len, (0,), None,
+                                    "float32")
+        self.fail = False
+        self.gate: threading.Event | None = None
+        self.steps = 0
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self.steps += 1
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("device lost")
+        return {r.request_id: (r.token_ids[-1] + 1) % VOCAB for r in out.requests if r.sample}
+
+
+def request(rid: str, session: str = "s", prompt: tuple[int, ...] = (1, 2, 3),
+            max_tokens: int = 4) -> Request:
+    return Request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                   eos_token_ids=(0,), session_id=session)
+
+
+def collect(q: queue.Queue[SessionItem], until: set[str],
+            timeout: float = 10) -> tuple[dict[str, list[RequestUpdate]], list[SessionOutputs]]:
+    """Drain a session queue until every id in `until` has finished."""
+    by_id: dict[str, list[RequestUpdate]] = {}
+    messages = []
+    pending = set(until)
+    while pending:
+        msg = q.get(timeout=timeout)
+        assert isinstance(msg, SessionOutputs)
+        messages.append(msg)
+        for u in msg.updates:
+            by_id.setdefault(u.request_id, []).append(u)
+            if u.finished:
+                pending.discard(u.request_id)
+    return by_id, messages
+
+
+def tokens(updates: list[RequestUpdate]) -> list[int]:
+    return [t for u in updates for t in u.new_token_ids]
+
+
+@pytest.fixture
+def core() -> Iterator[EngineCore]:
+    c = EngineCore(EngineConfig(), FakeRunner())
+    yield c
+    c.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_requests_stream_batched_per_session(core: EngineCore) -> None:
+    qa, qb = core.sessions.open("a"), core.sessions.open("b")
+    core.start()
+    core.add_request(request("a1", "a", (1, 2, 3)))
+    core.add_request(request("a2", "a", (10, 11)))
+    core.add_request(request("b1", "b", (20,), max_tokens=2))
+    by_id, messages = collect(qa, {"a1", "a2"})
+    assert tokens(by_id["a1"]) == [4, 5, 6, 7]
+    assert tokens(by_id["a2"]) == [12, 13, 14, 15]
+    assert by_id["a1"][-1].finish_reason is FinishReason.LENGTH
+    # Both requests advance in the same steps: one message carries both.
+    assert any(len(m.updates) == 2 for m in messages)
+    assert all(m.state is EngineState.RUNNING for m in messages)
+    by_id, _ = collect(qb, {"b1"})
+    assert tokens(by_id["b1"]) == [21, 22]
+    assert qa.empty()  # nothing of b's leaked into a
+
+
+@pytest.mark.timeout(30)
+def test_rejected_request_gets_error_output(core: EngineCore) -> None:
+    q = core.sessions.open("s")
+    core.start()
+    core.add_request(request("long", prompt=tuple(range(1, 65))))
+    by_id, _ = collect(q, {"long"})
+    [u] = by_id["long"]
+    assert u.finish_reason is FinishReason.ERROR and u.error_code == INVALID_ARGUMENT
+    assert "max_model_len" in u.error_message
+
+
+@pytest.mark.timeout(30)
+def test_abort_stops_outputs_and_frees_blocks() -> None:
+    runner = FakeRunner()
+    core = EngineCore(EngineConfig(), runner)
+    q = core.sessions.open("s")
+    runner.gate = threading.Event()
+    core.start()
+    try:
+        core.add_request(request("r", max_tokens=50))
+        while runner.steps == 0:  # the first step is now blocked inside execute
+            threading.Event().wait(0.01)
+        core.abort_requests(["r"])
+        runner.gate.set()
+        by_id, _ = collect(q, {"r"})
+        # The abort lands right after execute, so the step's sampled token is dropped.
+        assert tokens(by_id["r"]) == []
+        assert by_id["r"][-1].finish_reason is FinishReason.ABORT
+        assert core.scheduler.kv_cache.num_free_blocks == runner.num_blocks
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_execute_failure_kills_engine_and_fails_requests() -> None:
+    runner = FakeRunner()
+    runner.fail = True
+    core = EngineCore(EngineConfig(), runner)
+    states: list[EngineState] = []
+    core.add_state_listener(states.append)
+    q, other = core.sessions.open("s"), core.sessions.open("other")
+    core.start()
+    try:
+        core.add_request(request("r"))
+        by_id, _ = collect(q, {"r"})
+        last = by_id["r"][-1]
+        assert last.error_code == INTERNAL and "device lost" in last.error_message
+        assert states[-1] is EngineState.DEAD
+        msg = other.get(timeout=5)
+        assert isinstance(msg, SessionOutputs) and msg.state is EngineState.DEAD
+        core.add_request(request("late"))
+        by_id, _ = collect(q, {"late"})
+        assert by_id["late"][-1].error_code == UNAVAILABLE
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_drains_then_stops() -> None:
+    core = EngineCore(EngineConfig(), FakeRunner())
+    q = core.sessions.open("s")
+    core.start()
+    core.add_request(request("r", max_tokens=5))
+    core.shutdown(drain_timeout_s=5)
+    assert core.state is EngineState.STOPPED
+    by_id, messages = collect(q, {"r"})
+    assert by_id["r"][-1].finish_reason is FinishReason.LENGTH
+    states = [m.state for m in messages]
+    while isinstance(m := q.get(timeout=5), SessionOutputs):
+        states.append(m.state)
+    assert states[-1] is EngineState.STOPPED
+    assert not core._loop_thread.is_alive() and not core._output_thread.is_alive()
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_without_drain_fails_inflight_requests() -> None:
+    runner = FakeRunner()
+    core = EngineCore(EngineConfig(), runner)
+    q = core.sessions.open("s")
+    core.start()
+    core.add_request(request("r", max_tokens=1000 // 20))
+    core.shutdown()
+    by_id, _ = collect(q, {"r"})
+    last = by_id["r"][-1]
+    assert last.finished
+    if last.finish_reason is FinishReason.ERROR:
+        assert last.error_code == UNAVAILABLE
+
+
+@pytest.mark.timeout(60)
+def test_real_tiny_runner_matches_itself_across_batching() -> None:
+    from services.engine.worker.config import RunnerConfig
+    from services.engine.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(RunnerConfig(kv_cache_memory=8 << 20))
+    runner.warmup()
+    # A small token budget forces chunked prefill and mixed batches.
+    core = EngineCore(EngineConfig(max_num_batched_tokens=8), runner)
+    q = core.sessions.open("s")
+    core.start()
+    try:
+        prompt = (1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 8)
+        core.add_request(request("alone", prompt=prompt, max_tokens=6))
+        alone, _ = collect(q, {"alone"}, timeout=30)
+        core.add_request(request("x", prompt=prompt, max_tokens=6))
+        core.add_request(request("y", prompt=(1, 2, 3), max_tokens=6))
+        both, _ = collect(q, {"x", "y"}, timeout=30)
+        assert tokens(both["x"]) == tokens(alone["alone"])
+        assert all(0 <= t < runner.model_info.vocab_size for t in tokens(both["y"]))
+    finally:
+        core.shutdown()

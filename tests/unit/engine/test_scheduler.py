@@ -1,0 +1,257 @@
+"""Scheduler behaviour on a tiny KV cache, driven by a fake 'model' (last token + 1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.sampling import SamplingParams
+from services.engine.request import FinishReason, Request, RequestStatus, RequestUpdate
+from services.engine.scheduler.kv_cache_manager import KVCacheManager
+from services.engine.scheduler.output import SchedulerOutput
+from services.engine.scheduler.scheduler import RequestRejected, Scheduler
+
+VOCAB = 1000
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_model_len: int = 256,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+    policy: str = "fcfs",
+) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(num_blocks, block_size),
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        policy=policy,
+    )
+
+
+def make_request(
+    rid: str, prompt_len: int = 4, max_tokens: int | None = 8, **sampling: object
+) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
+        eos_token_ids=(0,),
+    )
+
+
+def fake_execute(out: SchedulerOutput) -> dict[str, int]:
+    return {r.request_id: (r.token_ids[-1] + 1) % VOCAB for r in out.requests if r.sample}
+
+
+def step(s: Scheduler, sampled: dict[str, int] | None = None) -> tuple[SchedulerOutput,
+                                                                        list[RequestUpdate]]:
+    out = s.schedule()
+    return out, s.update_from_output(out, sampled if sampled is not None else fake_execute(out))
+
+
+def run_to_completion(s: Scheduler, max_steps: int = 1000) -> dict[str, list[RequestUpdate]]:
+    updates: dict[str, list[RequestUpdate]] = {}
+    for _ in range(max_steps):
+        if not s.has_work():
+            return updates
+        _, ups = step(s)
+        for u in ups:
+            updates.setdefault(u.request_id, []).append(u)
+        s.kv_cache.check_integrity()
+    raise AssertionError("scheduler did not finish")
+
+
+def test_single_request_prefill_then_decodes() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", prompt_len=4, max_tokens=3))
+    out, ups = step(s)
+    [sr] = out.requests
+    assert list(sr.token_ids) == [1, 2, 3, 4] and sr.start_pos == 0 and sr.sample
+    assert [u.new_token_ids for u in ups] == [(5,)]
+    out, ups = step(s)
+    assert list(out.requests[0].token_ids) == [5] and out.requests[0].start_pos == 4
+    _, ups = step(s)
+    assert ups[0].new_token_ids == (7,) and ups[0].finish_reason is FinishReason.LENGTH
+    assert not s.has_work()
+    assert s.kv_cache.num_free_blocks == s.kv_cache.num_blocks
+    assert s.schedule().is_empty  # not executed, so the finished id waits for a real step
+    s.add_request(make_request("b"))
+    assert s.schedule().finished_request_ids == frozenset({"a"})
+
+
+def test_token_budget_is_respected_and_running_goes_first() -> None:
+    s = make_scheduler(max_num_batched_tokens=10)
+    s.add_request(make_request("a", prompt_len=6))
+    s.add_request(make_request("b", prompt_len=6))
+    out, _ = step(s)
+    assert out.num_tokens == 10
+    assert [(r.request_id, len(r.token_ids), r.sample) for r in out.requests] == [
+        ("a", 6, True), ("b", 4, False)]
+    out, _ = step(s)
+    # a decodes (1 token) before b's remaining 2 prompt tokens.
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("a", 1), ("b", 2)]
+
+
+def test_long_prompt_is_chunked_across_steps() -> None:
+    s = make_scheduler(max_num_batched_tokens=8)
+    s.add_request(make_request("a", prompt_len=20, max_tokens=2))
+    chunks = []
+    while True:
+        out, ups = step(s)
+        r = out.requests[0]
+        chunks.append((r.start_pos, len(r.token_ids), r.sample))
+        if ups:
+            break
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert ups[0].new_token_ids == (21,)
+    assert len(out.requests[0].block_ids) == 5  # 20 tokens / block_size 4
+
+
+def test_max_num_seqs_limits_running() -> None:
+    s = make_scheduler(max_num_seqs=2)
+    for rid in "abc":
+        s.add_request(make_request(rid))
+    out, _ = step(s)
+    assert [r.request_id for r in out.requests] == ["a", "b"]
+    assert s.stats().num_running == 2 and s.stats().num_waiting == 1
+    results = run_to_completion(s)
+    assert all(results[rid][-1].finish_reason is FinishReason.LENGTH for rid in "abc")
+
+
+def test_preemption_by_recompute_frees_newest() -> None:
+    # 4 blocks of 2 tokens: two requests of 4 prompt tokens fill the cache.
+    s = make_scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=64)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=3))
+    s.add_request(make_request("b", prompt_len=4, max_tokens=3))
+    out, ups = step(s)
+    assert {u.request_id for u in ups} == {"a", "b"}
+    assert s.kv_cache.num_free_blocks == 0
+    # a's decode needs a fifth block: b (the newest) is preempted.
+    out, ups = step(s)
+    assert [r.request_id for r in out.requests] == ["a"]
+    b = s.requests["b"]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1
+    results = run_to_completion(s)
+    # b recomputes prompt + its first token, then continues where it left off.
+    tokens_b = [t for u in [*ups, *results["b"]] if u.request_id == "b" for t in u.new_token_ids]
+    assert tokens_b == [6, 7]
+    assert results["b"][-1].finish_reason is FinishReason.LENGTH
+    assert s.kv_cache.num_free_blocks == 4
+
+
+def test_preempted_request_recomputes_its_outputs_as_prompt() -> None:
+    s = make_scheduler(num_blocks=4, block_size=2)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=3))
+    s.add_request(make_request("b", prompt_len=4, max_tokens=3))
+    step(s)
+    step(s)  # preempts b, which had one output token (5)
+    out = s.schedule()
+    a_done = s.update_from_output(out, fake_execute(out))
+    assert a_done[0].finish_reason is FinishReason.LENGTH
+    out = s.schedule()
+    [sr] = out.requests
+    assert (sr.request_id, list(sr.token_ids), sr.start_pos, sr.sample) == (
+        "b", [1, 2, 3, 4, 5], 0, True)
+
+
+def test_abort_frees_blocks_and_drops_pending_output() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", prompt_len=8))
+    s.add_request(make_request("b", prompt_len=8))
+    step(s)
+    s.add_request(make_request("c"))
+    used = s.kv_cache.num_blocks - s.kv_cache.num_free_blocks
+    assert used == 4
+    out = s.schedule()
+    ups = s.abort_requests(["a", "c", "missing"])
+    assert [(u.request_id, u.finish_reason) for u in ups] == [
+        ("a", FinishReason.ABORT), ("c", FinishReason.ABORT)]
+    assert [u.request_id for u in s.update_from_output(out, fake_execute(out))] == ["b"]
+    assert s.kv_cache.num_blocks - s.kv_cache.num_free_blocks == 3  # b: 9 tokens -> 3 blocks
+    assert s.schedule().finished_request_ids == frozenset({"a", "c"})
+    s.kv_cache.check_integrity()
+
+
+def test_eos_stops_unless_ignored() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", max_tokens=5))
+    s.add_request(make_request("b", max_tokens=5, ignore_eos=True))
+    _, ups = step(s, {"a": 0, "b": 0})
+    assert [(u.request_id, u.finish_reason) for u in ups] == [
+        ("a", FinishReason.EOS_TOKEN), (("b", None))]
+
+
+def test_stop_token_reports_matched_id() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", stop_token_ids=(7, 9), ignore_eos=True))
+    _, ups = step(s, {"a": 0})  # EOS, ignored
+    assert ups[0].finish_reason is None
+    _, ups = step(s, {"a": 9})
+    assert ups[0].finish_reason is FinishReason.STOP_TOKEN and ups[0].stop_token_id == 9
+
+
+def test_min_tokens_defers_eos() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", min_tokens=2))
+    assert step(s, {"a": 0})[1][0].finish_reason is None
+    assert step(s, {"a": 0})[1][0].finish_reason is None
+    assert step(s, {"a": 0})[1][0].finish_reason is FinishReason.EOS_TOKEN
+
+
+def test_context_full_finishes_with_length() -> None:
+    s = make_scheduler(max_model_len=6)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=None))
+    results = run_to_completion(s)
+    assert [u.new_token_ids for u in results["a"]] == [(5,), (6,)]
+    assert results["a"][-1].finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "prompt_len", "max_tokens", "match"),
+    [
+        (16, 0, 4, "empty"),
+        (16, 16, 4, "max_model_len is 16"),
+        (64, 8, 100, "whole KV cache holds 8"),
+    ],
+)
+def test_rejects_requests_that_can_never_run(
+    max_model_len: int, prompt_len: int, max_tokens: int, match: str
+) -> None:
+    s = make_scheduler(num_blocks=8, block_size=2, max_model_len=max_model_len)
+    with pytest.raises(RequestRejected, match=match):
+        s.add_request(make_request("a", prompt_len=prompt_len, max_tokens=max_tokens))
+    assert not s.has_work()
+
+
+def test_duplicate_request_id_is_rejected() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a"))
+    with pytest.raises(RequestRejected, match="already in use"):
+        s.add_request(make_request("a"))
+
+
+def test_priority_policy_admits_lowest_value_first() -> None:
+    s = make_scheduler(max_num_seqs=1, policy="priority")
+    for rid, prio in [("low", 5), ("high", -1), ("mid", 0)]:
+        req = make_request(rid, max_tokens=1)
+        req.priority = prio
+        s.add_request(req)
+    order = []
+    while s.has_work():
+        out, _ = step(s)
+        order += [r.request_id for r in out.requests]
+    assert order == ["high", "mid", "low"]
+
+
+def test_many_requests_under_pressure_all_finish() -> None:
+    s = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16, max_num_seqs=6)
+    for i in range(10):
+        s.add_request(make_request(f"r{i}", prompt_len=3 + i, max_tokens=5 + i % 3))
+    results = run_to_completion(s)
+    for i in range(10):
+        tokens = [t for u in results[f"r{i}"] for t in u.new_token_ids]
+        assert tokens == list(range(4 + i, 4 + i + 5 + i % 3))
+    assert s.kv_cache.num_free_blocks == 12

@@ -1,0 +1,197 @@
+"""EngineCoreService in-process on 127.0.0.1:0 with the real tiny runner."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from corestream.common.v1 import common_pb2
+from corestream.engine.v1 import engine_core_service_pb2 as pb
+from corestream.engine.v1 import engine_core_service_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.grpc_server import channel_options
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
+from services.engine.server import SERVICE_NAME, EngineServer
+from services.engine.worker.config import RunnerConfig
+from services.engine.worker.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    r = ModelRunner(RunnerConfig(kv_cache_memory=8 << 20))
+    r.warmup()
+    return r
+
+
+@pytest.fixture
+def server(runner: ModelRunner) -> Iterator[EngineServer]:
+    core = EngineCore(EngineConfig(), runner)
+    srv = EngineServer(core, runner, "127.0.0.1", 0)
+    srv.start()
+    core.start()
+    yield srv
+    core.shutdown()
+    srv.stop(0.5)
+
+
+@pytest.fixture
+def channel(server: EngineServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.address, options=channel_options()) as ch:
+        yield ch
+
+
+class SessionClient:
+    """A Session whose requests are fed from a queue, so the test controls the timing."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._requests: queue.Queue[pb.SessionRequest | None] = queue.Queue()
+        stub = engine_core_service_pb2_grpc.EngineCoreServiceStub(channel)
+        self.send(pb.SessionRequest(hello=pb.Hello(frontend_id="test", protocol_version=1)))
+        self.responses = stub.Session(iter(self._requests.get, None))
+
+    def send(self, msg: pb.SessionRequest) -> None:
+        self._requests.put(msg)
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.send(pb.SessionRequest(add=pb.AddRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, eos_token_ids=[2])))
+
+    def close(self) -> None:
+        self._requests.put(None)
+
+    def collect(self, ids: set[str]) -> tuple[dict[str, list[pb.RequestOutput]],
+                                              list[pb.SessionResponse]]:
+        outputs: dict[str, list[pb.RequestOutput]] = {}
+        messages = []
+        pending = set(ids)
+        for msg in self.responses:
+            messages.append(msg)
+            for o in msg.outputs:
+                outputs.setdefault(o.request_id, []).append(o)
+                if o.finish_reason:
+                    pending.discard(o.request_id)
+            if not pending:
+                break
+        return outputs, messages
+
+
+def tokens(outputs: list[pb.RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+@pytest.mark.timeout(60)
+def test_two_requests_stream_batched_outputs(channel: grpc.Channel) -> None:
+    client = SessionClient(channel)
+    client.add("a", [1, 5, 9, 12], max_tokens=8)
+    client.add("b", [1, 7, 3], max_tokens=8)
+    outputs, messages = client.collect({"a", "b"})
+    client.close()
+    for rid in "ab":
+        assert outputs[rid][-1].finish_reason in (
+            common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_EOS_TOKEN)
+        assert 1 <= len(tokens(outputs[rid])) <= 8
+    assert any(len(m.outputs) == 2 for m in messages)  # batched per step
+    assert all(m.engine_state == common_pb2.ENGINE_STATE_RUNNING for m in messages)
+    assert messages[-1].scheduler_stats.step_counter > 0
+
+    # Greedy decoding is deterministic: the same prompt on a new session gives the same tokens.
+    again = SessionClient(channel)
+    again.add("a2", [1, 5, 9, 12], max_tokens=8)
+    outputs2, _ = again.collect({"a2"})
+    again.close()
+    assert tokens(outputs2["a2"]) == tokens(outputs["a"])
+
+
+@pytest.mark.timeout(60)
+def test_abort_ends_request(channel: grpc.Channel, server: EngineServer) -> None:
+    client = SessionClient(channel)
+    client.add("long", [1, 2, 3], max_tokens=1000)
+    first = next(client.responses)
+    assert first.outputs[0].request_id == "long"
+    client.send(pb.SessionRequest(abort=pb.AbortRequests(request_ids=["long"])))
+    outputs, _ = client.collect({"long"})
+    client.close()
+    assert outputs["long"][-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert len(tokens(outputs["long"])) < 1000
+    assert not server.core.scheduler.has_work()
+
+
+@pytest.mark.timeout(60)
+def test_rejected_request_reports_error(channel: grpc.Channel) -> None:
+    client = SessionClient(channel)
+    client.add("huge", list(range(1, 3000)), max_tokens=4)
+    outputs, _ = client.collect({"huge"})
+    client.close()
+    [out] = outputs["huge"]
+    assert out.finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert out.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "max_model_len" in out.error_message
+
+
+@pytest.mark.timeout(60)
+def test_broken_session_aborts_its_requests(channel: grpc.Channel,
+                                            server: EngineServer) -> None:
+    client = SessionClient(channel)
+    client.add("orphan", [1, 2, 3], max_tokens=1000)
+    next(client.responses)
+    client.responses.cancel()
+    client.close()
+    done = threading.Event()
+    for _ in range(200):
+        if not server.core.scheduler.has_work():
+            done.set()
+            break
+        done.wait(0.05)
+    assert done.is_set()
+
+
+@pytest.mark.timeout(60)
+def test_engine_info_and_health(channel: grpc.Channel, runner: ModelRunner) -> None:
+    stub = engine_core_service_pb2_grpc.EngineCoreServiceStub(channel)
+    info = stub.GetEngineInfo(pb.GetEngineInfoRequest())
+    assert info.model == runner.model_info.name
+    assert info.vocab_size == runner.model_info.vocab_size
+    assert info.num_kv_blocks == runner.num_blocks and info.block_size == runner.block_size
+    assert 0 < info.max_model_len <= runner.model_info.max_model_len
+    assert info.device == "cpu" and info.dtype == "float32"
+    assert info.state == common_pb2.ENGINE_STATE_RUNNING
+    health = health_pb2_grpc.HealthStub(channel)
+    reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.timeout(90)
+def test_engine_process_serves_and_exits_zero_on_sigterm() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.engine.main", "--port", "0",
+         "--kv-cache-memory", str(8 << 20)],
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        address = ""
+        for line in proc.stderr:
+            if "listening on" in line:
+                address = line.rsplit(" ", 1)[-1].strip()
+                break
+        assert address.startswith("127.0.0.1:")
+        with grpc.insecure_channel(address) as ch:
+            stub = engine_core_service_pb2_grpc.EngineCoreServiceStub(ch)
+            info = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=10)
+            assert info.model
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

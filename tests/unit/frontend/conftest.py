@@ -1,0 +1,56 @@
+"""A tiny byte-level BPE tokenizer and model description for frontend tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from services.common.model_info import ModelInfo
+from services.frontend.tokenizer import TextTokenizer
+
+BOS_ID = 0
+EOS_ID = 1
+VOCAB_SIZE = 300
+MAX_MODEL_LEN = 64
+
+_CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog.",
+    "a stream of tokens becomes a stream of text; stop here. STOP",
+]
+
+
+def build_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(_CORPUS * 10, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", BOS_ID)]
+    )
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> TextTokenizer:
+    return TextTokenizer(build_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def model_info() -> ModelInfo:
+    return ModelInfo(
+        name="tiny-test",
+        path=str(Path("/nonexistent")),
+        architectures=("LlamaForCausalLM",),
+        vocab_size=VOCAB_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        eos_token_ids=(EOS_ID,),
+        bos_token_id=BOS_ID,
+        dtype="float32",
+    )

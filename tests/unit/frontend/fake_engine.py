@@ -1,0 +1,107 @@
+"""A scripted EngineCoreService double: real gRPC, no model.
+
+Each added request emits the script's tokens one per step until max_tokens, an
+EOS id or a stop token id; the servicer records hellos, adds and aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+from corestream.common.v1 import common_pb2
+from corestream.engine.v1 import engine_core_service_pb2 as engine_pb2
+from corestream.engine.v1 import engine_core_service_pb2_grpc as engine_pb2_grpc
+
+
+class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
+    def __init__(self, script: list[int], step_s: float = 0.005) -> None:
+        self.script = script
+        self.step_s = step_s
+        self.hellos: list[engine_pb2.Hello] = []
+        self.adds: list[engine_pb2.AddRequest] = []
+        self.aborts: list[str] = []
+        self.aborted = asyncio.Event()
+        self.error: tuple[int, str] | None = None
+        """(google.rpc code, message): fail every request with FINISH_REASON_ERROR."""
+        self.final_state: int | None = None
+        """An engine state sent (e.g. DEAD) after the first token instead of finishing."""
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[engine_pb2.SessionResponse]:
+        out: asyncio.Queue[engine_pb2.SessionResponse] = asyncio.Queue()
+        running: dict[str, asyncio.Task[None]] = {}
+
+        async def read() -> None:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "hello":
+                    self.hellos.append(message.hello)
+                elif kind == "add":
+                    self.adds.append(message.add)
+                    running[message.add.request_id] = asyncio.create_task(
+                        self._generate(message.add, out)
+                    )
+                elif kind == "abort":
+                    for request_id in message.abort.request_ids:
+                        self.aborts.append(request_id)
+                        self.aborted.set()
+                        task = running.pop(request_id, None)
+                        if task is not None:
+                            task.cancel()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield await out.get()
+        finally:
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _generate(
+        self, add: engine_pb2.AddRequest, out: asyncio.Queue[engine_pb2.SessionResponse]
+    ) -> None:
+        max_tokens = add.sampling.max_tokens
+        for i, token_id in enumerate(self.script):
+            await asyncio.sleep(self.step_s)
+            output = engine_pb2.RequestOutput(
+                request_id=add.request_id, new_token_ids=[token_id], num_cached_tokens=2
+            )
+            if self.final_state is not None:
+                out.put_nowait(engine_pb2.SessionResponse(outputs=[output]))
+                out.put_nowait(engine_pb2.SessionResponse(engine_state=self.final_state))
+                return
+            if self.error is not None:
+                output.finish_reason = common_pb2.FINISH_REASON_ERROR
+                output.error_code, output.error_message = self.error
+            elif token_id in add.eos_token_ids and not add.sampling.ignore_eos:
+                output.finish_reason = common_pb2.FINISH_REASON_EOS_TOKEN
+            elif token_id in add.sampling.stop_token_ids:
+                output.finish_reason = common_pb2.FINISH_REASON_STOP_TOKEN
+                output.stop_token_id = token_id
+            elif i + 1 == max_tokens or i + 1 == len(self.script):
+                output.finish_reason = common_pb2.FINISH_REASON_LENGTH
+            # The message copies `output`, so it is built once the output is complete.
+            out.put_nowait(
+                engine_pb2.SessionResponse(
+                    outputs=[output], engine_state=common_pb2.ENGINE_STATE_RUNNING
+                )
+            )
+            if output.finish_reason:
+                return
+
+
+async def start_fake_engine(engine: FakeEngine) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineCoreServiceServicer_to_server(engine, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
