@@ -35,6 +35,7 @@ class PreparedRequest:
     sampling: SamplingParams
     skip_special_tokens: bool = True
     priority: int = 0
+    cache_salt: str = ""
     arrival_time: float = field(default_factory=time.time)
     trace_headers: Mapping[str, str] = field(default_factory=dict)
 
@@ -128,6 +129,7 @@ class RequestRunner:
             sampling=sampling_to_proto(request.sampling),
             arrival_time=request.arrival_time,
             priority=request.priority,
+            cache_salt=request.cache_salt,
             trace_headers=dict(request.trace_headers),
             eos_token_ids=self._model.eos_token_ids,
         )

@@ -178,6 +178,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 request.skip_special_tokens if request.HasField("skip_special_tokens") else True
             ),
             priority=request.priority,
+            cache_salt=request.cache_salt,
             trace_headers={k: str(metadata[k]) for k in _TRACE_KEYS if k in metadata},
         )
 
