@@ -42,6 +42,8 @@ class Request:
     """Lower values are served first under the priority policy."""
     session_id: str = ""
     """The Session that added the request; its outputs go back there."""
+    cache_salt: str = ""
+    """Prefix-cache isolation: only requests with equal salts share cached blocks."""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -50,6 +52,11 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was first admitted."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the request's full blocks so far; tokens never change, so
+    they stay valid across preemptions."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,6 +50,7 @@ def request_from_proto(add: pb.AddRequest, session_id: str) -> Request:
         arrival_time=add.arrival_time or time.time(),
         priority=add.priority,
         session_id=session_id,
+        cache_salt=add.cache_salt,
     )
 
 

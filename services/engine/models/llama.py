@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3; the base for Mistral and Qwen2) over a paged KV cache.
+"""Llama-family decoder over a paged KV cache: Llama 2/3 here, and through
+`DecoderConfig` flags also Mistral, Qwen2 and Qwen3 (see their modules).
 
 Module and parameter names mirror Hugging Face's, so checkpoint tensors load by
 name. The forward pass takes one flattened batch of every scheduled sequence
@@ -7,6 +8,8 @@ and attends over the cache, so prompts, prompt chunks and decodes share one pass
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +42,17 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
-        hidden, bias = config.hidden_size, config.attention_bias
+        hidden, bias = config.hidden_size, config.qkv_bias
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_bias)
+        # Identity when off, so the forward has no branch and the checkpoint no tensors.
+        self.q_norm: nn.Module = nn.Identity()
+        self.k_norm: nn.Module = nn.Identity()
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -57,6 +66,7 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
@@ -137,6 +147,11 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    @classmethod
+    def config_from_hf(cls, hf_config: dict[str, Any]) -> DecoderConfig:
+        """This family's reading of config.json; relatives override it, not the layers."""
+        return DecoderConfig.from_hf(hf_config)
+
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config

@@ -3,8 +3,9 @@
 The model is constructed on the meta device and its parameters are replaced by the
 checkpoint tensors (`assign=True`), so weights are never allocated twice. The
 architecture named in config.json picks the class through `MODEL_REGISTRY`, which
-names modules rather than importing them, so adding Mistral or Qwen2 is one line
-plus a module.
+names modules rather than importing them, so a new family is one line plus a module.
+The class also reads the config (`config_from_hf`), since families spell the same
+switches differently.
 """
 
 from __future__ import annotations
@@ -13,18 +14,24 @@ import importlib
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from services.engine.models.decoder_config import DecoderConfig
+
+if TYPE_CHECKING:
+    from services.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
 # Architecture in config.json -> "module:class".
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "services.engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "services.engine.models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "services.engine.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "services.engine.models.qwen3:Qwen3ForCausalLM",
 }
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -41,7 +48,7 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
-def model_class(architectures: list[str]) -> type[nn.Module]:
+def model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
     for arch in architectures:
         if arch in MODEL_REGISTRY:
             module_name, class_name = MODEL_REGISTRY[arch].split(":")
@@ -51,12 +58,19 @@ def model_class(architectures: list[str]) -> type[nn.Module]:
     )
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The checkpoint's model in eval mode, with weights in `dtype` on `device`."""
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int
+) -> LlamaForCausalLM:
+    """The checkpoint's model in eval mode, with weights in `dtype` on `device`.
+
+    `max_model_len` is the longest sequence it will see; it must fit the model's
+    attention window.
+    """
     folder = Path(path)
     hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    config = DecoderConfig.from_hf(hf_config)
     cls = model_class(list(hf_config.get("architectures") or []))
+    config = cls.config_from_hf(hf_config)
+    check_attention_window(config, max_model_len)
     with torch.device("meta"):
         model = cls(config)
 
@@ -74,6 +88,18 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> nn
     logger.info("loaded %s (%s) from %s onto %s as %s", cls.__name__,
                 ", ".join(hf_config.get("architectures", [])), folder, device, dtype)
     return model.eval()
+
+
+def check_attention_window(config: DecoderConfig, max_model_len: int) -> None:
+    # NOTE: paged_attention has no window argument, so a window shorter than the
+    # longest sequence would be silently ignored; refuse instead of diverging.
+    window = config.sliding_window
+    if window is not None and window < max_model_len:
+        raise ValueError(
+            f"the model attends over a sliding window of {window} tokens, which corestream "
+            f"does not implement yet; max_model_len {max_model_len} exceeds it: "
+            f"set max_model_len to {window} or less"
+        )
 
 
 def _read_safetensors(

@@ -1,15 +1,22 @@
-"""BlockPool: the fixed set of KV-cache blocks, with reference counts and a free list.
+"""BlockPool: the fixed set of KV-cache blocks, with reference counts, an LRU free
+list and the prefix cache's hash -> block map.
 
-A block is free when no request holds it. Reference counts (not a plain owner)
-exist so that prefix caching can later share one full block between requests;
-the free list is ordered (oldest freed first) so that it can become the LRU
-eviction order of cached blocks.
+A block is free when no request holds it (reference count 0). A free block that
+was cached keeps its hash and contents: a later request with the same prefix can
+revive it (`touch`) until a fresh block is needed and it is evicted. The free
+list is therefore the eviction order, least recently freed first; an ordered
+dict makes reviving a block from the middle of it O(1).
+
+Only full, computed blocks are cached, and a cached block is never written
+again: requests append to their own tail blocks only.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
+
+from services.engine.scheduler.block_hash import BlockHash
 
 
 class BlockPool:
@@ -18,11 +25,18 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached ones included (they are evictable)."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def usage(self) -> float:
@@ -30,20 +44,71 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def allocate(self, n: int) -> list[int]:
+        """n fresh blocks, evicting the least recently freed cached ones."""
         if n > len(self._free):
             raise ValueError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(n)]
-        for b in blocks:
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            self._evict(b)
             self._ref_counts[b] = 1
+            blocks.append(b)
         return blocks
 
     def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference each; blocks that reach 0 join the free list's tail, so
+        the order given is the order in which they will be evicted."""
         for b in block_ids:
             if self._ref_counts[b] <= 0:
                 raise ValueError(f"block {b} freed twice")
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    def lookup(self, block_hash: BlockHash) -> int | None:
+        """The cached block holding these contents, held or free; None on a miss."""
+        return self._cached.get(block_hash)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cached blocks, reviving free ones from the free list."""
+        for b in block_ids:
+            if self._ref_counts[b] == 0:
+                del self._free[b]
+            self._ref_counts[b] += 1
+
+    def cache(self, block_id: int, block_hash: BlockHash) -> None:
+        """Record that a held, full block holds the contents named by block_hash."""
+        if block_id in self._hash_of:
+            return
+        # Two requests that missed on the same prefix computed it twice: the first
+        # copy stays the cached one and the second remains a private block.
+        if block_hash in self._cached:
+            return
+        self._cached[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._hash_of
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def free_block_ids(self) -> list[int]:
+        """The free list in eviction order (first = next evicted)."""
+        return list(self._free)
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._hash_of.pop(block_id, None)
+        if block_hash is not None:
+            del self._cached[block_hash]
+
+    def check_integrity(self) -> None:
+        for b in range(self.num_blocks):
+            if (self._ref_counts[b] == 0) != (b in self._free):
+                raise AssertionError(f"block {b}: ref count {self._ref_counts[b]} but "
+                                     f"{'in' if b in self._free else 'not in'} the free list")
+        for h, b in self._cached.items():
+            if self._hash_of.get(b) != h:
+                raise AssertionError(f"block {b}: hash maps out of step")
+        if len(self._cached) != len(self._hash_of):
+            raise AssertionError("hash maps differ in size")

@@ -1,15 +1,22 @@
-"""KVCacheManager: each request's block table, grown as its tokens grow.
+"""KVCacheManager: each request's block table, grown as its tokens grow, with
+prefix caching of full blocks.
 
-The scheduler asks for room before it schedules tokens (`allocate_slots`) and
-gives everything back when a request finishes or is preempted (`free`). Blocks
-come from a `BlockPool`; prefix caching will add a lookup of cached full blocks
-by chained hash in front of the pool, without changing this interface.
+Life of a request's blocks:
+- admission: `find_cached_prefix` names the longest run of cached blocks that
+  match the request's leading full blocks (by chained hash); `allocate_slots`
+  takes a reference on them and adds fresh blocks for the tokens to compute;
+- after each step: `cache_full_blocks` publishes the blocks the step filled, so
+  that later requests (or this one, after a preemption) can reuse them;
+- finish or preemption: `free` drops the references; cached blocks stay reusable
+  in the pool's free list until evicted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.engine.request import Request
+from services.engine.scheduler.block_hash import extend_block_hashes
 from services.engine.scheduler.block_pool import BlockPool
 
 
@@ -24,6 +31,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
+        self._num_cached: dict[str, int] = {}
+        """Leading blocks of each table that the pool already knows by hash."""
 
     @property
     def num_blocks(self) -> int:
@@ -47,25 +56,73 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> Sequence[int]:
         return self._tables.get(request_id, ())
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The cached blocks that hold the request's longest cached prefix.
+
+        Capped below the request's length: its last token must still be computed,
+        because sampling needs that token's logits.
+        """
+        self._hash_up_to(request, request.num_tokens)
+        limit = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:limit]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
         """Make the request's table cover `num_tokens` tokens; False (and no change) if
-        the pool lacks the blocks."""
-        table = self._tables.setdefault(request_id, [])
-        missing = self.blocks_needed(num_tokens) - len(table)
-        if missing <= 0:
-            return True
-        if missing > self.pool.num_free_blocks:
-            if not table:
-                del self._tables[request_id]
+        the pool lacks the blocks. `cached_blocks` (from find_cached_prefix) start a
+        new table and are shared, not copied."""
+        table = self._tables.get(request_id)
+        if table is None:
+            table = []
+        elif cached_blocks:
+            raise ValueError(f"request {request_id!r} already has blocks")
+        missing = self.blocks_needed(num_tokens) - len(table) - len(cached_blocks)
+        # Reviving a free cached block takes it off the free list too.
+        num_revived = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
+        if max(missing, 0) + num_revived > self.pool.num_free_blocks:
             return False
-        table.extend(self.pool.allocate(missing))
+        if request_id not in self._tables:
+            self.pool.touch(cached_blocks)
+            table.extend(cached_blocks)
+            self._tables[request_id] = table
+            self._num_cached[request_id] = len(cached_blocks)
+        if missing > 0:
+            table.extend(self.pool.allocate(missing))
         return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's blocks that its computed tokens now fill."""
+        rid = request.request_id
+        table = self._tables.get(rid)
+        if table is None:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        first = self._num_cached[rid]
+        if num_full <= first:
+            return
+        self._hash_up_to(request, request.num_computed_tokens)
+        for i in range(first, num_full):
+            self.pool.cache(table[i], request.block_hashes[i])
+        self._num_cached[rid] = num_full
 
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
         if table:
-            # Reversed: the tail blocks are the least likely to be shared by a prefix later.
+            # Tail first: eviction then takes a request's last blocks before its first,
+            # which are the ones most likely shared as a prefix.
             self.pool.free(reversed(table))
+
+    def _hash_up_to(self, request: Request, num_tokens: int) -> None:
+        extend_block_hashes(request.block_hashes, request.token_slice, num_tokens,
+                            self.block_size, request.cache_salt)
 
     def check_integrity(self) -> None:
         """Every held block is referenced exactly as often as tables list it."""
@@ -77,5 +134,4 @@ class KVCacheManager:
             if self.pool.ref_count(b) != counts.get(b, 0):
                 raise AssertionError(f"block {b}: ref count {self.pool.ref_count(b)}, "
                                      f"held {counts.get(b, 0)} times")
-        if self.pool.num_free_blocks != self.pool.num_blocks - len(counts):
-            raise AssertionError("free list out of step with reference counts")
+        self.pool.check_integrity()

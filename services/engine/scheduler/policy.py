@@ -2,12 +2,19 @@
 
 FCFS admits in arrival order and preempts the newest running request; priority
 admits the lowest `priority` value first (ties by arrival) and preempts the
-running request with the highest value (ties: the newest). A preempted request
-goes back ahead of everything that ranks below it, so under FCFS it is first.
+running request with the highest value (ties: the latest arrival). A preempted
+request goes back ahead of everything that ranks below it, so under FCFS it is
+first.
+
+The policy also orders the running list (`place_running`): the scheduler serves
+running requests in that order and only preempts ones it has not served yet in
+the step, so the policy's victim must sort last. Under FCFS admission order does
+that; under priority the list is kept sorted by (priority, arrival).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from abc import ABC, abstractmethod
@@ -41,7 +48,11 @@ class RequestQueue(ABC):
 
     @abstractmethod
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
-        """The running request to preempt among `candidates` (in admission order)."""
+        """The running request to preempt among `candidates` (in running order)."""
+
+    def place_running(self, running: list[Request], request: Request) -> None:
+        """Insert a newly admitted request into the running list."""
+        running.append(request)
 
 
 class FcfsQueue(RequestQueue):
@@ -71,6 +82,11 @@ class FcfsQueue(RequestQueue):
 
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         return candidates[-1]
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """Priority order: smaller ranks are served first and preempted last."""
+    return (request.priority, request.arrival_time)
 
 
 class PriorityQueue(RequestQueue):
@@ -110,9 +126,12 @@ class PriorityQueue(RequestQueue):
     def __iter__(self) -> Iterator[Request]:
         return (e[3] for e in sorted(self._heap) if id(e[3]) not in self._removed)
 
+    def place_running(self, running: list[Request], request: Request) -> None:
+        bisect.insort_right(running, request, key=_rank)
+
     def pick_victim(self, candidates: Sequence[Request]) -> Request:
         # max() keeps the first of equals, so scan newest first to break ties by recency.
-        return max(reversed(candidates), key=lambda r: (r.priority, r.arrival_time))
+        return max(reversed(candidates), key=_rank)
 
 
 def make_request_queue(policy: str) -> RequestQueue:

@@ -3,13 +3,19 @@
 Each step hands out a token budget. There is no prefill or decode phase: every
 request simply has `num_uncomputed_tokens` (a whole or partial prompt, or the one
 token sampled last step), and the scheduler gives each as many as the budget
-allows. Running requests go first, in admission order, so that decodes and
-unfinished prefill chunks never starve; waiting requests are then admitted by
-the policy while the budget, `max_num_seqs` and free blocks allow. When a
-running request cannot get a block, the policy's victim (FCFS: the newest
-running request) is preempted by recompute: its blocks are freed and it waits
-again with nothing computed, so its prompt and its generated tokens are
-recomputed as one longer prompt when it is readmitted.
+allows. Running requests go first, in the policy's order (FCFS: admission;
+priority: most important first), so that decodes and unfinished prefill chunks
+never starve; waiting requests are then admitted by the policy while the
+budget, `max_num_seqs` and free blocks allow. When a running request cannot get
+a block, the policy's victim (FCFS: the newest running request; priority: the
+least important) is preempted by recompute: its blocks are freed and it waits
+again with nothing computed, so its prompt and its generated tokens form one
+longer prompt when it is readmitted.
+
+Prefix caching: an admitted request starts on its longest cached prefix of full
+blocks and computes only the rest; the blocks each step fills are cached after
+the step. A preempted request's blocks stay cached until evicted, so on
+readmission it usually recomputes only what was evicted.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.step_counter = 0
+        # Cumulative over the scheduler's life, counted when a request is admitted
+        # (again after each preemption): tokens looked up and tokens found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self._finished_since_last_step: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------
@@ -127,6 +137,8 @@ class Scheduler:
             num_waiting=len(self.waiting),
             kv_cache_usage=self.kv_cache.usage,
             step_counter=self.step_counter,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
 
     # ---- one step ------------------------------------------------------------------
@@ -159,21 +171,35 @@ class Scheduler:
             and self.waiting
             and len(self.running) < self.max_num_seqs
         ):
-            req = self.waiting.peek()
-            n = min(req.num_uncomputed_tokens, budget)
-            if not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n):
-                break
-            self.waiting.pop()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append(self._scheduled(req, n))
-            budget -= n
+            admitted = self._admit(self.waiting.peek(), budget)
+            if admitted is None:
+                break  # head-of-line: later requests do not overtake one that lacks blocks
+            scheduled.append(admitted)
+            budget -= len(admitted.token_ids)
 
         # An empty output is not executed, so keep the finished ids for the next one.
         if not scheduled:
             return SchedulerOutput(requests=())
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         return SchedulerOutput(requests=scheduled, finished_request_ids=frozenset(finished))
+
+    def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
+        """Start the head waiting request on its longest cached prefix plus up to
+        `budget` computed tokens; None (and no change) if the blocks are lacking."""
+        cached = self.kv_cache.find_cached_prefix(req)
+        num_cached = len(cached) * self.kv_cache.block_size
+        n = min(req.num_tokens - num_cached, budget)
+        if not self.kv_cache.allocate_slots(req.request_id, num_cached + n, cached):
+            return None
+        self.waiting.pop()
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += num_cached
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_cached
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.waiting.place_running(self.running, req)
+        return self._scheduled(req, n)
 
     def _make_room(self, req: Request, num_tokens: int, unscheduled_from: int) -> bool:
         """Grow req's blocks to num_tokens, preempting unscheduled running requests
@@ -218,6 +244,7 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted between execute and update
             req.num_computed_tokens += len(sr.token_ids)
+            self.kv_cache.cache_full_blocks(req)
             if not sr.sample:
                 continue  # a prefill chunk: nothing to report yet
             token = sampled[sr.request_id]
@@ -230,7 +257,7 @@ class Scheduler:
                 self._finish(req, reason)
             updates.append(RequestUpdate(
                 req.request_id, req.session_id, new_token_ids=(token,), finish_reason=reason,
-                stop_token_id=req.stop_token_id,
+                stop_token_id=req.stop_token_id, num_cached_tokens=req.num_cached_tokens,
             ))
         return updates
 

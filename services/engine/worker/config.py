@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import doc
+from services.engine.worker.kv_cache_memory import EXAMPLES, KVCacheMemory
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,11 @@ class RunnerConfig:
     )
     device: str = doc("auto (cuda when present, else cpu), cpu or cuda.", default="auto")
     block_size: int = doc("Tokens per KV-cache block.", default=16)
-    kv_cache_memory: int = doc("Bytes given to the KV cache.", default=256 * MiB)
+    kv_cache_memory: str = doc(
+        f"Memory for the KV cache: {EXAMPLES}; a fraction is of the device memory free "
+        "after loading the weights (on CPU: MemAvailable).",
+        default="256MiB",
+    )
     max_model_len: int = doc(
         "Longest sequence (prompt + output) in tokens; 0 takes the checkpoint's.", default=0
     )
@@ -35,9 +39,16 @@ class RunnerConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
-        if self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        try:
+            KVCacheMemory.parse(self.kv_cache_memory)
+        except ValueError as exc:
+            raise ValueError(f"kv_cache_memory {exc}") from None
         if self.max_model_len < 0:
             raise ValueError(
                 f"max_model_len must be >= 0 (0 = the checkpoint's), got {self.max_model_len}"
             )
+
+    @property
+    def kv_cache_budget(self) -> KVCacheMemory:
+        """kv_cache_memory parsed (an int, as older callers pass, also parses as bytes)."""
+        return KVCacheMemory.parse(self.kv_cache_memory)

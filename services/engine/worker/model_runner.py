@@ -22,6 +22,7 @@ from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.loader import load_model, torch_dtype
 from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from services.engine.worker.config import RunnerConfig
+from services.engine.worker.kv_cache_memory import available_host_memory
 from services.engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class ModelRunner:
         self._device = pick_device(config.device)
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
         with torch.inference_mode():
-            self.model = load_model(path, self._dtype, self._device)
+            self.model = load_model(path, self._dtype, self._device, info.max_model_len)
         self.kv_caches = self._allocate_kv_cache(self.model.config)
         self.sampler = Sampler(self._device, config.seed)
         logger.info(
@@ -95,15 +96,18 @@ class ModelRunner:
             * self._dtype.itemsize * model_config.num_hidden_layers
         )
         block_bytes = per_token * self.block_size
-        num_blocks = self.config.kv_cache_memory // block_bytes
+        kv_bytes = self.config.kv_cache_budget.resolve(self._free_memory)
+        num_blocks = kv_bytes // block_bytes
         needed = -(-self.model_info.max_model_len // self.block_size)
         if num_blocks < needed:
             raise ValueError(
-                f"kv_cache_memory {self.config.kv_cache_memory} bytes holds {num_blocks} blocks "
-                f"of {block_bytes} bytes, but one max_model_len ({self.model_info.max_model_len}) "
-                f"sequence needs {needed}: raise kv_cache_memory to at least "
-                f"{needed * block_bytes} or lower max_model_len"
+                f"kv_cache_memory {self.config.kv_cache_memory!r} ({kv_bytes} bytes) holds "
+                f"{num_blocks} blocks of {block_bytes} bytes, but one max_model_len "
+                f"({self.model_info.max_model_len}) sequence needs {needed}: raise "
+                f"kv_cache_memory to at least {needed * block_bytes} or lower max_model_len"
             )
+        logger.info("KV cache: kv_cache_memory %r = %d bytes = %d blocks of %d tokens",
+                    self.config.kv_cache_memory, kv_bytes, num_blocks, self.block_size)
         shape = (
             2, num_blocks, self.block_size,
             model_config.num_key_value_heads, model_config.head_dim,
@@ -114,6 +118,12 @@ class ModelRunner:
             torch.zeros(shape, dtype=self._dtype, device=self._device)
             for _ in range(model_config.num_hidden_layers)
         ]
+
+    def _free_memory(self) -> int:
+        """Bytes still free on the device, after the weights are loaded."""
+        if self._device.type == "cuda":
+            return torch.cuda.mem_get_info(self._device)[0]
+        return available_host_memory()
 
     def warmup(self) -> None:
         """One small prefill and one decode, so first-request latency excludes lazy setup."""

@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
+
 from services.common.sampling import SamplingParams
 from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)
+
+
+def make_runner(folder: Path, dtype: str = "float32", max_model_len: int = 128) -> ModelRunner:
+    config = RunnerConfig(
+        model=str(folder), dtype=dtype, device="cpu", block_size=4, kv_cache_memory=4 << 20,
+        max_model_len=max_model_len,
+    )
+    return ModelRunner(config)
+
+
+def random_prompts(lengths: dict[str, int], vocab: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return {rid: torch.randint(3, vocab, (n,), generator=gen).tolist()
+            for rid, n in lengths.items()}
+
+
+def all_logits(runner: ModelRunner, requests: list[ScheduledRequest]) -> torch.Tensor:
+    """float32 logits of every token of one step `[T, vocab]`, not only the sampled ones."""
+    with torch.inference_mode():
+        batch = runner._prepare(requests)
+        hidden = runner.model(batch.input_ids, batch.positions, batch.meta, runner.kv_caches)
+        return runner.model.compute_logits(hidden)
 
 
 def generate(

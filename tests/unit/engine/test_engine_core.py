@@ -11,7 +11,13 @@ import pytest
 from services.common.model_info import ModelInfo
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.engine_core import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, EngineCore
+from services.engine.engine_core import (
+    INTERNAL,
+    INVALID_ARGUMENT,
+    UNAVAILABLE,
+    EngineCore,
+    ModelRunner,
+)
 from services.engine.request import FinishReason, Request, RequestUpdate
 from services.engine.scheduler.output import SchedulerOutput
 from services.engine.session_router import EngineState, SessionItem, SessionOutputs
@@ -182,25 +188,126 @@ def test_shutdown_without_drain_fails_inflight_requests() -> None:
         assert last.error_code == UNAVAILABLE
 
 
-@pytest.mark.timeout(60)
-def test_real_tiny_runner_matches_itself_across_batching() -> None:
-    from services.engine.worker.config import RunnerConfig
-    from services.engine.worker.model_runner import ModelRunner
+# ---- the real tiny model ------------------------------------------------------------
 
-    runner = ModelRunner(RunnerConfig(kv_cache_memory=8 << 20))
+
+@pytest.fixture(scope="module")
+def tiny_runner() -> ModelRunner:
+    from services.engine.worker.config import RunnerConfig
+    from services.engine.worker.model_runner import ModelRunner as TorchModelRunner
+
+    runner = TorchModelRunner(RunnerConfig(kv_cache_memory="8MiB"))
     runner.warmup()
-    # A small token budget forces chunked prefill and mixed batches.
-    core = EngineCore(EngineConfig(max_num_batched_tokens=8), runner)
+    return runner
+
+
+class RecordingRunner:
+    """Wraps a runner: can report fewer blocks than it has (a small KV cache that
+    forces preemption), and records the tokens each request was fed."""
+
+    def __init__(self, runner: ModelRunner, num_blocks: int | None = None) -> None:
+        self.runner = runner
+        self.num_blocks = num_blocks or runner.num_blocks
+        self.block_size = runner.block_size
+        self.model_info = runner.model_info
+        self.num_fed: dict[str, int] = {}
+        self.num_preemptions = 0
+        self._end: dict[str, int] = {}
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        for r in out.requests:
+            self.num_fed[r.request_id] = self.num_fed.get(r.request_id, 0) + len(r.token_ids)
+            # A request that restarts below where it was has been preempted.
+            self.num_preemptions += r.start_pos < self._end.get(r.request_id, 0)
+            self._end[r.request_id] = r.start_pos + len(r.token_ids)
+        return self.runner.execute(out)
+
+
+def run_core(runner: ModelRunner, *waves: list[Request],
+             **config: int) -> tuple[dict[str, list[RequestUpdate]], EngineCore]:
+    """Run each wave of requests to completion in turn on one fresh EngineCore."""
+    core = EngineCore(EngineConfig(**config), runner)  # type: ignore[arg-type]
     q = core.sessions.open("s")
     core.start()
+    by_id: dict[str, list[RequestUpdate]] = {}
     try:
-        prompt = (1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 8)
-        core.add_request(request("alone", prompt=prompt, max_tokens=6))
-        alone, _ = collect(q, {"alone"}, timeout=30)
-        core.add_request(request("x", prompt=prompt, max_tokens=6))
-        core.add_request(request("y", prompt=(1, 2, 3), max_tokens=6))
-        both, _ = collect(q, {"x", "y"}, timeout=30)
-        assert tokens(both["x"]) == tokens(alone["alone"])
-        assert all(0 <= t < runner.model_info.vocab_size for t in tokens(both["y"]))
+        for wave in waves:
+            for r in wave:
+                core.add_request(r)
+            by_id |= collect(q, {r.request_id for r in wave}, timeout=60)[0]
     finally:
         core.shutdown()
+    return by_id, core
+
+
+def prompt_of(n: int, seed: int, vocab: int) -> tuple[int, ...]:
+    return tuple((seed * 7919 + i * 104729) % (vocab - 3) + 3 for i in range(n))
+
+
+def real_request(rid: str, prompt: tuple[int, ...], max_tokens: int = 8,
+                 **sampling: object) -> Request:
+    params = SamplingParams(**{"temperature": 0.0, **sampling}, max_tokens=max_tokens,  # type: ignore[arg-type]
+                            ignore_eos=True)
+    return Request(rid, list(prompt), params, eos_token_ids=(0,), session_id="s")
+
+
+@pytest.mark.timeout(60)
+def test_real_tiny_runner_matches_itself_across_batching(tiny_runner: ModelRunner) -> None:
+    prompt = (1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 8)
+    # A small token budget forces chunked prefill and mixed batches.
+    alone, _ = run_core(tiny_runner, [real_request("alone", prompt, 6)],
+                        max_num_batched_tokens=8)
+    both, _ = run_core(tiny_runner, [real_request("x", prompt, 6),
+                                     real_request("y", (1, 2, 3), 6)], max_num_batched_tokens=8)
+    assert tokens(both["x"]) == tokens(alone["alone"])
+    assert all(0 <= t < tiny_runner.model_info.vocab_size for t in tokens(both["y"]))
+
+
+@pytest.mark.timeout(60)
+def test_prefix_cache_hit_skips_recompute_and_matches_a_cold_run(
+    tiny_runner: ModelRunner,
+) -> None:
+    vocab = tiny_runner.model_info.vocab_size
+    shared = prompt_of(64, 1, vocab)
+    second_prompt = shared + (9, 10, 11, 12, 13)
+    warm = RecordingRunner(tiny_runner)
+    warm_out, core = run_core(warm, [real_request("first", shared + (5, 6, 7))],
+                              [real_request("second", second_prompt)])
+    assert warm_out["second"][0].num_cached_tokens == 64
+    assert warm_out["first"][0].num_cached_tokens == 0
+    # 5 new prompt tokens, then one token per decode step after the first.
+    assert warm.num_fed["second"] == 5 + 7
+    stats = core.scheduler.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (67 + 69, 64)
+
+    cold = RecordingRunner(tiny_runner)
+    cold_out, _ = run_core(cold, [real_request("cold", second_prompt)])
+    assert cold.num_fed["cold"] == 69 + 7
+    assert tokens(warm_out["second"]) == tokens(cold_out["cold"])
+
+
+def varied_requests(vocab: int, **sampling: object) -> list[Request]:
+    return [real_request(f"r{i}", prompt_of(n, i, vocab), 12, **sampling)
+            for i, n in enumerate((40, 23, 5, 31))]
+
+
+@pytest.mark.timeout(60)
+def test_chunked_prefill_matches_unchunked(tiny_runner: ModelRunner) -> None:
+    vocab = tiny_runner.model_info.vocab_size
+    whole, _ = run_core(tiny_runner, varied_requests(vocab), max_num_batched_tokens=2048)
+    chunked, _ = run_core(tiny_runner, varied_requests(vocab), max_num_batched_tokens=16)
+    assert {k: tokens(v) for k, v in chunked.items()} == {k: tokens(v) for k, v in whole.items()}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 1234}],
+                         ids=["greedy", "seeded"])
+def test_preemption_matches_no_preemption(tiny_runner: ModelRunner,
+                                          sampling: dict[str, object]) -> None:
+    vocab = tiny_runner.model_info.vocab_size
+    roomy, _ = run_core(tiny_runner, varied_requests(vocab, **sampling))
+    # 6 blocks of 16 tokens for four requests that end at up to 52 tokens (4 blocks).
+    tight = RecordingRunner(tiny_runner, num_blocks=6)
+    squeezed, _ = run_core(tight, varied_requests(vocab, **sampling))
+    assert tight.num_preemptions > 0
+    assert {k: tokens(v) for k, v in squeezed.items()} == {k: tokens(v) for k, v in roomy.items()}

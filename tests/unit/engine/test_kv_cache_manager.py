@@ -1,21 +1,8 @@
-import pytest
+"""KVCacheManager: block tables grown by whole blocks (prefix caching: test_prefix_cache.py)."""
 
-from services.engine.scheduler.block_pool import BlockPool
+from __future__ import annotations
+
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
-
-
-def test_pool_allocates_and_frees_with_ref_counts() -> None:
-    pool = BlockPool(4)
-    blocks = pool.allocate(3)
-    assert len(set(blocks)) == 3
-    assert pool.num_free_blocks == 1
-    assert pool.usage == pytest.approx(0.75)
-    pool.free(blocks)
-    assert pool.num_free_blocks == 4
-    with pytest.raises(ValueError):
-        pool.free([blocks[0]])
-    with pytest.raises(ValueError):
-        pool.allocate(5)
 
 
 def test_request_table_grows_by_whole_blocks() -> None:

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
 from services.common.config import add_arguments, from_args, to_argv
 from services.engine.worker.config import RunnerConfig
+from services.engine.worker.kv_cache_memory import KVCacheMemory, available_host_memory
 
 
 @pytest.mark.parametrize(
@@ -15,6 +17,12 @@ from services.engine.worker.config import RunnerConfig
         ("device", "tpu"),
         ("block_size", 0),
         ("kv_cache_memory", 0),
+        ("kv_cache_memory", "0"),
+        ("kv_cache_memory", "1.5"),
+        ("kv_cache_memory", "0.0"),
+        ("kv_cache_memory", "256 furlongs"),
+        ("kv_cache_memory", "-1GiB"),
+        ("kv_cache_memory", ""),
         ("max_model_len", -1),
     ],
 )
@@ -24,9 +32,42 @@ def test_invalid_values_name_the_field(field: str, value: object) -> None:
 
 
 def test_round_trips_through_flags() -> None:
-    config = RunnerConfig(model="/m", dtype="bfloat16", kv_cache_memory=1 << 20, block_size=32)
+    config = RunnerConfig(model="/m", dtype="bfloat16", kv_cache_memory="0.25", block_size=32)
     parser = argparse.ArgumentParser()
     add_arguments(parser, RunnerConfig)
     argv = to_argv(config)
     assert "--kv-cache-memory" in argv
     assert from_args(RunnerConfig, parser.parse_args(argv)) == config
+
+
+@pytest.mark.parametrize(
+    ("text", "num_bytes"),
+    [
+        ("268435456", 268435456),
+        ("256MiB", 256 << 20),
+        ("2GiB", 2 << 30),
+        ("2 gib", 2 << 30),
+        ("1.5GB", 1_500_000_000),
+        ("64KiB", 64 << 10),
+        ("1", 1),
+        (4 << 20, 4 << 20),
+    ],
+)
+def test_kv_cache_memory_as_bytes(text: str | int, num_bytes: int) -> None:
+    budget = RunnerConfig(kv_cache_memory=text).kv_cache_budget  # type: ignore[arg-type]
+    assert budget == KVCacheMemory(num_bytes=num_bytes)
+    assert budget.resolve(lambda: pytest.fail("bytes need no probe")) == num_bytes
+
+
+def test_kv_cache_memory_as_a_fraction_of_free_memory() -> None:
+    budget = RunnerConfig(kv_cache_memory="0.5").kv_cache_budget
+    assert budget == KVCacheMemory(fraction=0.5)
+    assert budget.resolve(lambda: 1000) == 500
+    assert RunnerConfig(kv_cache_memory="1.0").kv_cache_budget.resolve(lambda: 7) == 7
+
+
+def test_host_memory_comes_from_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000 kB\nMemAvailable:    2048 kB\n")
+    assert available_host_memory(meminfo) == 2048 * 1024
+    assert available_host_memory() > 0

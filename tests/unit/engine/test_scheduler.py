@@ -142,19 +142,21 @@ def test_preemption_by_recompute_frees_newest() -> None:
     assert s.kv_cache.num_free_blocks == 4
 
 
-def test_preempted_request_recomputes_its_outputs_as_prompt() -> None:
+def test_preempted_request_resumes_on_cached_prefix_then_its_outputs() -> None:
     s = make_scheduler(num_blocks=4, block_size=2)
     s.add_request(make_request("a", prompt_len=4, max_tokens=3))
     s.add_request(make_request("b", prompt_len=4, max_tokens=3))
     step(s)
     step(s)  # preempts b, which had one output token (5)
     out = s.schedule()
-    a_done = s.update_from_output(out, fake_execute(out))
-    assert a_done[0].finish_reason is FinishReason.LENGTH
-    out = s.schedule()
-    [sr] = out.requests
+    # b shares a's two cached prompt blocks, so the one free block is enough to
+    # readmit it next to a; only its output token (5) is recomputed.
+    [_, sr] = out.requests
     assert (sr.request_id, list(sr.token_ids), sr.start_pos, sr.sample) == (
-        "b", [1, 2, 3, 4, 5], 0, True)
+        "b", [5], 4, True)
+    assert s.kv_cache.block_ids("b")[:2] == s.kv_cache.block_ids("a")[:2]
+    ups = s.update_from_output(out, fake_execute(out))
+    assert [(u.request_id, u.new_token_ids) for u in ups] == [("a", (7,)), ("b", (6,))]
 
 
 def test_abort_frees_blocks_and_drops_pending_output() -> None:

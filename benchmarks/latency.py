@@ -1,0 +1,120 @@
+"""Single-stream latency through the full cluster: time to first token and inter-token latency.
+
+    .venv/bin/python benchmarks/latency.py [--requests 10]
+
+One stream at a time: a 128-token prompt (random ids, a new one per request so the
+prefix cache never helps), 128 output tokens, greedy, ignore_eos, on the benchmark
+checkpoint. Also times the engine's decode step in process, so the gRPC share of the
+inter-token latency shows. The reference figure is llama.cpp's ~5.5 ms/token for this
+checkpoint on this machine (f32, 2 threads), as measured when the target was set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# Runnable as a script from anywhere: the repository root is the import root.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+
+from benchmarks.workload import VOCAB, bench_checkpoint  # noqa: E402
+
+LLAMA_CPP_MS = 5.5
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def stream_once(stub: object, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    from corestream.common.v1 import common_pb2
+    from corestream.generate.v1 import generate_service_pb2 as pb
+
+    request = pb.GenerateStreamRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                           ignore_eos=True),
+    )
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    for chunk in stub.GenerateStream(request, timeout=600):  # type: ignore[attr-defined]
+        now = time.perf_counter()
+        arrivals += [now] * len(chunk.token_ids)
+    assert len(arrivals) == max_tokens, len(arrivals)
+    ttft = arrivals[0] - start
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return ttft, gaps
+
+
+def engine_step_ms(model: Path, prompt: list[int], max_tokens: int) -> float:
+    """Median decode-step time of the engine alone, one request, no gRPC."""
+    from services.common.sampling import SamplingParams
+    from services.engine.config import EngineConfig
+    from services.engine.engine_core import EngineCore
+    from services.engine.request import Request
+    from services.engine.worker.config import RunnerConfig
+    from services.engine.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(RunnerConfig(model=str(model)))
+    runner.warmup()
+    core = EngineCore(EngineConfig(), runner)
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    core.scheduler.add_request(Request("lat", list(prompt), sampling, eos_token_ids=(2,)))
+    core.step()  # the prefill
+    times = []
+    while core.scheduler.has_work():
+        start = time.perf_counter()
+        core.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    args = parser.parse_args()
+
+    import grpc
+    from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+
+    from tests.integration.cluster import Cluster
+
+    model = bench_checkpoint()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_tokens)]
+               for _ in range(args.requests + 1)]
+
+    cluster = Cluster(["--model", str(model), "--log-level", "warning"])
+    try:
+        with grpc.insecure_channel(cluster.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            stream_once(stub, prompts[-1], 8)  # warm-up
+            ttfts, gaps = [], []
+            for prompt in prompts[:-1]:
+                ttft, g = stream_once(stub, prompt, args.output_tokens)
+                ttfts.append(ttft)
+                gaps += g
+    finally:
+        cluster.stop()
+    step_ms = engine_step_ms(model, prompts[0], args.output_tokens)
+
+    itl = statistics.median(gaps) * 1000
+    print(f"{args.requests} streams, prompt {args.prompt_tokens}, output {args.output_tokens}")
+    print(f"time to first token: median {statistics.median(ttfts) * 1000:.1f} ms, "
+          f"p90 {percentile(ttfts, 0.9) * 1000:.1f} ms")
+    print(f"inter-token latency: median {itl:.2f} ms, p90 {percentile(gaps, 0.9) * 1000:.2f} ms"
+          f" ({itl / LLAMA_CPP_MS:.2f}x llama.cpp's {LLAMA_CPP_MS} ms)")
+    print(f"engine decode step in process: median {step_ms:.2f} ms "
+          f"(gRPC and frontend add {itl - step_ms:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The benchmark checkpoint and workloads shared by the benchmark scripts.
+
+The checkpoint is a random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV
+heads, intermediate 1408, vocabulary 4096, fp32) in Hugging Face layout, built
+with transformers and seeded, with a word-level tokenizer ("w0".."w4095") so the
+frontend can detokenize whatever the model produces.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE = Path(__file__).resolve().parent / ".cache"
+VOCAB = 4096
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: list[int]
+    max_tokens: int
+
+
+def bench_checkpoint(path: Path = CACHE / "bench-llama-512x8") -> Path:
+    """Write the benchmark checkpoint once; later calls reuse it."""
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=1408, vocab_size=VOCAB, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config).eval()
+    tmp = path.with_suffix(".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    tokenizer.save(str(tmp / "tokenizer.json"))
+    (tmp / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
+    tmp.rename(path)
+    return path
+
+
+def mixed_workload(num_requests: int = 128, seed: int = 0) -> list[BenchRequest]:
+    """Prompt lengths 16-512, output lengths 16-256, random token ids."""
+    rng = random.Random(seed)
+    return [
+        BenchRequest(
+            prompt=[rng.randrange(3, VOCAB) for _ in range(rng.randint(16, 512))],
+            max_tokens=rng.randint(16, 256),
+        )
+        for _ in range(num_requests)
+    ]
+
+
+def warmup_workload(num_requests: int = 8) -> list[BenchRequest]:
+    """Other prompts (another seed), so that no prefix-cache hit flatters the timed run."""
+    return [BenchRequest(r.prompt, min(r.max_tokens, 32))
+            for r in mixed_workload(num_requests, seed=12345)]

@@ -1,0 +1,69 @@
+"""How much memory the KV cache gets: a byte size, or a fraction of free memory.
+
+`--kv-cache-memory` accepts `268435456`, `256MiB`, `2GiB`, `1.5GB` (bytes), or a
+float in (0, 1] such as `0.5`: that share of the device memory still free once
+the weights are loaded (on CPU, of the host's MemAvailable). A bare integer is
+always bytes, so `1` is one byte and `1.0` is all free memory. No torch here:
+the runner supplies the free-memory probe for its device.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+_PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)")
+EXAMPLES = "bytes (268435456, 256MiB, 2GiB) or a fraction in (0, 1] of free memory (0.5)"
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheMemory:
+    """Exactly one of num_bytes and fraction is set."""
+
+    num_bytes: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, value: str | int) -> KVCacheMemory:
+        """Raises ValueError (without the field name; the config adds it)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise ValueError(f"must be >= 1 byte, got {value}")
+            return cls(num_bytes=value)
+        match = _PATTERN.fullmatch(str(value).strip().lower())
+        if match is None or match.group(2) not in _UNITS:
+            raise ValueError(f"must be {EXAMPLES}, got {value!r}")
+        number, unit = match.groups()
+        if not unit and "." in number:
+            fraction = float(number)
+            if not 0 < fraction <= 1:
+                raise ValueError(f"a fraction of free memory must be in (0, 1], got {value!r}")
+            return cls(fraction=fraction)
+        # Integers stay exact; floats only where the user wrote a decimal point.
+        scale = _UNITS[unit]
+        num_bytes = int(float(number) * scale) if "." in number else int(number) * scale
+        if num_bytes < 1:
+            raise ValueError(f"must be >= 1 byte, got {value!r}")
+        return cls(num_bytes=num_bytes)
+
+    def resolve(self, free_memory: Callable[[], int]) -> int:
+        """Bytes for the KV cache; `free_memory` is only probed for a fraction."""
+        if self.num_bytes is not None:
+            return self.num_bytes
+        assert self.fraction is not None
+        return int(free_memory() * self.fraction)
+
+
+def available_host_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """MemAvailable in bytes: what the host can still give without swapping."""
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
+    raise RuntimeError(f"no MemAvailable in {meminfo}")

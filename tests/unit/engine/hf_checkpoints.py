@@ -1,0 +1,79 @@
+"""Tiny random checkpoints of every supported family, written by transformers itself.
+
+The reference model is the one that wrote the checkpoint, so a test compares our
+loader and decoder against transformers on identical weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 256
+
+CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig,
+    "mistral": MistralConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+}
+
+
+def make_checkpoint(
+    folder: Path, family: str, dtype: torch.dtype = torch.float32, **overrides: Any
+) -> PreTrainedModel:
+    """Save a 2-layer random `family` model into `folder`; return it in eval mode."""
+    torch.manual_seed(0)
+    arch: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 172,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        # Wider than the default 0.02 so that attention, not just embeddings, decides.
+        "initializer_range": 0.15,
+    }
+    config = CONFIG_CLASSES[family](**{**arch, **overrides})
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        # transformers starts norms at 1 and biases at 0, which would hide a weight
+        # that fails to load; make them random too.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    model = model.to(dtype).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def hf_greedy(model: PreTrainedModel, prompt: list[int], num_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    # eos_token_id=[]: never stop early.
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=num_tokens, eos_token_id=[], pad_token_id=0
+    )
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    assert out.shape[1] == len(prompt) + num_tokens
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logits(model: PreTrainedModel, prompt: list[int]) -> torch.Tensor:
+    """float32 logits `[len(prompt), vocab]`."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()

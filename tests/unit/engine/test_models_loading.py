@@ -1,0 +1,126 @@
+"""What the loader accepts and refuses, and RoPE frequencies against transformers'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from services.engine.models.decoder_config import DecoderConfig
+from services.engine.models.loader import MODEL_REGISTRY, model_class
+from services.engine.models.rotary_embedding import inverse_frequencies
+from tests.unit.engine.hf_checkpoints import make_checkpoint
+from tests.unit.engine.runner_driver import make_runner
+
+SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 2, "max_position_embeddings": 128}
+
+
+def edit_config(folder: Path, **changes: Any) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("arch", sorted(MODEL_REGISTRY))
+def test_every_registered_architecture_resolves(arch: str) -> None:
+    assert model_class([arch]).__name__ == arch
+
+
+def test_unknown_architecture_names_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
+        model_class(["GPT2LMHeadModel"])
+
+
+def read(hf_config: Any) -> DecoderConfig:
+    arch = type(hf_config).__name__.replace("Config", "ForCausalLM")
+    return model_class([arch]).config_from_hf(hf_config.to_dict())
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "window"),
+    [
+        (LlamaConfig(**SMALL), None),
+        (MistralConfig(**SMALL, sliding_window=None), None),
+        (MistralConfig(**SMALL, sliding_window=64), 64),
+        # Qwen configs carry a window that only use_sliding_window switches on.
+        (Qwen2Config(**SMALL, sliding_window=64), None),
+        (Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=64, max_window_layers=1), 64),
+        (Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=64, max_window_layers=2),
+         None),
+        (Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=64, max_window_layers=0), 64),
+    ],
+)
+def test_sliding_window_is_read_per_family(hf_config: Any, window: int | None) -> None:
+    assert read(hf_config).sliding_window == window
+
+
+def test_family_switches() -> None:
+    qwen2 = read(Qwen2Config(**SMALL))
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.qk_norm) == (True, False, False)
+    qwen3 = read(Qwen3Config(**SMALL, head_dim=32))
+    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
+    llama = read(LlamaConfig(**SMALL, attention_bias=True))
+    assert (llama.qkv_bias, llama.o_bias, llama.head_dim) == (True, True, 16)
+
+
+def test_a_window_shorter_than_max_model_len_is_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "mistral", sliding_window=64)
+    with pytest.raises(ValueError, match="sliding window of 64 .* max_model_len to 64 or less"):
+        make_runner(tmp_path, max_model_len=128)
+    assert make_runner(tmp_path, max_model_len=64).model_info.max_model_len == 64
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_unsupported_rope_type_fails_at_load(rope_type: str, tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "llama")
+    edit_config(tmp_path, rope_parameters={"rope_type": rope_type, "factor": 2.0,
+                                           "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match=f"rope_type '{rope_type}' is not supported"):
+        make_runner(tmp_path)
+
+
+def test_weights_of_another_family_are_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "llama")
+    edit_config(tmp_path, architectures=["Qwen3ForCausalLM"])
+    with pytest.raises(ValueError, match="missing .*q_norm.weight"):
+        make_runner(tmp_path)
+
+
+def test_dtype_auto_follows_the_older_torch_dtype_key(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "qwen2", dtype=torch.bfloat16)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["torch_dtype"] = config.pop("dtype")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    runner = make_runner(tmp_path, dtype="auto")
+    assert runner.dtype == "bfloat16"
+    assert runner.model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+ROPE_CASES: dict[str, dict[str, Any]] = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn-untruncated-mscale": {"rope_type": "yarn", "factor": 4.0, "truncate": False,
+                                "original_max_position_embeddings": 32, "mscale": 1.0,
+                                "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2},
+    "yarn-attention-factor": {"rope_type": "yarn", "factor": 2.0, "attention_factor": 0.9,
+                              "original_max_position_embeddings": 64},
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rope_frequencies_match_transformers(case: str, head_dim: int) -> None:
+    scaling = {**ROPE_CASES[case], "rope_theta": 10000.0}
+    hf_config = LlamaConfig(**SMALL, head_dim=head_dim, rope_parameters=scaling)
+    want, want_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, "cpu")
+    got, got_factor = inverse_frequencies(head_dim, 10000.0, scaling, 128)
+    torch.testing.assert_close(got, want.float())
+    assert got_factor == pytest.approx(want_factor)
