@@ -36,6 +36,8 @@ class Result:
     seconds: float
     output_tokens: int
     prompt_tokens: int
+    steps: int = 0
+    """Engine steps taken (busy-loop iterations that ran the model)."""
 
     @property
     def output_tps(self) -> float:
@@ -87,11 +89,14 @@ def run_engine(model: Path, workload: list[BenchRequest], args: argparse.Namespa
 
     try:
         run(warmup_workload(), "warm")
+        steps_before = core.stats.step_counter
         seconds, generated = run(workload, "r")
+        steps = core.stats.step_counter - steps_before
     finally:
         core.shutdown()
     assert generated == sum(r.max_tokens for r in workload), generated
-    return Result("corestream engine (in process)", seconds, generated, prompt_tokens(workload))
+    return Result("corestream engine (in process)", seconds, generated, prompt_tokens(workload),
+                  steps)
 
 
 # ---- corestream, full gRPC cluster -----------------------------------------------------
@@ -120,21 +125,37 @@ async def _stream_all(address: str, batch: list[BenchRequest]) -> int:
         return sum(await asyncio.gather(*(one(r) for r in batch)))
 
 
-def run_cluster(model: Path, workload: list[BenchRequest], args: argparse.Namespace) -> Result:
-    from tests.integration.cluster import Cluster
+def _engine_steps(coordinator: str) -> int:
+    import grpc
+    from corestream.coordinator.v1 import coordinator_service_pb2 as pb
+    from corestream.coordinator.v1 import coordinator_service_pb2_grpc as pb_grpc
 
+    with grpc.insecure_channel(coordinator) as channel:
+        reply = pb_grpc.CoordinatorServiceStub(channel).ListEngines(pb.ListEnginesRequest())
+    return sum(e.step_counter for e in reply.engines)
+
+
+def run_cluster(model: Path, workload: list[BenchRequest], args: argparse.Namespace) -> Result:
+    from tests.integration.cluster import Cluster, free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
     cluster = Cluster(["--model", str(model), "--max-num-seqs", str(args.max_num_seqs),
                        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                       "--kv-cache-memory", str(args.kv_cache_memory), "--log-level", "warning"])
+                       "--kv-cache-memory", str(args.kv_cache_memory), "--log-level", "warning",
+                       "--coordinator-port", coordinator.rsplit(":", 1)[1]])
     try:
         asyncio.run(_stream_all(cluster.address, warmup_workload()))
+        time.sleep(1.5)  # let the load report with the step counter settle
+        steps_before = _engine_steps(coordinator)
         start = time.perf_counter()
         generated = asyncio.run(_stream_all(cluster.address, workload))
         seconds = time.perf_counter() - start
+        time.sleep(1.5)
+        steps = _engine_steps(coordinator) - steps_before
     finally:
         cluster.stop()
     assert generated == sum(r.max_tokens for r in workload), generated
-    return Result("corestream cluster (gRPC)", seconds, generated, prompt_tokens(workload))
+    return Result("corestream cluster (gRPC)", seconds, generated, prompt_tokens(workload), steps)
 
 
 # ---- the reference: transformers generate in padded batches -----------------------------

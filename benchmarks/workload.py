@@ -28,7 +28,6 @@ def bench_checkpoint(path: Path = CACHE / "bench-llama-512x8") -> Path:
     if (path / "model.safetensors").exists():
         return path
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -40,11 +39,41 @@ def bench_checkpoint(path: Path = CACHE / "bench-llama-512x8") -> Path:
     model = LlamaForCausalLM(config).eval()
     tmp = path.with_suffix(".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
+    _write_tokenizer(tmp)
+    tmp.rename(path)
+    return path
+
+
+def _write_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
-    tokenizer.save(str(tmp / "tokenizer.json"))
-    (tmp / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
+
+
+def fixed_logits_checkpoint(path: Path = CACHE / "fixed-logits") -> Path:
+    """A checkpoint of services/engine/models/fixed_logits.py: the model costs nothing."""
+    if (path / "model.safetensors").exists():
+        return path
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    tmp = path.with_suffix(".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["CorestreamFixedLogitsForCausalLM"], "model_type": "llama",
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8,
+        "vocab_size": VOCAB, "max_position_embeddings": 2048, "bos_token_id": 1,
+        "eos_token_id": 2, "dtype": "float32",
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    logits = np.random.default_rng(0).standard_normal(VOCAB).astype(np.float32)
+    save_file({"logits": logits}, str(tmp / "model.safetensors"))
+    _write_tokenizer(tmp)
     tmp.rename(path)
     return path
 

@@ -32,6 +32,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "services.engine.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "services.engine.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "services.engine.models.qwen3:Qwen3ForCausalLM",
+    "CorestreamFixedLogitsForCausalLM": (
+        "services.engine.models.fixed_logits:FixedLogitsForCausalLM"
+    ),
 }
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -1,0 +1,48 @@
+"""A stand-in model whose logits never change: the serving path without the model's cost.
+
+`benchmarks/overhead.py` serves it to measure what the scheduler, the model runner
+(batch building, sampling) and gRPC cost per step; operators can use it the same way
+to load-test a deployment. Its checkpoint is a config.json naming the architecture
+`CorestreamFixedLogitsForCausalLM` and a safetensors file holding one `logits`
+vector. It keeps a one-layer KV cache shape so that the runner allocates as usual,
+but it never reads or writes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from services.engine.models.attention_metadata import AttentionMetadata
+from services.engine.models.decoder_config import DecoderConfig
+
+
+class FixedLogitsForCausalLM(nn.Module):
+    @classmethod
+    def config_from_hf(cls, hf_config: dict[str, Any]) -> DecoderConfig:
+        return DecoderConfig.from_hf(hf_config)
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.logits = nn.Parameter(torch.zeros(config.vocab_size), requires_grad=False)
+
+    def tie_weights(self) -> None:
+        pass
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        # [T, 1]: a hidden state per token, so that the runner's row selection works.
+        return torch.zeros(input_ids.shape[0], 1, dtype=self.logits.dtype,
+                           device=input_ids.device)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # Contiguous like a real lm_head output: argmax over a stride-0 view is far slower.
+        return self.logits.float().expand(hidden_states.shape[0], -1).contiguous()
