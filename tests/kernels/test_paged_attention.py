@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import kernels.paged_attention as paged_attention_module
 from kernels.kv_cache import write_kv_cache
 from kernels.paged_attention import paged_attention
 
@@ -87,3 +88,12 @@ def test_padding_table_entries_are_masked() -> None:
     # keys; they must not leak into its output.
     out, ref = run_batch([(2, 1), (21, 1)])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3000])
+def test_decodes_split_into_chunks(monkeypatch: pytest.MonkeyPatch, chunk_bytes: int) -> None:
+    # Chunks of one and of a few sequences, each padded to its own longest sequence.
+    monkeypatch.setattr(paged_attention_module, "_DECODE_CHUNK_BYTES", chunk_bytes)
+    for shapes in ([(5, 1), (30, 1), (0, 1), (12, 1), (2, 1)], [(3, 1), (0, 9), (22, 1), (6, 1)]):
+        out, ref = run_batch(shapes)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

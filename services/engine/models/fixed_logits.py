@@ -19,7 +19,7 @@ from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
 
 
-class FixedLogitsForCausalLM(nn.Module):
+class CorestreamFixedLogitsForCausalLM(nn.Module):
     @classmethod
     def config_from_hf(cls, hf_config: dict[str, Any]) -> DecoderConfig:
         return DecoderConfig.from_hf(hf_config)

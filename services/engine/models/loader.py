@@ -33,7 +33,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen2ForCausalLM": "services.engine.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "services.engine.models.qwen3:Qwen3ForCausalLM",
     "CorestreamFixedLogitsForCausalLM": (
-        "services.engine.models.fixed_logits:FixedLogitsForCausalLM"
+        "services.engine.models.fixed_logits:CorestreamFixedLogitsForCausalLM"
     ),
 }
 
