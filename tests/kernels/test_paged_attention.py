@@ -1,65 +1,24 @@
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import kernels.paged_attention as paged_attention_module
-from kernels.kv_cache import write_kv_cache
 from kernels.paged_attention import paged_attention
+from tests.kernels.paged_batch import make_batch
 
-NUM_BLOCKS, BLOCK_SIZE, HEADS, KV_HEADS, DIM = 64, 4, 4, 2, 16
-
-
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [q_len, H, D] as the last q_len positions of k, v [seq_len, Hkv, D]."""
-    q_len, seq_len = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+BLOCK_SIZE, HEADS, KV_HEADS, DIM = 4, 4, 2, 16
 
 
 def run_batch(
     shapes: list[tuple[int, int]], dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(paged, reference) outputs for sequences given as (cached prefix, new tokens)."""
-    gen = torch.Generator().manual_seed(0)
-    key_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM, dtype=dtype)
-    value_cache = torch.zeros_like(key_cache)
-    # Scattered, shuffled blocks, so a wrong table lookup cannot pass by accident.
-    free_blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    max_blocks = max(-(-(p + n) // BLOCK_SIZE) for p, n in shapes)
-    tables, queries, refs, starts = [], [], [], [0]
-    for prefix, new in shapes:
-        seq_len = prefix + new
-        blocks = [free_blocks.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
-        tables.append(blocks + [0] * (max_blocks - len(blocks)))
-        k = torch.randn(seq_len, KV_HEADS, DIM, generator=gen).to(dtype)
-        v = torch.randn(seq_len, KV_HEADS, DIM, generator=gen).to(dtype)
-        q = torch.randn(new, HEADS, DIM, generator=gen).to(dtype)
-        slots = torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                              for p in range(seq_len)])
-        write_kv_cache(k, v, key_cache, value_cache, slots)
-        queries.append(q)
-        refs.append(dense_causal_attention(q.float(), k.float(), v.float()))
-        starts.append(starts[-1] + new)
-    seq_lens = [p + n for p, n in shapes]
-    out = paged_attention(
-        torch.cat(queries),
-        key_cache,
-        value_cache,
-        torch.tensor(tables, dtype=torch.int32),
-        torch.tensor(seq_lens),
-        starts,
-        seq_lens,
-        1 / math.sqrt(DIM),
-    )
-    return out, torch.cat(refs)
+    b = make_batch(shapes, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM, block_size=BLOCK_SIZE,
+                   dtype=dtype)
+    out = paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                          b.query_start_loc, b.seq_lens_host, b.scale)
+    return out, b.reference
 
 
 @pytest.mark.parametrize(
