@@ -33,6 +33,9 @@ def sampling_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
             pb.frequency_penalty if pb.HasField("frequency_penalty") else d.frequency_penalty
         ),
         logit_bias=tuple(sorted(pb.logit_bias.items())),
+        n=pb.n if pb.HasField("n") else d.n,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else d.logprobs,
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else d.prompt_logprobs,
     )
 
 
@@ -51,9 +54,14 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         logit_bias=dict(p.logit_bias),
+        n=p.n,
     )
     if p.seed is not None:
         pb.seed = p.seed
     if p.max_tokens is not None:
         pb.max_tokens = p.max_tokens
+    if p.logprobs is not None:
+        pb.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        pb.prompt_logprobs = p.prompt_logprobs
     return pb

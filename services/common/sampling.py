@@ -37,6 +37,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     """(token id, bias) pairs; a tuple so that the dataclass stays hashable."""
+    n: int = 1
+    """Independent samples of the prompt; the frontend fans them out, engines see 1."""
+    logprobs: int | None = None
+    """Report each generated token's logprob plus this many top alternatives; None: none."""
+    prompt_logprobs: int | None = None
+    """Report each prompt token's logprob plus this many top alternatives; None: none."""
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,7 @@ from services.common.model_info import ModelInfo
 from services.engine.config import EngineConfig
 from services.engine.request import FinishReason, Request, RequestUpdate
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
-from services.engine.scheduler.output import SchedulerOutput
+from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
 from services.engine.session_router import EngineState, SessionRouter, StepOutputs
 
@@ -58,7 +58,7 @@ class ModelRunner(Protocol):
     @property
     def model_info(self) -> ModelInfo: ...
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]: ...
+    def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
 
 class EngineCore:
@@ -190,9 +190,9 @@ class EngineCore:
         if out.is_empty:
             time.sleep(0.001)  # work exists but none fits yet; do not spin hot
             return
-        sampled = self.runner.execute(out)
+        result = self.runner.execute(out)
         aborted = self._apply_aborts()
-        self._emit(aborted + self.scheduler.update_from_output(out, sampled))
+        self._emit(aborted + self.scheduler.update_from_output(out, result))
 
     def _apply_aborts(self) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []

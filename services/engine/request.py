@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.common.sampling import SamplingParams
+from services.engine.scheduler.output import PositionLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +58,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the request's full blocks so far; tokens never change, so
     they stay valid across preemptions."""
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    """Gathered over the prefill chunks until the first output carries them."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,6 +77,12 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to feed the model: a (rest of a) prompt, or the last sampled token."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not yet reported (they go with the first
+        output, so a recompute after that needs none)."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:
@@ -102,6 +111,10 @@ class RequestUpdate:
     """A google.rpc.Code for FinishReason.ERROR."""
     error_message: str = ""
     num_cached_tokens: int = 0
+    new_logprobs: Sequence[PositionLogprobs] = ()
+    """One per new token, when the request asked for logprobs."""
+    prompt_logprobs: Sequence[PositionLogprobs] = ()
+    """Prompt positions 1.., with the request's first output."""
 
     @property
     def finished(self) -> bool:

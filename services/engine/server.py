@@ -32,6 +32,7 @@ from services.common.grpc_server import (
 )
 from services.engine.engine_core import EngineCore
 from services.engine.request import Request, RequestUpdate
+from services.engine.scheduler.output import PositionLogprobs
 from services.engine.session_router import EngineState, SessionItem, SessionOutputs, UtilityReply
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,15 @@ def request_from_proto(add: pb.AddRequest, session_id: str) -> Request:
     )
 
 
+def logprobs_to_proto(lp: PositionLogprobs) -> common_pb2.PositionLogprobs:
+    return common_pb2.PositionLogprobs(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
 def output_to_proto(u: RequestUpdate) -> pb.RequestOutput:
     out = pb.RequestOutput(
         request_id=u.request_id,
@@ -62,6 +72,8 @@ def output_to_proto(u: RequestUpdate) -> pb.RequestOutput:
         num_cached_tokens=u.num_cached_tokens,
         error_code=u.error_code,
         error_message=u.error_message,
+        new_logprobs=[logprobs_to_proto(lp) for lp in u.new_logprobs],
+        prompt_logprobs=[logprobs_to_proto(lp) for lp in u.prompt_logprobs],
     )
     if u.stop_token_id is not None:
         out.stop_token_id = u.stop_token_id

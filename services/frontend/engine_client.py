@@ -94,8 +94,14 @@ class EngineClient:
             await self._channel.close()
             self._channel = None
 
-    def add(self, request: engine_pb2.AddRequest) -> asyncio.Queue[EngineEvent]:
-        """Send the request; its outputs (and a possible failure) arrive on the queue."""
+    def add(
+        self,
+        request: engine_pb2.AddRequest,
+        queue: asyncio.Queue[EngineEvent] | None = None,
+    ) -> asyncio.Queue[EngineEvent]:
+        """Send the request; its outputs (and a possible failure) arrive on the queue,
+        a new one or the given one (which several requests may share: outputs carry
+        their request id, failures end them all)."""
         if not self.accepting or self._send_queue is None:
             raise unavailable(f"engine {self.address} is not accepting requests")
         if request.request_id in self._streams:
@@ -104,7 +110,8 @@ class EngineClient:
                 f"request_id {request.request_id!r} is already running",
                 field="request_id",
             )
-        queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
+        if queue is None:
+            queue = asyncio.Queue()
         self._streams[request.request_id] = queue
         self._send_queue.put_nowait(engine_pb2.SessionRequest(add=request))
         return queue

@@ -1,12 +1,21 @@
 """Runs one generation request on an engine and turns its outputs into chunks.
 
-The runner owns the registry of running request ids (for ALREADY_EXISTS and the
-Abort RPC). Whatever way a request ends early (client cancel, deadline, failure,
-stop string) the engine is told to abort it, so it stops spending compute.
-"""
+A request of `sampling.n` samples becomes n engine requests `{request_id}-{i}` on
+one engine (n = 1 keeps the plain id), whose chunks are interleaved on the stream
+with their `index`. Sample 0 goes first; the others follow once it has produced a
+token, so that its prompt blocks are in the engine's prefix cache by then and the
+siblings compute only what they sample. Only sample 0 asks for prompt logprobs.
 
+The runner owns the registry of running request ids (for ALREADY_EXISTS and the
+Abort RPC, which both take the client's id). Whatever way a request ends early
+(client cancel, deadline, failure) the engine is told to abort every sample, and a
+sample that matches a stop string is aborted on its own, so that the engine stops
+spending compute.
+"""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -20,9 +29,9 @@ from services.common.convert import sampling_to_proto
 from services.common.model_info import ModelInfo
 from services.common.sampling import SamplingParams
 from services.frontend.balancer import Balancer
-from services.frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from services.frontend.engine_client import EngineClient, EngineFailure
+from services.frontend.engine_client import EngineClient, EngineEvent, EngineFailure
 from services.frontend.errors import RequestError, status_code_from_int
+from services.frontend.sample_stream import SampleStream, with_token_text
 from services.frontend.tokenizer import TextTokenizer
 
 
@@ -40,21 +49,57 @@ class PreparedRequest:
     trace_headers: Mapping[str, str] = field(default_factory=dict)
 
 
+_INT64_MASK = (1 << 64) - 1
+
+
+class _EngineRequests:
+    """The engine requests of one client request: those sent and those still to send."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        events: asyncio.Queue[EngineEvent],
+        adds: list[engine_pb2.AddRequest],
+    ) -> None:
+        self.client = client
+        self.events = events
+        self._unsent = adds
+        self.sent: list[str] = []
+
+    def send(self, count: int | None = None) -> None:
+        """Send the next `count` requests (all when None)."""
+        count = len(self._unsent) if count is None else count
+        batch, self._unsent = self._unsent[:count], self._unsent[count:]
+        for add in batch:
+            self.client.add(add, self.events)
+            self.sent.append(add.request_id)
+
+    def abort(self, notify: bool = False) -> bool:
+        """Abort every sample (none is sent any more); with `notify` each sample's
+        stream still ends, with FINISH_REASON_ABORT."""
+        aborted = [self.client.abort(rid, notify) for rid in self.sent]
+        unsent, self._unsent = self._unsent, []
+        if notify:
+            for add in unsent:
+                self.events.put_nowait(engine_pb2.RequestOutput(
+                    request_id=add.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT))
+        return any(aborted) or bool(unsent)
+
+
 class RequestRunner:
     def __init__(self, tokenizer: TextTokenizer, model: ModelInfo, balancer: Balancer) -> None:
         self._tokenizer = tokenizer
         self._model = model
         self._balancer = balancer
-        self._running: dict[str, EngineClient] = {}
+        self._running: dict[str, _EngineRequests] = {}
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort running requests; their streams end with FINISH_REASON_ABORT."""
-        aborted = []
-        for request_id in request_ids:
-            client = self._running.get(request_id)
-            if client is not None and client.abort(request_id, notify=True):
-                aborted.append(request_id)
-        return aborted
+        return [
+            request_id for request_id in request_ids
+            if (running := self._running.get(request_id)) is not None
+            and running.abort(notify=True)
+        ]
 
     async def run(
         self, request: PreparedRequest
@@ -66,67 +111,65 @@ class RequestRunner:
                 f"request_id {request_id!r} is already running; use a unique id",
                 field="request_id",
             )
-        client = self._balancer.pick()
-        queue = client.add(self._add_request(request))
-        self._running[request_id] = client
-        finished = False
+        n = request.sampling.n
+        samples = [
+            SampleStream(i, _engine_request_id(request_id, i, n), self._tokenizer,
+                         request.prompt_token_ids, request.sampling, request.skip_special_tokens)
+            for i in range(n)
+        ]
+        by_engine_id = {s.engine_request_id: s for s in samples}
+        engine = _EngineRequests(
+            self._balancer.pick(), asyncio.Queue(),
+            [self._add_request(request, s.index, s.engine_request_id) for s in samples],
+        )
+        engine.send(1)
+        self._running[request_id] = engine
+        unfinished = n
         try:
-            detokenizer = IncrementalDetokenizer(
-                self._tokenizer, request.prompt_token_ids, request.skip_special_tokens
-            )
-            matcher = StopStringMatcher(
-                request.sampling.stop, request.sampling.include_stop_str_in_output
-            )
-            num_generated = 0
-            num_cached = 0
-            while True:
-                event = await queue.get()
-                output = _raise_on_failure(event)
-                token_ids = list(output.new_token_ids)
-                num_generated += len(token_ids)
-                num_cached = max(num_cached, output.num_cached_tokens)
-                text, stop = matcher.feed(
-                    detokenizer.push(token_ids),
-                    check=num_generated >= request.sampling.min_tokens,
-                )
-                chunk = generate_pb2.GenerateStreamResponse(
-                    request_id=request_id, text=text, token_ids=token_ids
-                )
-                if stop is not None:
-                    # The engine does not see text; stop it here.
-                    client.abort(request_id)
-                    chunk.finish_reason = common_pb2.FINISH_REASON_STOP_STRING
-                    chunk.stop_string = stop
-                elif output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    chunk.text += matcher.flush()
-                    chunk.finish_reason = output.finish_reason
-                    if output.HasField("stop_token_id"):
-                        chunk.stop_token_id = output.stop_token_id
-                else:
-                    if token_ids or text:
-                        yield chunk
+            prompt_logprobs: list[common_pb2.PositionLogprobs] = []
+            while unfinished:
+                output = _raise_on_failure(await engine.events.get())
+                sample = by_engine_id.get(output.request_id)
+                if sample is None or sample.finished:
                     continue
-                finished = True
-                chunk.usage.CopyFrom(
-                    common_pb2.Usage(
-                        prompt_tokens=len(request.prompt_token_ids),
-                        completion_tokens=num_generated,
-                        cached_tokens=num_cached,
-                    )
-                )
+                if sample.index == 0 and not sample.num_generated:
+                    engine.send()  # sample 0 has computed the prompt: the siblings follow
+                prompt_logprobs += with_token_text(self._tokenizer, output.prompt_logprobs)
+                chunk = sample.on_output(request_id, output)
+                if chunk is None:
+                    continue
+                if sample.stopped_by_string:
+                    engine.client.abort(sample.engine_request_id)  # the engine sees no text
+                if prompt_logprobs:
+                    chunk.prompt_logprobs.extend(prompt_logprobs)
+                    prompt_logprobs = []
+                if sample.finished:
+                    unfinished -= 1
+                    if not unfinished:
+                        chunk.usage.CopyFrom(_usage(request, samples))
                 yield chunk
-                return
         finally:
             self._running.pop(request_id, None)
-            if not finished:
-                # Cancelled, timed out or failed: free the engine's slot.
-                client.abort(request_id)
+            if unfinished:
+                # Cancelled, timed out or failed: free the engine's slots.
+                engine.abort()
 
-    def _add_request(self, request: PreparedRequest) -> engine_pb2.AddRequest:
+    def _add_request(
+        self, request: PreparedRequest, index: int, engine_request_id: str
+    ) -> engine_pb2.AddRequest:
+        sampling = request.sampling
+        seed = sampling.seed
+        if seed is not None:
+            # seed + index keeps the samples distinct but reproducible; wrapped into int64.
+            seed = (seed + index + (1 << 63) & _INT64_MASK) - (1 << 63)
+        sampling = dataclasses.replace(
+            sampling, n=1, seed=seed,
+            prompt_logprobs=sampling.prompt_logprobs if index == 0 else None,
+        )
         return engine_pb2.AddRequest(
-            request_id=request.request_id,
+            request_id=engine_request_id,
             prompt_token_ids=request.prompt_token_ids,
-            sampling=sampling_to_proto(request.sampling),
+            sampling=sampling_to_proto(sampling),
             arrival_time=request.arrival_time,
             priority=request.priority,
             cache_salt=request.cache_salt,
@@ -135,7 +178,21 @@ class RequestRunner:
         )
 
 
-def _raise_on_failure(event: engine_pb2.RequestOutput | EngineFailure) -> engine_pb2.RequestOutput:
+def _engine_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
+def _usage(request: PreparedRequest, samples: list[SampleStream]) -> common_pb2.Usage:
+    """The prompt counts once; the samples share it, so the cached part is the most
+    any of them found."""
+    return common_pb2.Usage(
+        prompt_tokens=len(request.prompt_token_ids),
+        completion_tokens=sum(s.num_generated for s in samples),
+        cached_tokens=max(s.num_cached_tokens for s in samples),
+    )
+
+
+def _raise_on_failure(event: EngineEvent) -> engine_pb2.RequestOutput:
     if isinstance(event, EngineFailure):
         raise RequestError(event.code, event.message)
     if event.finish_reason == common_pb2.FINISH_REASON_ERROR:

@@ -76,24 +76,32 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     ) -> generate_pb2.GenerateResponse:
         request_id = await _start(request, context)
         response = generate_pb2.GenerateResponse(request_id=request_id)
-        texts: list[str] = []
+        completions: dict[int, generate_pb2.Completion] = {}
+        texts: dict[int, list[str]] = {}
         try:
             async with asyncio.timeout(self._config.request_timeout_s):
                 prepared = await self._prepare(request_id, request, context)
                 async for chunk in self._runner.run(prepared):
-                    texts.append(chunk.text)
-                    response.token_ids.extend(chunk.token_ids)
+                    completion = completions.setdefault(
+                        chunk.index, generate_pb2.Completion(index=chunk.index))
+                    texts.setdefault(chunk.index, []).append(chunk.text)
+                    completion.token_ids.extend(chunk.token_ids)
+                    completion.logprobs.extend(chunk.logprobs)
+                    response.prompt_logprobs.extend(chunk.prompt_logprobs)
                     if chunk.finish_reason:
-                        response.finish_reason = chunk.finish_reason
-                        response.usage.CopyFrom(chunk.usage)
+                        completion.finish_reason = chunk.finish_reason
                         stop = chunk.WhichOneof("matched_stop")
                         if stop is not None:
-                            setattr(response, stop, getattr(chunk, stop))
+                            setattr(completion, stop, getattr(chunk, stop))
+                    if chunk.HasField("usage"):
+                        response.usage.CopyFrom(chunk.usage)
         except RequestError as e:
             await context.abort_with_status(to_status(e))
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message())
-        response.text = "".join(texts)
+        for index in sorted(completions):
+            completions[index].text = "".join(texts[index])
+            response.completions.append(completions[index])
         return response
 
     async def Tokenize(

@@ -20,6 +20,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 PENALTY_RANGE = 2.0
+MAX_SAMPLES = 16
+MAX_LOGPROBS = 20
 
 
 def _fmt(value: float) -> str:
@@ -102,6 +104,9 @@ def check_sampling(pb: common_pb2.SamplingParams, vocab_size: int) -> SamplingPa
                 f"sampling.min_tokens must be <= sampling.max_tokens ({pb.max_tokens}), "
                 f"got {pb.min_tokens}",
             )
+    _check_int("n", pb, low=1, high=MAX_SAMPLES)
+    _check_int("logprobs", pb, low=0, high=MAX_LOGPROBS)
+    _check_int("prompt_logprobs", pb, low=0, high=MAX_LOGPROBS)
     _check_stops(pb)
     _check_token_ids("sampling.stop_token_ids", pb.stop_token_ids, vocab_size)
     for token_id, bias in sorted(pb.logit_bias.items()):
@@ -117,6 +122,16 @@ def check_sampling(pb: common_pb2.SamplingParams, vocab_size: int) -> SamplingPa
                 f"sampling.logit_bias[{token_id}] must be finite, got {_fmt(bias)}",
             )
     return sampling_from_proto(pb)
+
+
+def _check_int(name: str, pb: common_pb2.SamplingParams, *, low: int, high: int) -> None:
+    """An optional integer field, when set, in [low, high]."""
+    if not pb.HasField(name):
+        return
+    value = getattr(pb, name)
+    if not low <= value <= high:
+        field = f"sampling.{name}"
+        raise invalid_argument(field, f"{field} must be in [{low}, {high}], got {value}")
 
 
 def _check_stops(pb: common_pb2.SamplingParams) -> None:

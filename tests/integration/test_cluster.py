@@ -61,9 +61,44 @@ def test_stream_and_unary_agree(stub: pb_grpc.GenerateServiceStub) -> None:
 
     whole = stub.Generate(
         pb.GenerateRequest(text="hello world", sampling=greedy(8, ignore_eos=True)), timeout=60)
-    assert list(whole.token_ids) == tokens
-    assert whole.text == "".join(c.text for c in chunks)
-    assert whole.finish_reason == LENGTH
+    (completion,) = whole.completions
+    assert list(completion.token_ids) == tokens
+    assert completion.text == "".join(c.text for c in chunks)
+    assert completion.finish_reason == LENGTH
+    assert whole.usage == final.usage
+
+
+def test_samples_with_logprobs(stub: pb_grpc.GenerateServiceStub) -> None:
+    # Several full blocks (16 tokens each), so the second sample finds the prompt cached.
+    prompt = "the quick brown fox jumps over the lazy dog " * 6
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True,
+                                         n=2, logprobs=2, prompt_logprobs=1)
+    chunks = list(stub.GenerateStream(
+        pb.GenerateStreamRequest(text=prompt, sampling=sampling), timeout=60))
+    samples = {i: [t for c in chunks if c.index == i for t in c.token_ids] for i in (0, 1)}
+    assert all(len(tokens) == 6 for tokens in samples.values())
+    assert samples[0] != samples[1]  # seed + index: different draws
+    for i in (0, 1):
+        logprobs = [lp for c in chunks if c.index == i for lp in c.logprobs]
+        assert [lp.token_id for lp in logprobs] == samples[i]
+        assert all(lp.logprob <= 0 and lp.rank >= 1 and len(lp.top) == 2 for lp in logprobs)
+        assert all(lp.top[0].logprob >= lp.logprob for lp in logprobs)
+        assert all(lp.token and lp.top[0].token for lp in logprobs)
+    num_prompt = chunks[-1].usage.prompt_tokens
+    assert len(chunks[0].prompt_logprobs) == num_prompt - 1
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.cached_tokens >= 16
+
+    # The same seed again, unary: the same samples, in index order.
+    again = stub.Generate(pb.GenerateRequest(text=prompt, sampling=sampling), timeout=60)
+    assert [list(c.token_ids) for c in again.completions] == [samples[0], samples[1]]
+    assert len(again.prompt_logprobs) == num_prompt - 1
+
+    greedy_pair = stub.Generate(pb.GenerateRequest(
+        text=prompt, sampling=greedy(5, ignore_eos=True, n=2)), timeout=60)
+    first, second = greedy_pair.completions
+    assert list(first.token_ids) == list(second.token_ids)
+    assert not first.logprobs and not greedy_pair.prompt_logprobs
 
 
 def test_token_id_prompt_and_tokenize_round_trip(stub: pb_grpc.GenerateServiceStub) -> None:
@@ -72,7 +107,7 @@ def test_token_id_prompt_and_tokenize_round_trip(stub: pb_grpc.GenerateServiceSt
     assert "hello world" in stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text
     by_text = stub.Generate(pb.GenerateRequest(text="hello world", sampling=greedy(6)))
     by_ids = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=greedy(6)))
-    assert list(by_ids.token_ids) == list(by_text.token_ids)
+    assert list(by_ids.completions[0].token_ids) == list(by_text.completions[0].token_ids)
 
 
 def test_concurrent_requests_are_all_served(stub: pb_grpc.GenerateServiceStub) -> None:
@@ -192,6 +227,12 @@ def test_grpcurl_reflection_and_stream(cluster: Cluster) -> None:
     chunks = json_objects(out)
     assert len(chunks) >= 2
     assert chunks[-1].get("finish_reason", "").startswith("FINISH_REASON_")
+    sampled = json_objects(grpcurl(
+        "-plaintext", "-d",
+        '{"text": "hello", "sampling": {"max_tokens": 4, "seed": 7, "n": 2, "logprobs": 3}}',
+        cluster.address, f"{SERVICE}/Generate"))[0]
+    assert [c.get("index", 0) for c in sampled["completions"]] == [0, 1]
+    assert all(len(c["logprobs"]) == 4 for c in sampled["completions"])
     info = json_objects(grpcurl("-plaintext", cluster.address, f"{SERVICE}/GetModelInfo"))[0]
     assert info["architectures"] == ["LlamaForCausalLM"]
     tokens = json_objects(grpcurl("-plaintext", "-d", '{"text": "hi"}', cluster.address,

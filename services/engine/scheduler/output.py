@@ -4,8 +4,9 @@ Flow: the scheduler decides which requests advance and by how many tokens, and
 describes each as a `ScheduledRequest`; the model runner flattens them into one
 batch (tokens, positions, slot mapping, block tables), runs one forward pass,
 samples the requests whose chunk reaches the end of their known tokens, and
-returns `{request_id: sampled_token_id}`. The scheduler then updates its state
-from that dict. No torch here: this module is shared by plain-Python code.
+returns a `RunnerOutput`: the sampled token of each, plus logprobs for the
+requests that asked. The scheduler then updates its state from it. No torch here:
+this module is shared by plain-Python code.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class ScheduledRequest:
     """Tokens generated so far (penalties, min_tokens and the per-step seed use them)."""
     eos_token_ids: Sequence[int] = ()
     """The model's EOS ids; masked with stop_token_ids while under min_tokens."""
+    prompt_logprobs: int | None = None
+    """Alternatives per prompt position to report for this chunk; None: no prompt
+    logprobs (also once they have been reported, e.g. when recomputing after a
+    preemption)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,3 +53,27 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+
+@dataclass(frozen=True, slots=True)
+class PositionLogprobs:
+    """Log-probabilities at one position, from log_softmax of the model's raw logits."""
+
+    token_id: int
+    """The chosen token: the sampled one, or the prompt's next token."""
+    logprob: float
+    rank: int
+    """1 for the most likely token."""
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, logprob) of the most likely tokens, most likely first."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    """The next token of each request that sampled."""
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    """For sampled requests with sampling.logprobs set: their new token's logprobs."""
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    """For chunks with prompt_logprobs set: position p's logprobs of prompt token
+    p + 1, for each prompt position p of the chunk that has a next prompt token."""

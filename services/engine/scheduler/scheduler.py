@@ -15,7 +15,8 @@ longer prompt when it is readmitted.
 Prefix caching: an admitted request starts on its longest cached prefix of full
 blocks and computes only the rest; the blocks each step fills are cached after
 the step. A preempted request's blocks stay cached until evicted, so on
-readmission it usually recomputes only what was evicted.
+readmission it usually recomputes only what was evicted. A request that wants
+prompt logprobs skips the lookup: cached positions would have no logits.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from dataclasses import dataclass
 
 from services.engine.request import FinishReason, Request, RequestStatus, RequestUpdate
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
-from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from services.engine.scheduler.output import (
+    PositionLogprobs,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from services.engine.scheduler.policy import make_request_queue
 
 logger = logging.getLogger(__name__)
@@ -186,14 +192,15 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
         """Start the head waiting request on its longest cached prefix plus up to
         `budget` computed tokens; None (and no change) if the blocks are lacking."""
-        cached = self.kv_cache.find_cached_prefix(req)
+        cached = [] if req.wants_prompt_logprobs else self.kv_cache.find_cached_prefix(req)
         num_cached = len(cached) * self.kv_cache.block_size
         n = min(req.num_tokens - num_cached, budget)
         if not self.kv_cache.allocate_slots(req.request_id, num_cached + n, cached):
             return None
         self.waiting.pop()
-        self.prefix_cache_queries += req.num_tokens
-        self.prefix_cache_hits += num_cached
+        if not req.wants_prompt_logprobs:
+            self.prefix_cache_queries += req.num_tokens
+            self.prefix_cache_hits += num_cached
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_cached
         req.num_computed_tokens = num_cached
@@ -215,6 +222,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv_cache.free(req.request_id)
         req.num_computed_tokens = 0
+        req.prompt_logprobs.clear()  # the recompute gathers them again
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.add_preempted(req)
@@ -232,10 +240,11 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=tuple(req.output_token_ids),
             eos_token_ids=req.eos_token_ids,
+            prompt_logprobs=req.sampling.prompt_logprobs if req.wants_prompt_logprobs else None,
         )
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self, out: SchedulerOutput, result: RunnerOutput
     ) -> list[RequestUpdate]:
         """Advance what ran, append sampled tokens and finish requests that stop."""
         updates = []
@@ -245,9 +254,15 @@ class Scheduler:
                 continue  # aborted between execute and update
             req.num_computed_tokens += len(sr.token_ids)
             self.kv_cache.cache_full_blocks(req)
+            if sr.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(result.prompt_logprobs.get(sr.request_id, ()))
             if not sr.sample:
                 continue  # a prefill chunk: nothing to report yet
-            token = sampled[sr.request_id]
+            token = result.sampled[sr.request_id]
+            prompt_logprobs: list[PositionLogprobs] = []
+            if sr.prompt_logprobs is not None:
+                prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+            logprobs = result.logprobs.get(sr.request_id)
             req.output_token_ids.append(token)
             reason = self._stop_reason(req, token)
             if reason is not None:
@@ -258,6 +273,8 @@ class Scheduler:
             updates.append(RequestUpdate(
                 req.request_id, req.session_id, new_token_ids=(token,), finish_reason=reason,
                 stop_token_id=req.stop_token_id, num_cached_tokens=req.num_cached_tokens,
+                new_logprobs=(logprobs,) if logprobs is not None else (),
+                prompt_logprobs=prompt_logprobs,
             ))
         return updates
 

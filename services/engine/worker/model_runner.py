@@ -3,7 +3,9 @@
 A step flattens every scheduled request into one batch (tokens, positions, cache
 slots, block tables) built on the host in one pass, runs a single forward over all
 of them, samples from the last position of each request that asks for a token,
-and brings the sampled ids to the host with the step's only device sync.
+and brings the sampled ids to the host with the step's only device sync. Requests
+that ask for logprobs (of sampled or of prompt tokens) cost extra work and copies;
+a step where none asks does none of it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ from services.common.tiny_checkpoint import resolve_model
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.loader import load_model, torch_dtype
-from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from services.engine.scheduler.output import (
+    PositionLogprobs,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.kv_cache_memory import available_host_memory
+from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -44,6 +52,29 @@ class _Batch:
     sample_rows: torch.Tensor
     """[N] row in the flattened batch of each sampled request's last token."""
     sampled: list[ScheduledRequest]
+    prompt: _PromptRows
+
+
+@dataclasses.dataclass(slots=True)
+class _PromptRows:
+    """The batch rows whose logprobs of the next prompt token are asked for."""
+
+    rows: list[int] = dataclasses.field(default_factory=list)
+    next_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_top: list[int] = dataclasses.field(default_factory=list)
+    spans: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    """(request id, number of rows), in row order."""
+
+    def add(self, r: ScheduledRequest, first_row: int) -> None:
+        assert r.prompt_logprobs is not None
+        # Position p predicts prompt token p + 1; the prompt's last position predicts
+        # the first sampled token, reported as a generated logprob instead.
+        stop = min(r.start_pos + len(r.token_ids), len(r.prompt_token_ids) - 1)
+        span = range(r.start_pos, stop)
+        self.rows.extend(first_row + p - r.start_pos for p in span)
+        self.next_token_ids.extend(r.prompt_token_ids[p + 1] for p in span)
+        self.num_top.extend(r.prompt_logprobs for _ in span)
+        self.spans.append((r.request_id, len(span)))
 
 
 class ModelRunner:
@@ -142,17 +173,50 @@ class ModelRunner:
         step([0], num_tokens)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run every scheduled request in one forward; the sampled token of each that samples."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run every scheduled request in one forward; the sampled token of each that
+        samples, and the logprobs that requests asked for."""
         if out.is_empty:
-            return {}
+            return RunnerOutput()
         batch = self._prepare(out.requests)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, batch.prompt))
         if not batch.sampled:
-            return {}
+            return result
         logits = self.model.compute_logits(hidden[batch.sample_rows])
-        tokens = self.sampler(logits, batch.sampled).tolist()
-        return {r.request_id: t for r, t in zip(batch.sampled, tokens, strict=True)}
+        token_tensor = self.sampler(logits, batch.sampled)
+        tokens = token_tensor.tolist()
+        result.sampled.update(
+            (r.request_id, t) for r, t in zip(batch.sampled, tokens, strict=True)
+        )
+        result.logprobs.update(self._sampled_logprobs(logits, token_tensor, batch.sampled))
+        return result
+
+    def _sampled_logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, requests: list[ScheduledRequest]
+    ) -> dict[str, PositionLogprobs]:
+        """The sampler leaves `logits` untouched, so these are the raw ones."""
+        asking = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+        if not asking:
+            return {}
+        rows = torch.tensor(asking, device=logits.device)
+        num_top = [requests[i].sampling.logprobs or 0 for i in asking]
+        found = position_logprobs(logits[rows], tokens[rows], num_top)
+        return {requests[i].request_id: lp for i, lp in zip(asking, found, strict=True)}
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, prompt: _PromptRows
+    ) -> dict[str, list[PositionLogprobs]]:
+        if not prompt.spans:
+            return {}
+        found = prompt_logprobs(hidden, prompt.rows, prompt.next_token_ids, prompt.num_top,
+                                self.model.compute_logits)
+        out: dict[str, list[PositionLogprobs]] = {}
+        start = 0
+        for request_id, count in prompt.spans:
+            out[request_id] = found[start : start + count]
+            start += count
+        return out
 
     def _prepare(self, requests: Sequence[ScheduledRequest]) -> _Batch:
         block_size = self.block_size
@@ -163,6 +227,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        prompt = _PromptRows()
         max_blocks = 0
         for r in requests:
             end = r.start_pos + len(r.token_ids)
@@ -171,6 +236,8 @@ class ModelRunner:
                     f"request {r.request_id}: {end} tokens do not fit max_model_len "
                     f"{self.model_info.max_model_len} or its {len(r.block_ids)} blocks"
                 )
+            if r.prompt_logprobs is not None:
+                prompt.add(r, first_row=len(input_ids))
             input_ids.extend(r.token_ids)
             span = range(r.start_pos, end)
             positions.extend(span)
@@ -197,6 +264,7 @@ class ModelRunner:
             meta=meta,
             sample_rows=self._to_device(sample_rows, torch.int64),
             sampled=sampled,
+            prompt=prompt,
         )
 
     def _to_device(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:

@@ -75,6 +75,6 @@ def generate(
                 output_token_ids=list(outputs[rid]),
             ))
             computed[rid] = end
-        for rid, token in runner.execute(SchedulerOutput(scheduled)).items():
+        for rid, token in runner.execute(SchedulerOutput(scheduled)).sampled.items():
             outputs[rid].append(token)
     return outputs

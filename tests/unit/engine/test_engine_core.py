@@ -19,7 +19,7 @@ from services.engine.engine_core import (
     ModelRunner,
 )
 from services.engine.request import FinishReason, Request, RequestUpdate
-from services.engine.scheduler.output import SchedulerOutput
+from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.session_router import EngineState, SessionItem, SessionOutputs
 
 VOCAB = 100
@@ -37,13 +37,14 @@ class FakeRunner:
         self.gate: threading.Event | None = None
         self.steps = 0
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.steps += 1
         if self.gate is not None:
             self.gate.wait(10)
         if self.fail:
             raise RuntimeError("device lost")
-        return {r.request_id: (r.token_ids[-1] + 1) % VOCAB for r in out.requests if r.sample}
+        return RunnerOutput(
+            {r.request_id: (r.token_ids[-1] + 1) % VOCAB for r in out.requests if r.sample})
 
 
 def request(rid: str, session: str = "s", prompt: tuple[int, ...] = (1, 2, 3),
@@ -214,7 +215,7 @@ class RecordingRunner:
         self.num_preemptions = 0
         self._end: dict[str, int] = {}
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for r in out.requests:
             self.num_fed[r.request_id] = self.num_fed.get(r.request_id, 0) + len(r.token_ids)
             # A request that restarts below where it was has been preempted.

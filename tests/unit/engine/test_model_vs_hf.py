@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaForCausalLM, PreTrainedModel
 
 from services.common.tiny_checkpoint import ensure_tiny_checkpoint
-from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from services.engine.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
 from tests.unit.engine.hf_checkpoints import VOCAB, hf_greedy, hf_logits, make_checkpoint
@@ -150,7 +150,7 @@ def test_tiny_checkpoint_is_the_default_model(
     assert (runner.device, runner.dtype, runner.block_size) == ("cpu", "float32", 16)
     assert runner.num_blocks == (1 << 20) // (2 * 2 * 16 * 2 * 16 * 4)
     runner.warmup()
-    assert runner.execute(SchedulerOutput([])) == {}
+    assert runner.execute(SchedulerOutput([])) == RunnerOutput()
 
 
 def test_too_little_kv_cache_memory_is_a_clear_error(tmp_path: Path) -> None:

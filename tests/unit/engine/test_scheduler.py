@@ -7,7 +7,7 @@ import pytest
 from services.common.sampling import SamplingParams
 from services.engine.request import FinishReason, Request, RequestStatus, RequestUpdate
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
-from services.engine.scheduler.output import SchedulerOutput
+from services.engine.scheduler.output import PositionLogprobs, RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler
 
 VOCAB = 1000
@@ -48,7 +48,8 @@ def fake_execute(out: SchedulerOutput) -> dict[str, int]:
 def step(s: Scheduler, sampled: dict[str, int] | None = None) -> tuple[SchedulerOutput,
                                                                         list[RequestUpdate]]:
     out = s.schedule()
-    return out, s.update_from_output(out, sampled if sampled is not None else fake_execute(out))
+    result = RunnerOutput(sampled if sampled is not None else fake_execute(out))
+    return out, s.update_from_output(out, result)
 
 
 def run_to_completion(s: Scheduler, max_steps: int = 1000) -> dict[str, list[RequestUpdate]]:
@@ -155,7 +156,7 @@ def test_preempted_request_resumes_on_cached_prefix_then_its_outputs() -> None:
     assert (sr.request_id, list(sr.token_ids), sr.start_pos, sr.sample) == (
         "b", [5], 4, True)
     assert s.kv_cache.block_ids("b")[:2] == s.kv_cache.block_ids("a")[:2]
-    ups = s.update_from_output(out, fake_execute(out))
+    ups = s.update_from_output(out, RunnerOutput(fake_execute(out)))
     assert [(u.request_id, u.new_token_ids) for u in ups] == [("a", (7,)), ("b", (6,))]
 
 
@@ -171,7 +172,8 @@ def test_abort_frees_blocks_and_drops_pending_output() -> None:
     ups = s.abort_requests(["a", "c", "missing"])
     assert [(u.request_id, u.finish_reason) for u in ups] == [
         ("a", FinishReason.ABORT), ("c", FinishReason.ABORT)]
-    assert [u.request_id for u in s.update_from_output(out, fake_execute(out))] == ["b"]
+    updates = s.update_from_output(out, RunnerOutput(fake_execute(out)))
+    assert [u.request_id for u in updates] == ["b"]
     assert s.kv_cache.num_blocks - s.kv_cache.num_free_blocks == 3  # b: 9 tokens -> 3 blocks
     assert s.schedule().finished_request_ids == frozenset({"a", "c"})
     s.kv_cache.check_integrity()
@@ -257,3 +259,32 @@ def test_many_requests_under_pressure_all_finish() -> None:
         tokens = [t for u in results[f"r{i}"] for t in u.new_token_ids]
         assert tokens == list(range(4 + i, 4 + i + 5 + i % 3))
     assert s.kv_cache.num_free_blocks == 12
+
+
+def prompt_step(s: Scheduler) -> tuple[SchedulerOutput, list[RequestUpdate]]:
+    """A step whose fake runner reports prompt logprobs where the scheduler asks."""
+    out = s.schedule()
+    prompt = {
+        sr.request_id: [PositionLogprobs(sr.prompt_token_ids[p + 1], -1.0, 1)
+                        for p in range(sr.start_pos, min(sr.start_pos + len(sr.token_ids),
+                                                         len(sr.prompt_token_ids) - 1))]
+        for sr in out.requests if sr.prompt_logprobs is not None
+    }
+    return out, s.update_from_output(out, RunnerOutput(fake_execute(out), prompt_logprobs=prompt))
+
+
+def test_prompt_logprobs_gather_over_chunks_and_skip_the_cache() -> None:
+    s = make_scheduler(max_num_batched_tokens=6)
+    s.add_request(make_request("warm", prompt_len=13, max_tokens=1))
+    run_to_completion(s)
+    s.add_request(make_request("asks", prompt_len=13, max_tokens=2, prompt_logprobs=2))
+    out, ups = prompt_step(s)
+    assert out.requests[0].start_pos == 0  # the cached prefix is not used
+    assert out.requests[0].prompt_logprobs == 2 and not ups
+    _, ups = prompt_step(s)
+    _, ups = prompt_step(s)
+    [first] = ups
+    assert [lp.token_id for lp in first.prompt_logprobs] == list(range(2, 14))
+    assert first.num_cached_tokens == 0
+    out, ups = prompt_step(s)
+    assert out.requests[0].prompt_logprobs is None and not ups[0].prompt_logprobs

@@ -1,7 +1,9 @@
 """A scripted EngineCoreService double: real gRPC, no model.
 
 Each added request emits the script's tokens one per step until max_tokens, an
-EOS id or a stop token id; the servicer records hellos, adds and aborts.
+EOS id or a stop token id; the servicer records hellos, adds and aborts. Logprobs,
+when asked, are made up: token i of a request has logprob -i and rank i + 1, and
+its alternatives are the next ids.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
             output = engine_pb2.RequestOutput(
                 request_id=add.request_id, new_token_ids=[token_id], num_cached_tokens=2
             )
+            _add_logprobs(output, add, i)
             if self.final_state is not None:
                 out.put_nowait(engine_pb2.SessionResponse(outputs=[output]))
                 out.put_nowait(engine_pb2.SessionResponse(engine_state=self.final_state))
@@ -97,6 +100,25 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
             )
             if output.finish_reason:
                 return
+
+
+def fake_logprobs(token_id: int, i: int, num_top: int) -> common_pb2.PositionLogprobs:
+    return common_pb2.PositionLogprobs(
+        token_id=token_id, logprob=-float(i), rank=i + 1,
+        top=[common_pb2.TopLogprob(token_id=token_id + k, logprob=-float(k))
+             for k in range(1, num_top + 1)],
+    )
+
+
+def _add_logprobs(output: engine_pb2.RequestOutput, add: engine_pb2.AddRequest, i: int) -> None:
+    sampling = add.sampling
+    if sampling.HasField("logprobs"):
+        output.new_logprobs.append(fake_logprobs(output.new_token_ids[0], i, sampling.logprobs))
+    if sampling.HasField("prompt_logprobs") and i == 0:
+        output.prompt_logprobs.extend(
+            fake_logprobs(t, p, sampling.prompt_logprobs)
+            for p, t in enumerate(add.prompt_token_ids[1:])
+        )
 
 
 async def start_fake_engine(engine: FakeEngine) -> tuple[grpc.aio.Server, str]:

@@ -138,9 +138,10 @@ def test_unary_generate_length_and_stop_token(
         response = await stub.Generate(
             pb.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=3))
         )
-        assert response.finish_reason == common_pb2.FINISH_REASON_LENGTH
-        assert list(response.token_ids) == engine.script[:3]
-        assert response.text == tokenizer.decode(engine.script[:3])
+        (completion,) = response.completions
+        assert completion.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert list(completion.token_ids) == engine.script[:3]
+        assert completion.text == tokenizer.decode(engine.script[:3])
         assert response.usage.completion_tokens == 3
         stop_id = engine.script[2]
         response = await stub.Generate(
@@ -148,8 +149,8 @@ def test_unary_generate_length_and_stop_token(
                 text="hi", sampling=common_pb2.SamplingParams(stop_token_ids=[stop_id])
             )
         )
-        assert response.finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN
-        assert response.stop_token_id == stop_id
+        assert response.completions[0].finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN
+        assert response.completions[0].stop_token_id == stop_id
 
     _serve(tokenizer, model_info, engine, body)
 
@@ -264,7 +265,7 @@ def test_engine_error_and_death_become_statuses(
                 except grpc.aio.AioRpcError as e:
                     assert e.code() == grpc.StatusCode.UNAVAILABLE
                     await asyncio.sleep(0.05)
-        assert response.finish_reason == common_pb2.FINISH_REASON_EOS_TOKEN
+        assert response.completions[0].finish_reason == common_pb2.FINISH_REASON_EOS_TOKEN
 
     _serve(tokenizer, model_info, engine, body)
 
@@ -355,7 +356,7 @@ def test_engines_learned_from_coordinator(
                         await asyncio.sleep(0.02)
                 stub = pb_grpc.GenerateServiceStub(channel)
                 response = await stub.Generate(pb.GenerateRequest(text="hello"))
-                assert response.text == TEXT
+                assert response.completions[0].text == TEXT
         finally:
             await frontend.stop(0)
             await coordinator.stop(0)

@@ -41,6 +41,11 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str, str]] = [
     ({"stop": ["y" * (MAX_STOP_STRING_CHARS + 1)]}, "sampling.stop",
      f"at most {MAX_STOP_STRING_CHARS}"),
     ({"stop": [""]}, "sampling.stop", "empty"),
+    ({"n": 0}, "sampling.n", "[1, 16], got 0"),
+    ({"n": 17}, "sampling.n", "[1, 16], got 17"),
+    ({"logprobs": -1}, "sampling.logprobs", "[0, 20], got -1"),
+    ({"logprobs": 21}, "sampling.logprobs", "[0, 20], got 21"),
+    ({"prompt_logprobs": 21}, "sampling.prompt_logprobs", "[0, 20], got 21"),
 ]
 
 
@@ -61,6 +66,15 @@ def test_good_sampling_converts_with_defaults() -> None:
     )
     assert params.temperature == 0 and params.top_k == 0 and params.top_p == 1.0
     assert params.stop == ("\n",) and params.logit_bias == ((5, -1.0),)
+    assert (params.n, params.logprobs, params.prompt_logprobs) == (1, None, None)
+
+
+def test_samples_and_logprobs_at_their_bounds() -> None:
+    params = check_sampling(
+        common_pb2.SamplingParams(temperature=0, n=16, logprobs=0, prompt_logprobs=20), VOCAB
+    )
+    # n > 1 with greedy sampling is allowed: the samples are identical.
+    assert (params.n, params.logprobs, params.prompt_logprobs) == (16, 0, 20)
 
 
 def test_empty_prompts() -> None:
