@@ -1,10 +1,18 @@
-"""Choosing between the Triton kernels and the torch implementations.
+"""Choosing between the compiled kernels and the torch implementations.
 
 The entry points (`write_kv_cache`, `paged_attention`) run Triton when their tensors
-are on CUDA and triton can be imported, and torch otherwise. `CORESTREAM_KERNELS=torch`
-(read once, at import) or `force_torch(True)` pins them to torch, e.g. to rule the
-Triton kernels out while debugging. Nothing here imports triton: importing `kernels`
-must work on CPU-only machines without it.
+are on CUDA and triton can be imported; on CPU, `paged_attention` runs its decodes
+through a C++ kernel built on first use (`kernels.cpu_paged_attention`) and falls back
+to torch, after one warning, if that build fails. Everything else runs torch.
+
+`CORESTREAM_KERNELS` (read once, at import) or `set_backend` picks the policy:
+- `auto`: as above;
+- `torch`: torch everywhere, e.g. to rule the compiled kernels out while debugging;
+- `cpp`: as `auto`, but a failed CPU kernel build raises instead of falling back, so
+  tests and benchmarks cannot pass on the torch path by accident.
+
+Nothing here imports triton or builds anything: importing `kernels` must stay cheap
+and work on CPU-only machines without a compiler.
 """
 
 from __future__ import annotations
@@ -15,16 +23,26 @@ import os
 
 import torch
 
-_BACKENDS = ("auto", "torch")
+_BACKENDS = ("auto", "torch", "cpp")
 _backend = os.environ.get("CORESTREAM_KERNELS", "auto")
 if _backend not in _BACKENDS:
     raise ValueError(f"CORESTREAM_KERNELS={_backend!r}; expected one of {_BACKENDS}")
 
 
-def force_torch(enabled: bool) -> None:
-    """Run the torch implementations even on CUDA (True), or choose per device (False)."""
+def set_backend(name: str) -> None:
     global _backend
-    _backend = "torch" if enabled else "auto"
+    if name not in _BACKENDS:
+        raise ValueError(f"backend {name!r}; expected one of {_BACKENDS}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def force_torch(enabled: bool) -> None:
+    """Run the torch implementations everywhere (True), or choose per device (False)."""
+    set_backend("torch" if enabled else "auto")
 
 
 @functools.cache
@@ -33,4 +51,12 @@ def triton_available() -> bool:
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and _backend == "auto" and triton_available()
+    return tensor.is_cuda and _backend != "torch" and triton_available()
+
+
+def use_cpu_kernel(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and _backend != "torch"
+
+
+def cpu_kernel_required() -> bool:
+    return _backend == "cpp"

@@ -8,11 +8,13 @@ the last of those tokens, so query row j sits at position `seq_lens[i] - q_len +
 may attend to every cached token up to and including that position.
 
 On CUDA with triton installed this runs one Triton kernel for the whole batch
-(`kernels.triton_paged_attention`). Everywhere else it runs the torch code below, which
-is also the reference: it gathers each sequence's blocks into a dense tensor and hands
-it to `scaled_dot_product_attention`. Decodes, the common case, go through batched calls
-over chunks of sequences; prompts and chunks go one per call. Loop bounds come from
-host lists, so no step here waits on the device.
+(`kernels.triton_paged_attention`). On CPU, decodes (the common case, and bound by memory
+traffic) go to a C++ kernel that reads the cache in place (`kernels.cpu_paged_attention`),
+when it builds. Everything else runs the torch code below, which is also the reference:
+it gathers each sequence's blocks into a dense tensor and hands it to
+`scaled_dot_product_attention`, decodes in batched calls over chunks of sequences, prompts
+and chunks one per call (compute-bound, so SDPA's matmuls suit them). Loop bounds come
+from host lists, so no step here waits on the device.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.backend import use_triton
+from kernels.cpu_paged_attention import cpu_decode_kernel
 
 # NOTE: the bytes of keys and values one decode chunk gathers. Gathers much larger than
 # this land in freshly mapped pages on every call, and on CPU those page faults cost
@@ -166,10 +169,34 @@ def _decode(
     seq_lens_host: Sequence[int],
     scale: float,
 ) -> None:
-    """One query token per sequence, batched: writes `out` `[B, H, D]` for query `[B, H, D]`.
+    """One query token per sequence, batched: writes `out` `[B, H, D]` for query `[B, H, D]`."""
+    kernel = cpu_decode_kernel(query, key_cache)
+    if kernel is not None:
+        kernel(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(),
+            scale,
+        )
+        return
+    _decode_torch(out, query, key_cache, value_cache, block_tables, seq_lens, seq_lens_host, scale)
 
-    Sequences go in chunks of about `_DECODE_CHUNK_BYTES` of gathered keys and values,
-    each padded to its own longest sequence and masked by length.
+
+def _decode_torch(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_host: Sequence[int],
+    scale: float,
+) -> None:
+    """`_decode` in torch: sequences go in chunks of about `_DECODE_CHUNK_BYTES` of gathered
+    keys and values, each padded to its own longest sequence and masked by length.
     """
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     block_bytes = 2 * block_size * num_kv_heads * head_dim * key_cache.element_size()

@@ -3,10 +3,15 @@
 Start order follows the dependencies: coordinator, then engines (which register
 with it), then the frontend (which learns the engines from it). The launcher
 prints the frontend address once the frontend reports SERVING, then watches its
-children. Stop order is the reverse, each child getting SIGTERM and a grace
-period before SIGKILL, so that nothing is left behind. If any child dies on its
-own, the cluster is stopped and serve exits non-zero: a half cluster is worse
-than none for whoever runs it under a supervisor.
+children. Stop order is the reverse, each child getting SIGTERM and the drain
+timeout (--shutdown-timeout) plus --stop-timeout-s before SIGKILL, so that the
+frontend drains while the engines still run and nothing is left behind.
+
+An engine that dies on its own is logged and left dead while another engine
+still serves (the frontend routes around it); when the last engine, the
+frontend or the coordinator dies, the cluster is stopped and serve exits
+non-zero, so that a supervisor restarts it. Every child gets SIGTERM when serve
+dies, even by SIGKILL (PR_SET_PDEATHSIG), and then drains as on any SIGTERM.
 """
 
 from __future__ import annotations
@@ -186,15 +191,19 @@ def run(args: argparse.Namespace) -> int:
                     return 0 if stop.is_set() else 1
         print(f"corestream is serving on {frontend_addr} "
               f"(model {model}, {serve.engines} engine(s)); Ctrl-C stops it", flush=True)
+        reported: set[str] = set()
         while not stop.wait(0.5):
-            dead = [c for c in children if c.exited() is not None]
-            if dead:
-                for c in dead:
+            for c in children:
+                if c.exited() is not None and c.name not in reported:
+                    reported.add(c.name)
                     log.error("%s exited unexpectedly with code %s", c.name, c.exited())
+            if any(c.exited() is not None for c in (coordinator, frontend)) or all(
+                    e.exited() is not None for e in engines):
                 return 1
         return 0
     finally:
-        log.info("stopping the cluster")
+        drain_s = from_args(FrontendConfig, args, exclude=SERVE_OWNED).shutdown_timeout
+        log.info("stopping the cluster (drain timeout %g s)", drain_s)
         for child in reversed(children):
-            child.stop(serve.stop_timeout_s)
+            child.stop(drain_s + serve.stop_timeout_s)
         log.info("all processes stopped")

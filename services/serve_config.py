@@ -21,7 +21,8 @@ class ServeConfig:
         "Give up if the cluster is not serving within this many seconds.", default=300.0
     )
     stop_timeout_s: float = doc(
-        "Time each process gets to exit after SIGTERM before it is killed.", default=15.0
+        "Time each process gets to exit after SIGTERM, beyond --shutdown-timeout (the "
+        "drain), before it is killed.", default=15.0
     )
 
     def __post_init__(self) -> None:

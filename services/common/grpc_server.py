@@ -21,6 +21,11 @@ MiB = 1024 * 1024
 PUBLIC_MAX_MESSAGE_BYTES = 64 * MiB
 INTERNAL_MAX_MESSAGE_BYTES = 256 * MiB
 
+# An engine sends at least this often on a Session that has requests in flight,
+# even when no step advanced them, so that a frontend can tell a silent (frozen,
+# SIGSTOPped) engine from a slow one.
+SESSION_HEARTBEAT_S = 1.0
+
 _KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.common.config import doc
@@ -29,6 +30,15 @@ class EngineConfig:
         "Order of admission: fcfs (arrival) or priority (lower value first).", default="fcfs"
     )
     log_level: str = doc("Log level: debug, info, warning, error.", default="info")
+    shutdown_timeout: float = doc(
+        "Seconds that in-flight requests get to finish after SIGTERM before they are aborted "
+        "with UNAVAILABLE; 0 aborts them at once.", default=30.0
+    )
+    watchdog_timeout: float = doc(
+        "Seconds a busy-loop iteration may take while work is pending before the engine dumps "
+        "every thread's stack, declares itself DEAD and exits non-zero; 0 disables it. An idle "
+        "engine never trips it.", default=120.0
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -48,6 +58,10 @@ class EngineConfig:
             )
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        for name in ("shutdown_timeout", "watchdog_timeout"):
+            value = getattr(self, name)
+            if not (0 <= value < math.inf):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         for name in ("coordinator", "advertise_address"):
             value = getattr(self, name)
             if value and ":" not in value:

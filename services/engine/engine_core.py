@@ -9,15 +9,20 @@ scheduler and the runner; the output thread moves each step's `StepOutputs` from
     step = schedule -> execute -> apply aborts -> update
 
 Lifecycle: STARTING -> RUNNING (start) -> DRAINING (shutdown) -> STOPPED, or DEAD
-when execute raises: then every request fails with an error output and every
-Session hears engine_state DEAD.
+when the loop raises or the watchdog finds it stuck with work pending. DEAD is
+final: every request fails with UNAVAILABLE naming this engine and the reason,
+pending adds are refused, and every Session hears engine_state DEAD. When the
+loop is stuck it still owns the scheduler, so the watchdog path leaves the
+scheduler alone and lets the Sessions end their streams instead.
 """
 
 from __future__ import annotations
 
 import enum
+import faulthandler
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +35,7 @@ from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
 from services.engine.session_router import EngineState, SessionRouter, StepOutputs
+from services.engine.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +87,10 @@ class EngineCore:
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self.output_queue: queue.Queue[StepOutputs | None] = queue.Queue()
         self.sessions = SessionRouter()
+        self.name = f"engine-core dp={config.engine_index}"
         self._state = EngineState.STARTING
+        self._state_lock = threading.Lock()
+        self._death_reason = ""
         self._state_listeners: list[Callable[[EngineState], None]] = []
         self._stats = SchedulerStats()
         self._drain_deadline = 0.0
@@ -89,12 +98,19 @@ class EngineCore:
                                              daemon=True)
         self._output_thread = threading.Thread(target=self._run_output_loop,
                                                name="engine-output", daemon=True)
+        self._watchdog = (Watchdog(config.watchdog_timeout, self._on_watchdog_expired)
+                          if config.watchdog_timeout > 0 else None)
 
     # ---- called from other threads ---------------------------------------------
 
     @property
     def state(self) -> EngineState:
         return self._state
+
+    @property
+    def death_reason(self) -> str:
+        """Why the engine is DEAD (empty otherwise)."""
+        return self._death_reason
 
     @property
     def stats(self) -> SchedulerStats:
@@ -109,11 +125,13 @@ class EngineCore:
         """Start the loop; the runner must be warm by now."""
         self._output_thread.start()
         self._set_state(EngineState.RUNNING)
+        if self._watchdog is not None:
+            self._watchdog.start()
         self._loop_thread.start()
 
     def add_request(self, request: Request) -> None:
         if self._state is not EngineState.RUNNING:
-            self._reject([request], UNAVAILABLE, f"engine is {self._state.name.lower()}")
+            self._reject([request], UNAVAILABLE, self._not_running_message())
             return
         self.input_queue.put((InputType.ADD, request))
 
@@ -131,7 +149,11 @@ class EngineCore:
         rest with UNAVAILABLE, tell every Session STOPPED and join the threads."""
         if self._loop_thread.is_alive():
             self.input_queue.put((InputType.SHUTDOWN, drain_timeout_s))
-            self._loop_thread.join(join_timeout_s)
+            deadline = time.monotonic() + join_timeout_s
+            # A loop the watchdog declared DEAD may never return: stop waiting then.
+            while (self._loop_thread.is_alive() and self._state is not EngineState.DEAD
+                   and time.monotonic() < deadline):
+                self._loop_thread.join(0.1)
         elif self._state is EngineState.STARTING:
             self._set_state(EngineState.STOPPED)
         if self._output_thread.is_alive():
@@ -144,6 +166,7 @@ class EngineCore:
     def _run_busy_loop(self) -> None:
         try:
             while self._state in (EngineState.RUNNING, EngineState.DRAINING):
+                self._feed_watchdog()
                 self._process_input_queue()
                 if self.scheduler.has_work():
                     self.step()
@@ -151,20 +174,29 @@ class EngineCore:
                 if self._state is EngineState.DRAINING and self._drain_over():
                     break
         except Exception as exc:
-            logger.exception("engine loop failed; the engine is dead")
-            self._die(f"engine failed: {type(exc).__name__}: {exc}")
+            logger.exception("%s: the busy loop failed; the engine is dead", self.name)
+            self._die(f"{type(exc).__name__}: {exc}", fail_requests=True)
             return
-        self._stop()
+        if self._state is not EngineState.DEAD:  # the watchdog may have given up on us
+            self._stop()
 
     def _process_input_queue(self) -> None:
         block = self._state is EngineState.RUNNING and not self.scheduler.has_work()
+        if block and self._watchdog is not None:
+            self._watchdog.pause()  # idle is not stuck
         while True:
             try:
                 kind, payload = self.input_queue.get(block=block)
             except queue.Empty:
                 return
+            if block:
+                self._feed_watchdog()
             block = False
             self._handle_input(kind, payload)
+
+    def _feed_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.feed()
 
     def _handle_input(self, kind: InputType, payload: Any) -> None:
         if kind is InputType.ADD:
@@ -178,12 +210,16 @@ class EngineCore:
 
     def _add(self, request: Request) -> None:
         if self._state is not EngineState.RUNNING:
-            self._reject([request], UNAVAILABLE, f"engine is {self._state.name.lower()}")
+            self._reject([request], UNAVAILABLE, self._not_running_message())
             return
         try:
             self.scheduler.add_request(request)
         except RequestRejected as exc:
             self._reject([request], INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            # A bad request must not take the engine (and everyone else's requests) down.
+            logger.exception("%s: could not add request %s", self.name, request.request_id)
+            self._reject([request], INTERNAL, f"{self.name} could not add the request: {exc}")
 
     def step(self) -> None:
         out = self.scheduler.schedule()
@@ -211,21 +247,70 @@ class EngineCore:
     # ---- endings ---------------------------------------------------------------
 
     def _stop(self) -> None:
-        self._emit(self.scheduler.finish_all(FinishReason.ERROR, UNAVAILABLE,
-                                             "engine shut down before the request finished"))
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        unfinished = self.scheduler.finish_all(
+            FinishReason.ERROR, UNAVAILABLE,
+            f"{self.name} is shutting down; the request did not finish within the drain timeout")
+        if unfinished:
+            logger.warning("%s: aborted %d requests left after draining", self.name,
+                           len(unfinished))
+        self._emit(unfinished)
         self._set_state(EngineState.STOPPED)
-        self._reject_pending_adds("engine is stopped")
+        self._reject_pending_adds(f"{self.name} is shutting down")
         self._publish_stats()
         self._broadcast()
 
-    def _die(self, message: str) -> None:
+    def _on_watchdog_expired(self, silent_s: float) -> None:
+        reason = (f"watchdog: the busy loop made no progress for {silent_s:.1f} s "
+                  f"(limit {self.config.watchdog_timeout:g} s) with work pending")
+        logger.critical("%s: %s; the stack of every thread follows", self.name, reason)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        # The stuck loop thread owns the scheduler: leave it alone; the Sessions end
+        # the streams (see server.py).
+        self._die(reason, fail_requests=False)
+
+    def _die(self, reason: str, fail_requests: bool) -> None:
+        """Mark the engine DEAD (once) and tell everyone; `fail_requests` only from the
+        loop thread, the scheduler's owner."""
+        with self._state_lock:
+            if self._death_reason or self._state in (EngineState.DEAD, EngineState.STOPPED):
+                return
+            self._death_reason = reason
         self._set_state(EngineState.DEAD)
-        try:
-            self._emit(self.scheduler.finish_all(FinishReason.ERROR, INTERNAL, message))
-        except Exception:
-            logger.exception("could not fail the requests of a dead engine")
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        message = f"{self.name} is dead ({reason}); the request did not complete"
+        logger.critical("%s is dead: %s\n%s", self.name, reason, self._describe_scheduler())
+        if fail_requests:
+            try:
+                self._emit(self.scheduler.finish_all(FinishReason.ERROR, UNAVAILABLE, message))
+            except Exception:
+                logger.exception("could not fail the requests of a dead engine")
         self._reject_pending_adds(message)
         self._broadcast()
+
+    def _describe_scheduler(self) -> str:
+        """The scheduler's state for the fatal log record (best effort: when the
+        watchdog calls this, the loop thread may still be mutating it)."""
+        try:
+            stats = self.scheduler.stats()
+            lines = [f"scheduler: {stats}"]
+            for req in list(self.scheduler.requests.values()):
+                lines.append(
+                    f"  {req.request_id}: {req.status.name}, prompt {len(req.prompt_token_ids)}"
+                    f" tokens, {len(req.output_token_ids)} generated, {req.num_computed_tokens}"
+                    f" computed, {req.num_preemptions} preemptions")
+            return "\n".join(lines)
+        except Exception as exc:
+            return f"scheduler state unavailable: {exc!r}"
+
+    def _not_running_message(self) -> str:
+        if self._state is EngineState.DRAINING:
+            return f"{self.name} is draining and accepts no new requests"
+        if self._state is EngineState.DEAD:
+            return f"{self.name} is dead ({self._death_reason})"
+        return f"{self.name} is {self._state.name.lower()}"
 
     def _reject_pending_adds(self, message: str) -> None:
         while True:
@@ -259,8 +344,11 @@ class EngineCore:
                                           broadcast=True))
 
     def _set_state(self, state: EngineState) -> None:
-        logger.info("engine %d: %s", self.config.engine_index, state.name)
-        self._state = state
+        with self._state_lock:
+            if self._state is EngineState.DEAD or self._state is state:
+                return  # DEAD is final, whichever thread notices what next
+            logger.info("%s: %s", self.name, state.name)
+            self._state = state
         for listener in self._state_listeners:
             listener(state)
 

@@ -2,14 +2,20 @@
 
 Order matters: warm the runner, serve, start the loop (readiness turns SERVING),
 then register with the coordinator. SIGTERM / SIGINT only request shutdown; the
-main thread then stops the reporter, tells every Session STOPPED, stops the loop
-and the server with a short grace, and returns 0.
+main thread then drains the engine for up to --shutdown-timeout seconds (the
+coordinator sees DRAINING, new requests are refused), aborts what is left, tells
+every Session STOPPED, stops the reporter and the server, and returns 0.
+
+An engine that dies (the busy loop raised, or the watchdog found it stuck) has
+already told its Sessions; the process then exits with EXIT_DEAD without waiting
+for the loop thread, which may be stuck in a device call that never returns.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from corestream.coordinator.v1 import coordinator_service_pb2 as coordinator_pb
@@ -19,14 +25,22 @@ from services.common.logs import setup_logging
 from services.common.shutdown import ShutdownSignal
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
+from services.engine.fault_injection import ENV_VAR as FAULT_INJECT_ENV
+from services.engine.fault_injection import maybe_inject
 from services.engine.load_reporter import LoadReporter
 from services.engine.server import EngineServer
+from services.engine.session_router import EngineState
 from services.engine.worker.config import RunnerConfig
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 logger = logging.getLogger(__name__)
 
 CONFIG_CLASSES = (EngineConfig, RunnerConfig)
 STOP_GRACE_S = 2.0
+# Beyond the drain timeout, how long the loop may take to finish its last step.
+JOIN_MARGIN_S = 10.0
+EXIT_DEAD = 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,13 +49,24 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(f"engine{config.engine_index}", config.log_level)
     logger.info("config: %s %s", config, runner_config)
     shutdown = ShutdownSignal.install()
+    # NOTE: the busy loop holds the GIL between torch ops; with the default 5 ms switch
+    # interval the output and Session threads wait up to that long to send each step's
+    # tokens, which lands straight on the inter-token latency.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     # Imported here: torch loads only in the process that runs a model.
     from services.engine.worker.model_runner import ModelRunner
 
     runner = ModelRunner(runner_config)
     runner.warmup()
-    core = EngineCore(config, runner)
+    core = EngineCore(config, maybe_inject(runner, os.environ.get(FAULT_INJECT_ENV),
+                                           config.engine_index))
+
+    def exit_when_dead(state: EngineState) -> None:
+        if state is EngineState.DEAD:
+            shutdown.set()
+
+    core.add_state_listener(exit_when_dead)
     server = EngineServer(core, runner, config.host, config.port)
     server.start()
     logger.info("engine %d listening on %s", config.engine_index, server.address)
@@ -60,12 +85,21 @@ def run(args: argparse.Namespace) -> int:
         reporter.start()
 
     shutdown.wait()
-    logger.info("shutdown requested")
+    if core.state is not EngineState.DEAD:
+        logger.info("shutdown requested: draining for up to %g s", config.shutdown_timeout)
+        core.shutdown(config.shutdown_timeout, config.shutdown_timeout + JOIN_MARGIN_S)
+    if core.state is EngineState.DEAD:
+        logger.critical("%s is dead (%s); exiting with code %d", core.name, core.death_reason,
+                        EXIT_DEAD)
+    # The reporter outlives the drain so that the coordinator sees DRAINING.
     if reporter is not None:
         reporter.stop()
-    core.shutdown()
-    server.stop(STOP_GRACE_S)
-    logger.info("engine %d stopped", config.engine_index)
+    server.stop(STOP_GRACE_S)  # lets every Session deliver its last message
+    if core.state is EngineState.DEAD:
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(EXIT_DEAD)
+    logger.info("%s stopped", core.name)
     return 0
 
 

@@ -2,8 +2,12 @@
 
 Each Session gets an input thread that turns SessionRequests into engine-core
 calls, while the RPC's handler thread drains the Session's queue and yields one
-SessionResponse per step that advanced any of its requests. When a Session ends
-or breaks, its unfinished requests are aborted. Readiness follows the engine
+SessionResponse per step that advanced any of its requests. The first response
+carries only the engine state (the frontend routes to the engine once it has
+heard it), and while requests are in flight a response goes out at least every
+SESSION_HEARTBEAT_S, so that silence means a frozen process. When a Session ends
+or breaks, its unfinished requests are aborted. A DEAD engine ends every Session
+with UNAVAILABLE naming the engine and the reason. Readiness follows the engine
 state: SERVING only while RUNNING (so not before warmup, nor while draining/dead).
 """
 
@@ -26,6 +30,7 @@ from corestream.engine.v1 import engine_core_service_pb2_grpc
 from services.common.convert import sampling_from_proto
 from services.common.grpc_server import (
     INTERNAL_MAX_MESSAGE_BYTES,
+    SESSION_HEARTBEAT_S,
     Health,
     add_health_and_reflection,
     server_options,
@@ -109,6 +114,10 @@ class _SessionState:
         with self.lock:
             return self.input_done and not self.unfinished
 
+    def busy(self) -> bool:
+        with self.lock:
+            return bool(self.unfinished)
+
 
 class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer):
     def __init__(self, core: EngineCore, runner: Any) -> None:
@@ -139,9 +148,21 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
     def _write_session(
         self, session: _SessionState, context: grpc.ServicerContext
     ) -> Iterator[pb.SessionResponse]:
+        yield self._state_only_response()
+        if self.core.state is EngineState.DEAD:
+            self._abort_dead(context)
+        if self.core.state is EngineState.STOPPED:
+            return
         while not session.done():
-            item = session.queue.get()
+            try:
+                item = session.queue.get(timeout=SESSION_HEARTBEAT_S)
+            except queue.Empty:
+                if session.busy():
+                    yield self._state_only_response()
+                continue
             if item is None:
+                if self.core.state is EngineState.DEAD:
+                    self._abort_dead(context)
                 return  # the client went away, or the engine closed
             if isinstance(item, UtilityReply):
                 yield pb.SessionResponse(
@@ -159,7 +180,15 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
             if item.state is EngineState.STOPPED:
                 return
             if item.state is EngineState.DEAD:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "engine is dead")
+                self._abort_dead(context)
+
+    def _state_only_response(self) -> pb.SessionResponse:
+        msg = SessionOutputs([], self.core.stats, self.core.state, time.time())
+        return response_to_proto(msg, self.core.config.engine_index)
+
+    def _abort_dead(self, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.UNAVAILABLE,
+                      f"{self.core.name} is dead ({self.core.death_reason})")
 
     def _read_session(
         self, request_iterator: Iterator[pb.SessionRequest], session: _SessionState

@@ -110,7 +110,7 @@ class Balancer:
             await self._clients.pop(address).close()
 
     def _refresh(self) -> None:
-        ready = any(c.connected for c in self._clients.values())
+        ready = any(c.accepting for c in self._clients.values())
         if ready != self._ready:
             self._ready = ready
             log.info("ready: %s (%d engines connected)", ready, self.num_connected)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.config import doc
+from services.common.grpc_server import SESSION_HEARTBEAT_S
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -43,6 +44,16 @@ class FrontendConfig:
         "Server-side limit on one request's lifetime, in seconds.", default=600.0
     )
     log_level: str = doc(f"One of {', '.join(_LOG_LEVELS)}.", default="info")
+    shutdown_timeout: float = doc(
+        "Seconds that running requests get to finish after SIGTERM (new ones are refused with "
+        "UNAVAILABLE) before they end with UNAVAILABLE; 0 ends them at once.", default=30.0
+    )
+    watchdog_timeout: float = doc(
+        "Treat an engine as dead when its Session stays silent this many seconds while "
+        "requests are in flight there (engines send a heartbeat every "
+        f"{SESSION_HEARTBEAT_S:g} s, so only a frozen process trips it); 0 disables it.",
+        default=120.0,
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -55,5 +66,13 @@ class FrontendConfig:
             raise ValueError(f"max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
         if not (self.request_timeout_s > 0 and math.isfinite(self.request_timeout_s)):
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not (0 <= self.shutdown_timeout < math.inf):
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        min_watchdog_s = 3 * SESSION_HEARTBEAT_S
+        if self.watchdog_timeout != 0 and not (min_watchdog_s <= self.watchdog_timeout < math.inf):
+            raise ValueError(
+                f"watchdog_timeout must be 0 (off) or >= {min_watchdog_s:g} s (three engine "
+                f"heartbeats), got {self.watchdog_timeout}"
+            )
         if self.log_level.lower() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")

@@ -2,10 +2,19 @@
 
 The client sends Hello first, then add and abort messages from a send queue. A
 receive loop demultiplexes each batched SessionResponse by request id into the
-per-request asyncio queues handed out by `add`. When the session breaks, or the
-engine reports STOPPED or DEAD, every request still in flight on it receives an
-`EngineFailure` (UNAVAILABLE) and the client reconnects with backoff; requests
-are never replayed, since the engine may already have produced part of them.
+per-request asyncio queues handed out by `add`. The engine is routable only once
+its first response (its state) has arrived and while it reports RUNNING.
+
+When the session breaks (the engine died, even by SIGKILL), the engine reports
+STOPPED, or a DEAD engine ends it with UNAVAILABLE and the reason, every request
+still in flight on it receives an `EngineFailure` (UNAVAILABLE, naming the
+engine) and the client reconnects with backoff; requests are never replayed,
+since the engine may already have produced part of them.
+
+Watchdog: an engine sends at least one message per SESSION_HEARTBEAT_S while it
+has requests of ours, so a Session silent for `watchdog_timeout_s` with requests
+in flight belongs to a frozen process (SIGSTOP, a hung host) that cannot report
+anything itself: the client treats it as dead in the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -54,10 +64,15 @@ class EngineClient:
         address: str,
         frontend_id: str,
         on_change: Callable[[], None] | None = None,
+        watchdog_timeout_s: float = 0.0,
     ) -> None:
+        """`watchdog_timeout_s` 0 disables the silence watchdog."""
         self.address = address
         self._frontend_id = frontend_id
         self._on_change = on_change
+        self._watchdog_timeout_s = watchdog_timeout_s
+        self._last_heard = time.monotonic()
+        self._engine_index: int | None = None
         self._streams: dict[str, asyncio.Queue[EngineEvent]] = {}
         self._send_queue: asyncio.Queue[engine_pb2.SessionRequest | None] | None = None
         self._connected = False
@@ -77,6 +92,13 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    @property
+    def name(self) -> str:
+        """How messages name the engine: its DP rank (once heard from) and address."""
+        if self._engine_index is None:
+            return f"engine at {self.address}"
+        return f"engine-core dp={self._engine_index} at {self.address}"
 
     def start(self) -> None:
         self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
@@ -112,6 +134,8 @@ class EngineClient:
             )
         if queue is None:
             queue = asyncio.Queue()
+        if not self._streams:
+            self._last_heard = time.monotonic()  # silence counts only while busy
         self._streams[request.request_id] = queue
         self._send_queue.put_nowait(engine_pb2.SessionRequest(add=request))
         return queue
@@ -154,9 +178,9 @@ class EngineClient:
             self._send_queue = None
             was_connected = self._connected
             self._set_connected(False)
+            if was_connected or self._streams:
+                log.warning("session to %s lost: %s", self.name, reason)
             self._fail_all(reason)
-            if was_connected:
-                log.warning("session to engine %s lost: %s", self.address, reason)
             await asyncio.sleep(backoff.next_delay())
 
     async def _session(self, backoff: Backoff) -> None:
@@ -172,17 +196,53 @@ class EngineClient:
         )
         stub = engine_pb2_grpc.EngineCoreServiceStub(self._channel)
         call = stub.Session(_drain(send_queue))
+        reader = asyncio.create_task(self._read(call, send_queue, backoff))
+        watchdog = asyncio.create_task(self._watch_silence())
         try:
-            self._send_queue = send_queue
-            self._state = common_pb2.ENGINE_STATE_UNSPECIFIED
-            self._set_connected(True)
-            log.info("session to engine %s open", self.address)
-            async for response in call:
-                backoff.reset()
-                self._on_response(response)
+            done, _ = await asyncio.wait((reader, watchdog),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if reader in done:
+                reader.result()  # re-raises why the session ended
+                return
+            raise _SessionEnded(watchdog.result())
         finally:
+            for task in (reader, watchdog):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             send_queue.put_nowait(None)
             call.cancel()
+
+    async def _read(
+        self,
+        call: grpc.aio.StreamStreamCall,
+        send_queue: asyncio.Queue[engine_pb2.SessionRequest | None],
+        backoff: Backoff,
+    ) -> None:
+        self._state = common_pb2.ENGINE_STATE_UNSPECIFIED
+        async for response in call:
+            self._last_heard = time.monotonic()
+            if not self._connected:
+                # The engine's first message: it is up and not frozen. Only now may
+                # requests go there (a frozen engine still accepts TCP connections).
+                self._engine_index = response.engine_index
+                self._send_queue = send_queue
+                self._set_connected(True)
+                log.info("session to %s open", self.name)
+            backoff.reset()
+            self._on_response(response)
+
+    async def _watch_silence(self) -> str:
+        """Returns (the reason) once the engine is silent too long while busy."""
+        if self._watchdog_timeout_s <= 0:
+            await asyncio.Event().wait()  # disabled: never returns
+        while True:
+            await asyncio.sleep(min(0.25, self._watchdog_timeout_s / 10))
+            silent_s = time.monotonic() - self._last_heard
+            if self._streams and silent_s > self._watchdog_timeout_s:
+                return (f"watchdog: no message for {silent_s:.1f} s with {len(self._streams)} "
+                        f"requests in flight (limit {self._watchdog_timeout_s:g} s); "
+                        "treating the engine as dead")
 
     def _on_response(self, response: engine_pb2.SessionResponse) -> None:
         for output in response.outputs:
@@ -196,10 +256,9 @@ class EngineClient:
         if state != common_pb2.ENGINE_STATE_UNSPECIFIED and state != self._state:
             self._state = state
             self._notify()
-        if state in _ENDED_STATES:
-            raise _SessionEnded(
-                f"engine {self.address} is {common_pb2.EngineState.Name(state)}"
-            )
+        if state == common_pb2.ENGINE_STATE_STOPPED:
+            raise _SessionEnded(f"{self.name} is shutting down")
+        # A DEAD engine ends the Session with UNAVAILABLE and the reason: read on.
 
     def _fail_all(self, reason: str) -> None:
         streams, self._streams = self._streams, {}
@@ -207,8 +266,7 @@ class EngineClient:
             queue.put_nowait(
                 EngineFailure(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"lost the session to engine {self.address} ({reason}); "
-                    "the request did not complete",
+                    f"{self.name} failed ({reason}); the request did not complete",
                 )
             )
 

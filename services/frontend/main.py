@@ -19,9 +19,6 @@ log = logging.getLogger(__name__)
 
 CONFIG_CLASSES = (FrontendConfig,)
 
-# How long running streams may continue after SIGTERM before they are cancelled.
-SHUTDOWN_GRACE_S = 30.0
-
 
 def run(args: argparse.Namespace) -> int:
     config = from_args(FrontendConfig, args)
@@ -49,7 +46,7 @@ async def _serve(config: FrontendConfig, tokenizer: TextTokenizer, model: ModelI
     log.info("frontend listening on %s:%d", config.host, port)
     await stop.wait()
     log.info("shutting down: NOT_SERVING, letting running requests finish (%g s)",
-             SHUTDOWN_GRACE_S)
-    await server.stop(SHUTDOWN_GRACE_S)
+             config.shutdown_timeout)
+    await server.stop(config.shutdown_timeout)
     log.info("frontend stopped")
     return 0

@@ -92,6 +92,17 @@ class RequestRunner:
         self._model = model
         self._balancer = balancer
         self._running: dict[str, _EngineRequests] = {}
+        self._closed_reason = ""
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def close(self, reason: str) -> None:
+        """End every running request with UNAVAILABLE (`reason`) and refuse new ones."""
+        self._closed_reason = reason
+        for engine in self._running.values():
+            engine.events.put_nowait(EngineFailure(grpc.StatusCode.UNAVAILABLE, reason))
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort running requests; their streams end with FINISH_REASON_ABORT."""
@@ -105,6 +116,8 @@ class RequestRunner:
         self, request: PreparedRequest
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         request_id = request.request_id
+        if self._closed_reason:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, self._closed_reason)
         if request_id in self._running:
             raise RequestError(
                 grpc.StatusCode.ALREADY_EXISTS,

@@ -1,10 +1,17 @@
-"""The public GenerateService and the frontend's gRPC server around it."""
+"""The public GenerateService and the frontend's gRPC server around it.
+
+Shutdown (SIGTERM) drains: readiness turns NOT_SERVING and new generation calls get
+UNAVAILABLE ("draining"); running ones may finish within the shutdown timeout,
+then whatever is left ends with UNAVAILABLE ("shutting down") and the server stops.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -21,6 +28,7 @@ from services.common.grpc_server import (
 from services.common.model_info import ModelInfo
 from services.frontend.balancer import Balancer
 from services.frontend.config import FrontendConfig
+from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError, invalid_argument, to_status
 from services.frontend.load_watcher import LoadWatcher
 from services.frontend.request_runner import PreparedRequest, RequestRunner
@@ -39,6 +47,8 @@ MAX_REQUEST_ID_CHARS = 256
 # Longer texts are tokenized off the event loop so that they do not stall other streams.
 _THREADED_TOKENIZE_CHARS = 4096
 _TRACE_KEYS = ("traceparent", "tracestate")
+# After the drain, how long the aborted streams get to send their status.
+_FINAL_GRACE_S = 2.0
 
 GenerateRequestLike = generate_pb2.GenerateRequest | generate_pb2.GenerateStreamRequest
 
@@ -56,6 +66,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self._model = model
         self._balancer = balancer
         self._runner = RequestRunner(tokenizer, model, balancer)
+        self.draining = False
+
+    @property
+    def num_running(self) -> int:
+        return self._runner.num_running
+
+    def end_running(self, reason: str) -> None:
+        self._runner.close(reason)
 
     async def GenerateStream(
         self, request: generate_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
@@ -157,6 +175,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request_id: str, request: GenerateRequestLike, context: grpc.aio.ServicerContext
     ) -> PreparedRequest:
         """Validate (cheap checks first), tokenize and apply the length limits."""
+        if self.draining:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the frontend is draining (shutting down) and accepts no new requests; "
+                "retry on another replica",
+                reason="DRAINING",
+            )
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise invalid_argument(
                 "request_id",
@@ -213,7 +238,11 @@ class FrontendServer:
     def __init__(self, config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo) -> None:
         self._config = config
         self._frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
-        self.balancer = Balancer(self._frontend_id, on_readiness=self._on_readiness)
+        self.balancer = Balancer(
+            self._frontend_id, on_readiness=self._on_readiness,
+            client_factory=functools.partial(EngineClient,
+                                             watchdog_timeout_s=config.watchdog_timeout),
+        )
         self._servicer = GenerateServicer(config, tokenizer, model, self.balancer)
         self._server: grpc.aio.Server | None = None
         self._health: AioHealth | None = None
@@ -241,15 +270,30 @@ class FrontendServer:
             await self.balancer.set_static(self._config.engines)
         return self.port
 
-    async def stop(self, grace_s: float) -> None:
-        """Go NOT_SERVING, refuse new calls, let running ones finish within `grace_s`."""
-        self._draining = True
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Go NOT_SERVING, refuse new calls, let running ones finish within
+        `drain_timeout_s`, end the rest with UNAVAILABLE, stop."""
+        self._draining = self._servicer.draining = True
         await self._publish_readiness()
+        started = time.monotonic()
+        await self._wait_until_idle(drain_timeout_s)
+        left = self._servicer.num_running
+        self._servicer.end_running(
+            f"the frontend is shutting down; the request did not finish within the "
+            f"{drain_timeout_s:g} s drain timeout")
+        log.info("drained in %.2f s; %d requests left, ended with UNAVAILABLE",
+                 time.monotonic() - started, left)
+        await self._wait_until_idle(_FINAL_GRACE_S)
         if self._server is not None:
-            await self._server.stop(grace_s)
+            await self._server.stop(_FINAL_GRACE_S)
         if self._watcher is not None:
             await self._watcher.close()
         await self.balancer.close()
+
+    async def _wait_until_idle(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._servicer.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def _on_readiness(self, ready: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._publish_readiness())

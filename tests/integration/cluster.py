@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,14 +54,15 @@ def alive(pid: int) -> bool:
 class Cluster:
     """`corestream serve` in a subprocess; its output is kept for failure messages."""
 
-    def __init__(self, extra_args: Sequence[str] = (), startup_timeout: float = 180) -> None:
+    def __init__(self, extra_args: Sequence[str] = (), startup_timeout: float = 180,
+                 env: Mapping[str, str] | None = None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
                *extra_args]
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.lines: list[str] = []
         self._ready = threading.Event()
@@ -78,6 +79,18 @@ class Cluster:
             self.lines.append(line)
             if "corestream is serving on" in line:
                 self._ready.set()
+
+    def engine_pid(self, index: int) -> int:
+        """The pid of engine `index` (the process started with --engine-index index)."""
+        for pid in descendants(self.proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            flag = b"--engine-index"
+            if flag in argv and argv[argv.index(flag) + 1] == str(index).encode():
+                return pid
+        raise LookupError(f"no engine {index} below serve:\n{self.output()}")
 
     def output(self) -> str:
         return "".join(self.lines[-200:])

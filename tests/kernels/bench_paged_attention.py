@@ -1,21 +1,28 @@
-"""CPU timing of `paged_attention` on serving-sized batches (not collected by pytest).
+"""CPU timing of `paged_attention` on serving-sized batches, torch path vs C++ decode kernel.
 
-Run: .venv/bin/python -m tests.kernels.bench_paged_attention
+Run: .venv/bin/python -m tests.kernels.bench_paged_attention  (not collected by pytest)
+
+Prompts and chunks take the torch path under both columns; only decodes differ.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
+from kernels.backend import set_backend
+from kernels.cpu_paged_attention import warm_up
 from kernels.paged_attention import paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 8, 4, 64, 16
+BACKENDS = ("torch", "cpp")
 
 
-def _time_batch(shapes: list[tuple[int, int]], repeats: int) -> float:
-    """Best milliseconds per call for sequences given as (cached prefix, new tokens)."""
+def _time_batch(shapes: list[tuple[int, int]], repeats: int) -> dict[str, float]:
+    """Median milliseconds per call for each backend, for sequences given as
+    (cached prefix, new tokens)."""
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = [-(-(p + n) // BLOCK_SIZE) for p, n in shapes]
     num_blocks = sum(blocks_per_seq) + 1
@@ -40,20 +47,27 @@ def _time_batch(shapes: list[tuple[int, int]], repeats: int) -> float:
         seq_lens,
         DIM**-0.5,
     )
-    paged_attention(*args)
-    # The best of several runs: the machine is shared, so the mean mostly measures neighbours.
-    best = float("inf")
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        paged_attention(*args)
-        best = min(best, time.perf_counter() - begin)
-    return best * 1e3
+    # Backends alternate call by call, so that load from neighbours on a shared machine
+    # falls on both alike; the median then resists their spikes.
+    times: dict[str, list[float]] = {name: [] for name in BACKENDS}
+    for _ in range(repeats + 1):
+        for name in BACKENDS:
+            set_backend(name)
+            begin = time.perf_counter()
+            paged_attention(*args)
+            times[name].append(time.perf_counter() - begin)
+    set_backend("auto")
+    return {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
 
 
 def main() -> None:
     torch.manual_seed(0)
+    set_backend("cpp")
+    warm_up()
     cases = {
+        "decode   B=1 ctx=256": [(255, 1)],
         "decode   B=128 ctx=300": [(299, 1)] * 128,
+        "decode   B=128 ctx=800": [(799, 1)] * 128,
         "decode   B=256 ctx=800": [(799, 1)] * 256,
         "decode   B=32 ctx 50..800": [(50 + 24 * i, 1) for i in range(32)],
         "prefill  B=32 x 64 new, no prefix": [(0, 64)] * 32,
@@ -61,8 +75,11 @@ def main() -> None:
         "mixed    4 x 128 prompt + 124 decodes ctx 300": [(0, 128)] * 4 + [(299, 1)] * 124,
     }
     print(f"threads={torch.get_num_threads()} heads={HEADS} kv_heads={KV_HEADS} dim={DIM} fp32")
+    print(f"{'median ms/call':48s} {'torch':>8s} {'C++':>8s}")
     for name, shapes in cases.items():
-        print(f"{name:48s} {_time_batch(shapes, repeats=10):8.2f} ms/call")
+        repeats = 200 if len(shapes) == 1 else 20
+        ms = _time_batch(shapes, repeats)
+        print(f"{name:48s} {ms['torch']:8.3f} {ms['cpp']:8.3f}   x{ms['torch'] / ms['cpp']:.2f}")
 
 
 if __name__ == "__main__":

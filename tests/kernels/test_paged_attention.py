@@ -4,10 +4,20 @@ import pytest
 import torch
 
 import kernels.paged_attention as paged_attention_module
+from kernels.backend import set_backend
 from kernels.paged_attention import paged_attention
 from tests.kernels.paged_batch import make_batch
 
 BLOCK_SIZE, HEADS, KV_HEADS, DIM = 4, 4, 2, 16
+
+
+@pytest.fixture(autouse=True, params=["torch", "cpp"])
+def backend(request: pytest.FixtureRequest, kernels_backend: None) -> str:
+    """Every test runs on the torch path and with CPU decodes on the C++ kernel."""
+    if request.param == "cpp":
+        request.getfixturevalue("cpu_kernel")
+    set_backend(request.param)
+    return request.param
 
 
 def run_batch(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -36,9 +37,11 @@ class FakeRunner:
         self.fail = False
         self.gate: threading.Event | None = None
         self.steps = 0
+        self.delay_s = 0.0
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.steps += 1
+        time.sleep(self.delay_s)
         if self.gate is not None:
             self.gate.wait(10)
         if self.fail:
@@ -146,8 +149,9 @@ def test_execute_failure_kills_engine_and_fails_requests() -> None:
         core.add_request(request("r"))
         by_id, _ = collect(q, {"r"})
         last = by_id["r"][-1]
-        assert last.error_code == INTERNAL and "device lost" in last.error_message
-        assert states[-1] is EngineState.DEAD
+        assert last.error_code == UNAVAILABLE and "device lost" in last.error_message
+        assert "engine-core dp=0 is dead" in last.error_message
+        assert states[-1] is EngineState.DEAD and "device lost" in core.death_reason
         msg = other.get(timeout=5)
         assert isinstance(msg, SessionOutputs) and msg.state is EngineState.DEAD
         core.add_request(request("late"))
@@ -187,6 +191,70 @@ def test_shutdown_without_drain_fails_inflight_requests() -> None:
     assert last.finished
     if last.finish_reason is FinishReason.ERROR:
         assert last.error_code == UNAVAILABLE
+
+
+@pytest.mark.timeout(30)
+def test_drain_refuses_new_requests_and_aborts_leftovers() -> None:
+    runner = FakeRunner(max_model_len=64)
+    runner.delay_s = 0.05  # 40 steps take 2 s, longer than the drain
+    core = EngineCore(EngineConfig(), runner)
+    q = core.sessions.open("s")
+    core.start()
+    core.add_request(request("slow", max_tokens=40))
+    stopper = threading.Thread(target=core.shutdown, kwargs={"drain_timeout_s": 0.5})
+    stopper.start()
+    while core.state is not EngineState.DRAINING:
+        time.sleep(0.01)
+    core.add_request(request("late"))
+    stopper.join(10)
+    by_id, _ = collect(q, {"slow", "late"})
+    assert by_id["late"][-1].error_code == UNAVAILABLE
+    assert "draining" in by_id["late"][-1].error_message
+    assert by_id["slow"][-1].error_code == UNAVAILABLE
+    assert "shutting down" in by_id["slow"][-1].error_message
+    assert core.state is EngineState.STOPPED and core.stats.kv_cache_usage == 0
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_kills_a_stuck_loop_but_not_an_idle_one() -> None:
+    runner = FakeRunner()
+    core = EngineCore(EngineConfig(watchdog_timeout=0.3), runner)
+    q = core.sessions.open("s")
+    core.start()
+    try:
+        threading.Event().wait(1.0)  # idle for 3x the timeout
+        assert core.state is EngineState.RUNNING
+        core.add_request(request("ok", max_tokens=2))
+        collect(q, {"ok"})
+        runner.gate = threading.Event()  # the next step never returns (until the end)
+        core.add_request(request("stuck"))
+        started = time.monotonic()
+        while not isinstance(msg := q.get(timeout=5), SessionOutputs) or \
+                msg.state is not EngineState.DEAD:
+            pass
+        detected_s = time.monotonic() - started
+        print(f"watchdog detection: {detected_s:.2f} s (timeout 0.3 s)")
+        assert detected_s < 0.3 + 1.0
+        assert "watchdog" in core.death_reason
+    finally:
+        if runner.gate is not None:
+            runner.gate.set()
+        core.shutdown(join_timeout_s=2)
+    assert core.state is EngineState.DEAD  # final, even after the loop came back
+
+
+@pytest.mark.timeout(30)
+def test_a_request_that_breaks_the_scheduler_fails_alone(core: EngineCore) -> None:
+    q = core.sessions.open("s")
+    core.start()
+    bad = request("bad")
+    bad.prompt_token_ids = None  # type: ignore[assignment]
+    core.add_request(bad)
+    core.add_request(request("good", max_tokens=2))
+    by_id, _ = collect(q, {"bad", "good"})
+    assert by_id["bad"][-1].error_code == INTERNAL
+    assert by_id["good"][-1].finish_reason is FinishReason.LENGTH
+    assert core.state is EngineState.RUNNING
 
 
 # ---- the real tiny model ------------------------------------------------------------

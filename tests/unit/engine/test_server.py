@@ -53,6 +53,9 @@ class SessionClient:
         stub = engine_core_service_pb2_grpc.EngineCoreServiceStub(channel)
         self.send(pb.SessionRequest(hello=pb.Hello(frontend_id="test", protocol_version=1)))
         self.responses = stub.Session(iter(self._requests.get, None))
+        # The engine opens every Session with its state alone.
+        hello = next(self.responses)
+        assert not hello.outputs and hello.engine_state == common_pb2.ENGINE_STATE_RUNNING
 
     def send(self, msg: pb.SessionRequest) -> None:
         self._requests.put(msg)
@@ -149,6 +152,8 @@ def test_broken_session_aborts_its_requests(channel: grpc.Channel,
             break
         done.wait(0.05)
     assert done.is_set()
+    done.wait(0.1)  # the loop publishes stats after the iteration that applied the abort
+    assert server.core.stats.kv_cache_usage == 0 and server.core.stats.num_running == 0
 
 
 @pytest.mark.timeout(60)

@@ -29,14 +29,17 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         self.error: tuple[int, str] | None = None
         """(google.rpc code, message): fail every request with FINISH_REASON_ERROR."""
         self.final_state: int | None = None
-        """An engine state sent (e.g. DEAD) after the first token instead of finishing."""
+        """An engine state sent (e.g. DEAD) after the first token instead of finishing;
+        DEAD then ends the Session with UNAVAILABLE, as a real engine does."""
+        self.frozen = False
+        """Send nothing at all (a SIGSTOPped process), not even a new Session's state."""
 
     async def Session(
         self,
         request_iterator: AsyncIterator[engine_pb2.SessionRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[engine_pb2.SessionResponse]:
-        out: asyncio.Queue[engine_pb2.SessionResponse] = asyncio.Queue()
+        out: asyncio.Queue[engine_pb2.SessionResponse | None] = asyncio.Queue()
         running: dict[str, asyncio.Task[None]] = {}
 
         async def read() -> None:
@@ -59,8 +62,12 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
 
         reader = asyncio.create_task(read())
         try:
-            while True:
-                yield await out.get()
+            while self.frozen:
+                await asyncio.sleep(0.05)
+            yield engine_pb2.SessionResponse(engine_state=common_pb2.ENGINE_STATE_RUNNING)
+            while (message := await out.get()) is not None:
+                yield message
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake engine is dead (scripted)")
         finally:
             reader.cancel()
             for task in running.values():
@@ -69,11 +76,13 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
                 await reader
 
     async def _generate(
-        self, add: engine_pb2.AddRequest, out: asyncio.Queue[engine_pb2.SessionResponse]
+        self, add: engine_pb2.AddRequest, out: asyncio.Queue[engine_pb2.SessionResponse | None]
     ) -> None:
         max_tokens = add.sampling.max_tokens
         for i, token_id in enumerate(self.script):
             await asyncio.sleep(self.step_s)
+            while self.frozen:
+                await asyncio.sleep(0.05)
             output = engine_pb2.RequestOutput(
                 request_id=add.request_id, new_token_ids=[token_id], num_cached_tokens=2
             )
@@ -81,6 +90,8 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
             if self.final_state is not None:
                 out.put_nowait(engine_pb2.SessionResponse(outputs=[output]))
                 out.put_nowait(engine_pb2.SessionResponse(engine_state=self.final_state))
+                if self.final_state == common_pb2.ENGINE_STATE_DEAD:
+                    out.put_nowait(None)
                 return
             if self.error is not None:
                 output.finish_reason = common_pb2.FINISH_REASON_ERROR

@@ -252,7 +252,8 @@ def test_engine_error_and_death_become_statuses(
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Generate(pb.GenerateRequest(text="hi"))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "ENGINE_STATE_DEAD" in info.value.details()
+        assert "fake engine is dead (scripted)" in info.value.details()
+        assert "engine-core dp=0 at 127.0.0.1:" in info.value.details()
         # The client reconnects to the (still listening) engine.
         engine.final_state = None
         async with asyncio.timeout(10):
@@ -360,6 +361,76 @@ def test_engines_learned_from_coordinator(
         finally:
             await frontend.stop(0)
             await coordinator.stop(0)
+            await engine_server.stop(0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_frozen_engine_trips_the_watchdog(tokenizer: TextTokenizer, model_info: ModelInfo) -> None:
+    engine = FakeEngine(_script(tokenizer, eos=False) * 50, step_s=0.05)
+    timeout_s = 3.0
+
+    async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
+        # Idle for longer than the timeout: nothing in flight, nothing trips.
+        await asyncio.sleep(timeout_s + 0.5)
+        assert await _readiness(channel) == health_pb2.HealthCheckResponse.SERVING
+        stream = stub.GenerateStream(pb.GenerateStreamRequest(text="hi"))
+        await stream.read()
+        engine.frozen = True  # SIGSTOP, as far as the frontend can tell
+        frozen_at = asyncio.get_running_loop().time()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while await stream.read() is not grpc.aio.EOF:
+                pass
+        detected_s = asyncio.get_running_loop().time() - frozen_at
+        print(f"frozen engine detected after {detected_s:.2f} s (timeout {timeout_s:g} s)")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "watchdog" in info.value.details() and "dp=0" in info.value.details()
+        assert timeout_s <= detected_s < timeout_s + 2
+        # The frozen engine answers no new Session: it takes no requests.
+        assert await _readiness(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+        engine.frozen = False
+
+    _serve(tokenizer, model_info, engine, body, watchdog_timeout=timeout_s)
+
+
+@pytest.mark.timeout(60)
+def test_drain_refuses_new_then_ends_the_rest(
+    tokenizer: TextTokenizer, model_info: ModelInfo
+) -> None:
+    async def main() -> None:
+        engine = FakeEngine(_script(tokenizer, eos=False) * 100, step_s=0.05)
+        engine_server, address = await start_fake_engine(engine)
+        frontend = FrontendServer(FrontendConfig(port=0, engines=(address,)), tokenizer,
+                                  model_info)
+        port = await frontend.start()
+        try:
+            async with asyncio.timeout(10):
+                while not frontend.balancer.ready:
+                    await asyncio.sleep(0.01)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GenerateServiceStub(channel)
+                short = stub.Generate(pb.GenerateRequest(
+                    text="hi", sampling=common_pb2.SamplingParams(max_tokens=5)))
+                long = stub.GenerateStream(pb.GenerateStreamRequest(text="hi"))
+                await long.read()
+                stopping = asyncio.create_task(frontend.stop(1.0))
+                await asyncio.sleep(0.1)
+                assert await _readiness(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Generate(pb.GenerateRequest(text="hi"))
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "draining" in refused.value.details()
+                assert (await short).completions[0].finish_reason  # finished within the drain
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    while await long.read() is not grpc.aio.EOF:
+                        pass
+                assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "shutting down" in ended.value.details()
+                await stopping
+                assert engine.aborts  # the engine stopped working on it
+        finally:
+            await frontend.stop(0)
             await engine_server.stop(0)
 
     asyncio.run(main())

@@ -1,0 +1,367 @@
+// Decode attention read straight from the block-paged KV cache, on CPU.
+//
+// Built on first use by kernels/cpu_paged_attention.py (torch.utils.cpp_extension), with
+// -O3 -march=native -fopenmp. There are no intrinsics: the loops over head_dim and over
+// a block's tokens are plain `omp simd` loops that the compiler vectorizes for the build
+// machine, and common head sizes are compile-time constants so those loops unroll fully.
+//
+// One work item is one sequence (or, in small batches, one (sequence, kv head)): each
+// GQA group of query heads shares every K and V row it loads, so each cached token is
+// read from memory exactly once, and in address order within a block. Within an item
+// the softmax is streamed block by block (running max, running sum, rescaled
+// accumulator), so nothing is gathered and the scratch space does not grow with the
+// context. Sequences differ in length, so items are handed out dynamically to torch's
+// intra-op threads rather than in fixed contiguous ranges.
+//
+// Registered as the torch op corestream_cpu::paged_decode; the light headers (no
+// torch/extension.h, no pybind11) keep the first-use build short.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+// Partial sums per dot product: two AVX-512 registers' worth, four AVX2 ones.
+constexpr int64_t kLanes = 32;
+// Query heads; sizes the per-head softmax state kept on the stack.
+constexpr int64_t kMaxHeads = 256;
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(c10::BFloat16 x) {
+  // bf16 is the top half of an fp32; spelled out so that it vectorizes.
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// e^x for x <= 0, to about 2e-7 relative error, in a form the compiler vectorizes (libm's
+// expf is a scalar call). x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to
+// degree 6 (truncation error below 1.2e-7), 2^n written straight into the exponent bits.
+// Inputs below -87 return about 1.6e-38 instead of underflowing the exponent field.
+#pragma omp declare simd notinbranch
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693145751953125f;  // ln 2 split so that n * kLn2Hi is exact
+  constexpr float kLn2Lo = 1.428606820309417e-06f;
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * kLog2e);
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// q . k over dim elements. With dim known at compile time the sum is kept in kLanes
+// independent partial sums: one running sum would make every multiply-add wait on the
+// previous one.
+template <typename T, int kDim>
+inline float dot_product(const float* __restrict q, const T* __restrict k, int64_t dim) {
+  if constexpr (kDim > 0 && kDim % kLanes == 0) {
+    float partial[kLanes] = {};
+    for (int64_t d0 = 0; d0 < kDim; d0 += kLanes) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) partial[l] += q[d0 + l] * to_float(k[d0 + l]);
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < kLanes; ++l) sum += partial[l];
+    return sum;
+  } else {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < dim; ++d) sum += q[d] * to_float(k[d]);
+    return sum;
+  }
+}
+
+// acc[:dim] += sum over t < n of p[t] * rows[t * stride :][:dim]. With dim known at
+// compile time the accumulator lives in registers for the whole loop instead of going
+// through memory once per row.
+template <typename T, int kDim>
+inline void accumulate_rows(float* __restrict acc, const float* __restrict p,
+                            const T* __restrict rows, int64_t n, int64_t stride, int64_t dim) {
+  if constexpr (kDim > 0) {
+    float local[kDim];
+#pragma omp simd
+    for (int64_t d = 0; d < kDim; ++d) local[d] = acc[d];
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = rows + t * stride;
+      const float pt = p[t];
+#pragma omp simd
+      for (int64_t d = 0; d < kDim; ++d) local[d] += pt * to_float(row[d]);
+    }
+#pragma omp simd
+    for (int64_t d = 0; d < kDim; ++d) acc[d] = local[d];
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = rows + t * stride;
+      const float pt = p[t];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) acc[d] += pt * to_float(row[d]);
+    }
+  }
+}
+
+struct DecodeShape {
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t q_seq_stride, q_head_stride, o_seq_stride, o_head_stride;
+  float scale;
+};
+
+// Attention of one sequence's query heads for kv heads [kv_begin, kv_end) over its cached
+// tokens. q, out: the first of those query heads, rows q_head_stride / o_head_stride
+// apart. scratch holds heads * (2 * head_dim + block_size) floats, heads being
+// (kv_end - kv_begin) * group. kDim is head_dim when fixed at compile time, else 0.
+template <typename T, int kDim>
+void attend_one(
+    const DecodeShape& s,
+    const T* q,
+    T* out,
+    const T* __restrict key_cache,
+    const T* __restrict value_cache,
+    const int32_t* block_table,
+    int64_t seq_len,
+    int64_t kv_begin,
+    int64_t kv_end,
+    float* __restrict scratch) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t heads = (kv_end - kv_begin) * group;
+  const int64_t dim = kDim > 0 ? kDim : s.head_dim;
+  const int64_t bs = s.block_size;
+  float* __restrict qf = scratch;                // [heads, dim], pre-scaled
+  float* __restrict acc = qf + heads * dim;      // [heads, dim], unnormalized output
+  float* __restrict scores = acc + heads * dim;  // [heads, block_size]
+  float running_max[kMaxHeads];
+  float running_sum[kMaxHeads];
+
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* qh = q + h * s.q_head_stride;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] = to_float(qh[d]) * s.scale;
+    std::fill(acc + h * dim, acc + (h + 1) * dim, 0.0f);
+    running_max[h] = -std::numeric_limits<float>::infinity();
+    running_sum[h] = 0.0f;
+  }
+
+  // A block is [block_size, num_kv_heads, head_dim]; this item reads its kv heads' rows.
+  const int64_t token_stride = s.num_kv_heads * dim;
+  const int64_t num_blocks = (seq_len + bs - 1) / bs;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t block = block_table[b];
+    const int64_t n = std::min(bs, seq_len - b * bs);
+    const int64_t base = (block * bs * s.num_kv_heads + kv_begin) * dim;
+    const T* __restrict k = key_cache + base;
+    const T* __restrict v = value_cache + base;
+
+    // Tokens outer: each K row is loaded once and dotted with its whole query group.
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t kv = 0, h = 0; kv < kv_end - kv_begin; ++kv) {
+        const T* kt = k + t * token_stride + kv * dim;
+        for (int64_t g = 0; g < group; ++g, ++h) {
+          scores[h * bs + t] = dot_product<T, kDim>(qf + h * dim, kt, dim);
+        }
+      }
+    }
+
+    // Scores become probabilities relative to the new running max; the accumulator
+    // and sum, built against the old max, shrink by exp(old - new).
+    for (int64_t h = 0; h < heads; ++h) {
+      float* sh = scores + h * bs;
+      float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
+      for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, sh[t]);
+      const float new_max = std::max(running_max[h], block_max);
+      float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t t = 0; t < n; ++t) {
+        sh[t] = exp_nonpositive(sh[t] - new_max);
+        block_sum += sh[t];
+      }
+      if (new_max > running_max[h]) {
+        const float shrink = std::exp(running_max[h] - new_max);
+        running_sum[h] *= shrink;
+        float* ah = acc + h * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ah[d] *= shrink;
+        running_max[h] = new_max;
+      }
+      running_sum[h] += block_sum;
+    }
+
+    // Heads outer: a head's accumulator stays in registers across the block's tokens,
+    // and the V rows it reads (one block's worth) are still in L1 for the next head.
+    for (int64_t h = 0; h < heads; ++h) {
+      accumulate_rows<T, kDim>(acc + h * dim, scores + h * bs, v + h / group * dim, n,
+                               token_stride, dim);
+    }
+  }
+
+  for (int64_t h = 0; h < heads; ++h) {
+    // An empty sequence has nothing to attend to: zeros, not 0/0.
+    const float inv = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+    T* oh = out + h * s.o_head_stride;
+    for (int64_t d = 0; d < dim; ++d) oh[d] = static_cast<T>(acc[h * dim + d] * inv);
+  }
+}
+
+template <typename T, int kDim>
+void decode_impl(
+    const DecodeShape& s,
+    const T* query,
+    T* out,
+    const T* key_cache,
+    const T* value_cache,
+    const int32_t* block_tables,
+    const int32_t* seq_lens,
+    int64_t num_cache_blocks) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t threads = at::get_num_threads();
+  // Whole sequences read each block front to back; with too few sequences to keep every
+  // thread busy, each kv head becomes its own item instead.
+  const int64_t kv_per_item = s.num_seqs >= 4 * threads ? s.num_kv_heads : 1;
+  const int64_t items_per_seq = s.num_kv_heads / kv_per_item;
+  const int64_t num_items = s.num_seqs * items_per_seq;
+  const int64_t num_workers = std::min(threads, num_items);
+  const int64_t scratch_floats = kv_per_item * group * (2 * s.head_dim + s.block_size);
+  std::atomic<int64_t> next_item{0};
+
+  // One chunk per worker; each worker then pulls items until none are left, so a
+  // thread that drew short sequences keeps working instead of waiting at the barrier.
+  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(scratch_floats);
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t item = next_item++; item < num_items; item = next_item++) {
+        const int64_t seq = item / items_per_seq;
+        const int64_t kv_begin = (item % items_per_seq) * kv_per_item;
+        const int64_t seq_len = seq_lens[seq];
+        const int32_t* table = block_tables + seq * s.max_blocks;
+        const int64_t used_blocks = (seq_len + s.block_size - 1) / s.block_size;
+        TORCH_CHECK(seq_len >= 0 && used_blocks <= s.max_blocks,
+                    "seq_lens[", seq, "] = ", seq_len, " exceeds its block table");
+        for (int64_t b = 0; b < used_blocks; ++b) {
+          TORCH_CHECK(table[b] >= 0 && table[b] < num_cache_blocks,
+                      "block id ", table[b], " out of range for ", num_cache_blocks, " blocks");
+        }
+        const int64_t head = kv_begin * group;
+        attend_one<T, kDim>(
+            s,
+            query + seq * s.q_seq_stride + head * s.q_head_stride,
+            out + seq * s.o_seq_stride + head * s.o_head_stride,
+            key_cache,
+            value_cache,
+            table,
+            seq_len,
+            kv_begin,
+            kv_begin + kv_per_item,
+            scratch.data());
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_dispatch(const DecodeShape& s, const at::Tensor& out, const at::Tensor& query,
+                     const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const int32_t* tables, const int32_t* lens) {
+  const T* q = query.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  const T* k = key_cache.const_data_ptr<T>();
+  const T* v = value_cache.const_data_ptr<T>();
+  const int64_t blocks = key_cache.size(0);
+  switch (s.head_dim) {
+    case 64:
+      return decode_impl<T, 64>(s, q, o, k, v, tables, lens, blocks);
+    case 128:
+      return decode_impl<T, 128>(s, q, o, k, v, tables, lens, blocks);
+    default:
+      return decode_impl<T, 0>(s, q, o, k, v, tables, lens, blocks);
+  }
+}
+
+// out, query: [B, H, D] (any row strides, unit stride over D).
+// key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous.
+// block_tables: [B, max_blocks] int32, contiguous; seq_lens: [B] int32.
+void paged_decode(
+    const at::Tensor& out,
+    const at::Tensor& query,
+    const at::Tensor& key_cache,
+    const at::Tensor& value_cache,
+    const at::Tensor& block_tables,
+    const at::Tensor& seq_lens,
+    double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D], cache 4-D");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must match query");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  out.scalar_type() == key_cache.scalar_type(),
+              "query, out and caches must share a dtype");
+
+  DecodeShape s{};
+  s.num_seqs = query.size(0);
+  s.num_heads = query.size(1);
+  s.head_dim = query.size(2);
+  s.block_size = key_cache.size(1);
+  s.num_kv_heads = key_cache.size(2);
+  s.max_blocks = block_tables.size(1);
+  s.q_seq_stride = query.stride(0);
+  s.q_head_stride = query.stride(1);
+  s.o_seq_stride = out.stride(0);
+  s.o_head_stride = out.stride(1);
+  s.scale = static_cast<float>(scale);
+  TORCH_CHECK(key_cache.size(3) == s.head_dim, "cache head_dim differs from query's");
+  TORCH_CHECK(s.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
+  TORCH_CHECK(s.num_heads <= kMaxHeads, "more than ", kMaxHeads, " query heads");
+  TORCH_CHECK(block_tables.size(0) == s.num_seqs && seq_lens.size(0) == s.num_seqs,
+              "one block table row and one length per sequence");
+  if (s.num_seqs == 0) return;
+
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  if (query.scalar_type() == at::kFloat) {
+    decode_dispatch<float>(s, out, query, key_cache, value_cache, tables, lens);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    decode_dispatch<c10::BFloat16>(s, out, query, key_cache, value_cache, tables, lens);
+  } else {
+    TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, not ", query.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(corestream_cpu, m) {
+  m.def(
+      "paged_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+}

@@ -1,0 +1,153 @@
+"""The C++ CPU decode kernel against the dense reference, and its fallback to torch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kernels.cpu_paged_attention as cpu_module
+from kernels.backend import set_backend
+from kernels.cpu_paged_attention import DecodeFn
+from kernels.paged_attention import paged_attention
+from tests.kernels.paged_batch import PagedBatch, make_batch
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+# Lengths around block edges (1, block_size, block_size + 1 for both block sizes) and
+# long enough for the running max to move several times.
+LENGTHS = [1, 4, 5, 16, 17, 3, 40, 63, 2, 29, 8, 33]
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
+
+
+def decode_batch(
+    lengths: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+    dtype: torch.dtype = torch.float32, fill: float = 0.0,
+) -> PagedBatch:
+    shapes = [(n - 1, 1) for n in lengths]
+    return make_batch(shapes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                      block_size=block_size, dtype=dtype, fill=fill)
+
+
+def run_kernel(kernel: DecodeFn, b: PagedBatch) -> torch.Tensor:
+    out = torch.empty_like(b.query)
+    kernel(out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale)
+    return out
+
+
+def call(b: PagedBatch) -> torch.Tensor:
+    return paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                           b.query_start_loc, b.seq_lens_host, b.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [24, 64, 128])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("num_seqs", [3, 12])
+def test_matches_dense_reference(
+    cpu_kernel: DecodeFn, threads: None, num_seqs: int, heads: int, kv_heads: int,
+    block_size: int, head_dim: int, dtype: torch.dtype,
+) -> None:
+    # Two threads: 3 sequences split into one item per kv head, 12 run whole.
+    torch.set_num_threads(2)
+    b = decode_batch(LENGTHS[:num_seqs], heads, kv_heads, head_dim, block_size, dtype)
+    out = run_kernel(cpu_kernel, b)
+    assert out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), b.reference, atol=tol, rtol=tol)
+
+
+def test_unread_slots_do_not_leak(cpu_kernel: DecodeFn) -> None:
+    # Padding table entries point at block 0 and the tails of last blocks are unwritten;
+    # with the cache prefilled with NaN any read of either poisons the output.
+    b = decode_batch([2, 21, 9, 1], heads=4, kv_heads=2, head_dim=32, block_size=8,
+                     fill=float("nan"))
+    torch.testing.assert_close(run_kernel(cpu_kernel, b), b.reference, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_query_and_output(cpu_kernel: DecodeFn) -> None:
+    # Query as a view into a fused projection, [B, H, D] rows further apart than H * D.
+    b = decode_batch([5, 30, 12], heads=4, kv_heads=2, head_dim=16, block_size=4)
+    fused = torch.zeros(3, 2 * 4, 16)
+    fused[:, :4] = b.query
+    query, out = fused[:, :4], torch.zeros(3, 2 * 4, 16)[:, 4:]
+    cpu_kernel(out, query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale)
+    torch.testing.assert_close(out, b.reference, atol=1e-5, rtol=1e-5)
+
+
+def test_out_of_range_block_id_raises(cpu_kernel: DecodeFn) -> None:
+    b = decode_batch([5, 9], heads=4, kv_heads=2, head_dim=16, block_size=4)
+    b.block_tables[1, 1] = b.key_cache.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        run_kernel(cpu_kernel, b)
+
+
+def test_dispatch_matches_torch_path(cpu_kernel: DecodeFn, kernels_backend: None) -> None:
+    # A mixed batch: prompts on SDPA, decodes on the kernel, stitched back in order.
+    b = make_batch([(0, 6), (30, 1), (4, 8), (7, 1), (0, 1)], heads=8, kv_heads=2,
+                   head_dim=64, block_size=16)
+    set_backend("auto")
+    kernel_out = call(b)
+    set_backend("torch")
+    torch_out = call(b)
+    torch.testing.assert_close(kernel_out, torch_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel_out, b.reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def unbuilt(monkeypatch: pytest.MonkeyPatch, kernels_backend: None) -> pytest.MonkeyPatch:
+    """The module as before its first use, with a build that always fails."""
+    monkeypatch.setattr(cpu_module, "_kernel", None)
+    monkeypatch.setattr(cpu_module, "_failed", False)
+
+    def failing_build() -> DecodeFn:
+        raise RuntimeError("Error building extension 'corestream_paged_attention_cpu'")
+
+    monkeypatch.setattr(cpu_module, "_build", failing_build)
+    return monkeypatch
+
+
+def test_failed_build_falls_back_to_torch(
+    unbuilt: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    b = decode_batch([5, 30, 12, 1], heads=4, kv_heads=2, head_dim=16, block_size=4)
+    set_backend("auto")
+    with caplog.at_level(logging.WARNING, logger=cpu_module.__name__):
+        first, second = call(b), call(b)
+    set_backend("torch")
+    torch_out = call(b)
+    assert torch.equal(first, torch_out) and torch.equal(second, torch_out)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "torch path" in warnings[0].getMessage()
+
+
+def test_failed_build_raises_when_kernel_required(unbuilt: pytest.MonkeyPatch) -> None:
+    b = decode_batch([5, 30], heads=4, kv_heads=2, head_dim=16, block_size=4)
+    set_backend("cpp")
+    with pytest.raises(RuntimeError, match="Error building"):
+        call(b)
+
+
+def test_torch_backend_never_builds(unbuilt: pytest.MonkeyPatch) -> None:
+    def no_build() -> DecodeFn:
+        raise AssertionError("the torch backend must not build the kernel")
+
+    unbuilt.setattr(cpu_module, "_build", no_build)
+    set_backend("torch")
+    b = decode_batch([5, 30], heads=4, kv_heads=2, head_dim=16, block_size=4)
+    torch.testing.assert_close(call(b), b.reference, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_dtype_takes_torch_path(unbuilt: pytest.MonkeyPatch) -> None:
+    b = decode_batch([5, 30], heads=4, kv_heads=2, head_dim=16, block_size=4,
+                     dtype=torch.float16)
+    assert cpu_module.cpu_decode_kernel(b.query, b.key_cache) is None
