@@ -5,7 +5,8 @@ checkpoint tensors (`assign=True`), so weights are never allocated twice. The
 architecture named in config.json picks the class through `MODEL_REGISTRY`, which
 names modules rather than importing them, so a new family is one line plus a module.
 The class also reads the config (`config_from_hf`), since families spell the same
-switches differently.
+switches differently, and names the projections it runs fused (`packed_projections`):
+their checkpoint tensors are concatenated as they are read, each part freed once packed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -78,6 +80,8 @@ def load_model(
         model = cls(config)
 
     state = _read_safetensors(folder, dtype, device)
+    # The fixed-logits stand-in has no projections, hence no packing to declare.
+    pack_projections(state, getattr(cls, "packed_projections", {}))
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = set(result.missing_keys)
     if config.tie_word_embeddings:
@@ -103,6 +107,26 @@ def check_attention_window(config: DecoderConfig, max_model_len: int) -> None:
             f"does not implement yet; max_model_len {max_model_len} exceeds it: "
             f"set max_model_len to {window} or less"
         )
+
+
+def pack_projections(
+    state: dict[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
+) -> None:
+    """Replace, in `state`, each complete group of `packed` parts by their concatenation.
+
+    `packed` maps a fused module name to its parts in output order, e.g. qkv_proj to
+    (q_proj, k_proj, v_proj): `*.q_proj.weight`, `*.k_proj.weight` and `*.v_proj.weight`
+    become `*.qkv_proj.weight` (biases likewise). An incomplete group is left as it is,
+    so that loading names the missing tensors.
+    """
+    for fused, parts in packed.items():
+        marker = f".{parts[0]}."
+        for name in [n for n in state if marker in n]:
+            prefix, suffix = name.rsplit(marker, 1)
+            names = [f"{prefix}.{part}.{suffix}" for part in parts]
+            if all(n in state for n in names):
+                # pop, so that each part is freed as soon as its group is packed.
+                state[f"{prefix}.{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names])
 
 
 def _read_safetensors(

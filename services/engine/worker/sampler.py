@@ -51,11 +51,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Next token ids `[N]` (int64, on device) for float32 logits `[N, vocab]`."""
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
-        params = [r.sampling for r in requests]
-        processed = [has_logit_processors(r) for r in requests]
-        if all(p.greedy for p in params) and not any(processed):
+        # One lazy pass decides the common case, an all-greedy batch without processors.
+        if all(r.sampling.greedy and not has_logit_processors(r) for r in requests):
             return logits.argmax(dim=-1)
-        if any(processed):
+        params = [r.sampling for r in requests]
+        if any(has_logit_processors(r) for r in requests):
             logits = logits.clone()
             _apply_logit_processors(logits, requests)
         greedy_tokens = logits.argmax(dim=-1)
