@@ -2,6 +2,7 @@
 
     corestream coordinator | engine | frontend   run one service
     corestream serve                             run a whole cluster on 127.0.0.1
+    corestream admin --address HOST:PORT ACTION  reset-prefix-cache, stats, pause, resume
 
 Config modules are torch-free, so building the parsers never loads torch; a
 service's code is imported only when that service runs.
@@ -14,6 +15,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from services.admin_cli import add_arguments as add_admin_arguments
+from services.admin_cli import run as run_admin
 from services.common.config import add_arguments
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
@@ -45,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     for classes, _, _ in SERVICES.values():
         for cls in classes:
             add_arguments(serve, cls, exclude=SERVE_OWNED)
+    admin = sub.add_parser(
+        "admin", help="Call a frontend's AdminService; prints JSON.",
+        description="Call a frontend's AdminService (per engine: prefix-cache reset, "
+        "statistics, pause and resume of scheduling) and print the results as JSON.")
+    add_admin_arguments(admin)
     return parser
 
 
@@ -55,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from services.serve import run as run_serve
 
             return run_serve(args)
+        if args.command == "admin":
+            return run_admin(args)
         module = importlib.import_module(SERVICES[args.command][1])
         return int(module.run(args))
     except ValueError as e:

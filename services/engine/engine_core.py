@@ -8,6 +8,14 @@ scheduler and the runner; the output thread moves each step's `StepOutputs` from
     while state allows: process input (block only when idle); step; publish stats
     step = schedule -> execute -> apply aborts -> update
 
+Utility calls (reset_prefix_cache, get_stats, pause, resume) travel on
+`input_queue` like adds, so they run on the loop thread between steps, in order
+with the requests around them; each reply goes back to the calling Session. A
+failing or unknown call is answered with its error and changes nothing else.
+Pausing stops scheduling, not the engine: it stays RUNNING and healthy, and new
+requests queue up until `resume` (modes: abort = abort everything first; wait =
+admit nothing new but let running requests finish; keep = freeze all requests).
+
 Lifecycle: STARTING -> RUNNING (start) -> DRAINING (shutdown) -> STOPPED, or DEAD
 when the loop raises or the watchdog finds it stuck with work pending. DEAD is
 final: every request fails with UNAVAILABLE naming this engine and the reason,
@@ -20,12 +28,14 @@ from __future__ import annotations
 
 import enum
 import faulthandler
+import json
 import logging
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.common.model_info import ModelInfo
@@ -34,7 +44,7 @@ from services.engine.request import FinishReason, Request, RequestUpdate
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
-from services.engine.session_router import EngineState, SessionRouter, StepOutputs
+from services.engine.session_router import EngineState, SessionRouter, StepOutputs, UtilityReply
 from services.engine.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -50,6 +60,21 @@ class InputType(enum.Enum):
     ABORT = enum.auto()
     WAKEUP = enum.auto()
     SHUTDOWN = enum.auto()
+    UTILITY = enum.auto()
+
+
+class PauseMode(enum.Enum):
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+
+
+@dataclass(frozen=True, slots=True)
+class UtilityCall:
+    session_id: str
+    call_id: int
+    method: str
+    args: dict[str, Any]
 
 
 class ModelRunner(Protocol):
@@ -85,7 +110,7 @@ class EngineCore:
         )
         self.input_queue: queue.Queue[tuple[InputType, Any]] = queue.Queue()
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
-        self.output_queue: queue.Queue[StepOutputs | None] = queue.Queue()
+        self.output_queue: queue.Queue[StepOutputs | UtilityReply | None] = queue.Queue()
         self.sessions = SessionRouter()
         self.name = f"engine-core dp={config.engine_index}"
         self._state = EngineState.STARTING
@@ -94,6 +119,13 @@ class EngineCore:
         self._state_listeners: list[Callable[[EngineState], None]] = []
         self._stats = SchedulerStats()
         self._drain_deadline = 0.0
+        self._pause_mode: PauseMode | None = None
+        self._utilities: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            "reset_prefix_cache": self._reset_prefix_cache,
+            "get_stats": self._get_stats,
+            "pause": self._pause,
+            "resume": self._resume,
+        }
         self._loop_thread = threading.Thread(target=self._run_busy_loop, name="engine-loop",
                                              daemon=True)
         self._output_thread = threading.Thread(target=self._run_output_loop,
@@ -141,6 +173,15 @@ class EngineCore:
         self.aborts_queue.put(request_ids)
         self.input_queue.put((InputType.ABORT, request_ids))
 
+    def call_utility(self, call: UtilityCall) -> None:
+        """Run a utility on the loop thread; the reply reaches call.session_id."""
+        if self._state not in (EngineState.RUNNING, EngineState.DRAINING):
+            # No loop will take it off the queue: answer now.
+            self.sessions.reply(self._utility_reply(
+                call, failure=f"utility {call.method!r} failed: {self._not_running_message()}"))
+            return
+        self.input_queue.put((InputType.UTILITY, call))
+
     def wakeup(self) -> None:
         self.input_queue.put((InputType.WAKEUP, None))
 
@@ -168,7 +209,7 @@ class EngineCore:
             while self._state in (EngineState.RUNNING, EngineState.DRAINING):
                 self._feed_watchdog()
                 self._process_input_queue()
-                if self.scheduler.has_work():
+                if self._can_step():
                     self.step()
                 self._publish_stats()
                 if self._state is EngineState.DRAINING and self._drain_over():
@@ -181,7 +222,7 @@ class EngineCore:
             self._stop()
 
     def _process_input_queue(self) -> None:
-        block = self._state is EngineState.RUNNING and not self.scheduler.has_work()
+        block = self._state is EngineState.RUNNING and not self._can_step()
         if block and self._watchdog is not None:
             self._watchdog.pause()  # idle is not stuck
         while True:
@@ -194,6 +235,12 @@ class EngineCore:
             block = False
             self._handle_input(kind, payload)
 
+    def _can_step(self) -> bool:
+        if self._pause_mode is None:
+            return self.scheduler.has_work()
+        # Paused "wait" still runs what is running (admission is off meanwhile).
+        return self._pause_mode is PauseMode.WAIT and bool(self.scheduler.running)
+
     def _feed_watchdog(self) -> None:
         if self._watchdog is not None:
             self._watchdog.feed()
@@ -203,7 +250,11 @@ class EngineCore:
             self._add(payload)
         elif kind is InputType.ABORT:
             self._emit(self.scheduler.abort_requests(payload))
+        elif kind is InputType.UTILITY:
+            self._run_utility(payload)
         elif kind is InputType.SHUTDOWN and self._state is EngineState.RUNNING:
+            # A drain lets in-flight requests finish; a pause must not hold them back.
+            self._resume({})
             self._drain_deadline = time.monotonic() + payload
             self._set_state(EngineState.DRAINING)
             self._broadcast()
@@ -229,6 +280,84 @@ class EngineCore:
         result = self.runner.execute(out)
         aborted = self._apply_aborts()
         self._emit(aborted + self.scheduler.update_from_output(out, result))
+
+    # ---- utility calls (on the loop thread) -------------------------------------
+
+    def _run_utility(self, call: UtilityCall) -> None:
+        handler = self._utilities.get(call.method)
+        if handler is None:
+            known = ", ".join(sorted(self._utilities))
+            reply = self._utility_reply(
+                call, failure=f"unknown utility method {call.method!r} (known: {known})")
+        else:
+            try:
+                reply = self._utility_reply(call, result=handler(call.args))
+            except Exception as exc:
+                # A failing utility is the caller's error, never the engine's death.
+                logger.warning("%s: utility %r failed: %s", self.name, call.method, exc)
+                reply = self._utility_reply(
+                    call, failure=f"utility {call.method!r} failed on {self.name}: {exc}")
+        # Through the output queue, so the reply follows the outputs emitted before it.
+        self.output_queue.put(reply)
+
+    @staticmethod
+    def _utility_reply(call: UtilityCall, result: dict[str, Any] | None = None,
+                       failure: str = "") -> UtilityReply:
+        return UtilityReply(call.call_id, json.dumps(result) if result is not None else "",
+                            failure, call.session_id)
+
+    def _reset_prefix_cache(self, args: dict[str, Any]) -> dict[str, Any]:
+        # As in vLLM: blocks held by running requests may be shared through their
+        # hashes, so the cache is only reset when no request holds any.
+        if self.scheduler.running:
+            raise ValueError(
+                f"{len(self.scheduler.running)} requests are running and hold KV blocks; "
+                "pause (mode abort or wait) until none run, then reset")
+        return {"num_blocks_dropped": self.scheduler.kv_cache.reset_prefix_cache()}
+
+    def _get_stats(self, args: dict[str, Any]) -> dict[str, Any]:
+        kv = self.scheduler.kv_cache
+        stats = self.scheduler.stats()
+        return {
+            "engine_index": self.config.engine_index,
+            "state": self._state.name,
+            "paused": self._pause_mode.value if self._pause_mode else None,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "num_blocks": kv.num_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_cached_blocks": kv.pool.num_cached_blocks,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "step_counter": stats.step_counter,
+        }
+
+    def _pause(self, args: dict[str, Any]) -> dict[str, Any]:
+        if self._state is not EngineState.RUNNING:
+            raise ValueError(self._not_running_message())
+        raw = args.get("mode", PauseMode.WAIT.value)
+        try:
+            mode = PauseMode(raw)
+        except ValueError:
+            choices = ", ".join(m.value for m in PauseMode)
+            raise ValueError(f"unknown pause mode {raw!r} (choose {choices})") from None
+        num_aborted = 0
+        if mode is PauseMode.ABORT:
+            aborted = self.scheduler.finish_all(FinishReason.ABORT)
+            num_aborted = len(aborted)
+            self._emit(aborted)
+        self._pause_mode = mode
+        self.scheduler.admitting = False
+        return {"mode": mode.value, "num_aborted": num_aborted,
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting)}
+
+    def _resume(self, args: dict[str, Any]) -> dict[str, Any]:
+        was = self._pause_mode
+        self._pause_mode = None
+        self.scheduler.admitting = True
+        return {"was_paused": was.value if was else None}
 
     def _apply_aborts(self) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
@@ -320,6 +449,9 @@ class EngineCore:
                 return
             if kind is InputType.ADD:
                 self._reject([payload], UNAVAILABLE, message)
+            elif kind is InputType.UTILITY:
+                self.sessions.reply(self._utility_reply(
+                    payload, failure=f"utility {payload.method!r} failed: {message}"))
 
     def _reject(self, requests: Iterable[Request], code: int, message: str) -> None:
         self._emit([
@@ -353,5 +485,8 @@ class EngineCore:
             listener(state)
 
     def _run_output_loop(self) -> None:
-        while (step := self.output_queue.get()) is not None:
-            self.sessions.route(step)
+        while (item := self.output_queue.get()) is not None:
+            if isinstance(item, UtilityReply):
+                self.sessions.reply(item)
+            else:
+                self.sessions.route(item)

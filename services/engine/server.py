@@ -13,6 +13,7 @@ state: SERVING only while RUNNING (so not before warmup, nor while draining/dead
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -35,7 +36,7 @@ from services.common.grpc_server import (
     add_health_and_reflection,
     server_options,
 )
-from services.engine.engine_core import EngineCore
+from services.engine.engine_core import EngineCore, UtilityCall
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import PositionLogprobs
 from services.engine.session_router import EngineState, SessionItem, SessionOutputs, UtilityReply
@@ -203,9 +204,7 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
                 elif kind == "abort":
                     self.core.abort_requests(list(msg.abort.request_ids))
                 elif kind == "utility":
-                    session.queue.put(UtilityReply(
-                        msg.utility.call_id,
-                        failure_message=f"unknown utility method {msg.utility.method!r}"))
+                    self._call_utility(msg.utility, session)
                 elif kind == "hello":
                     logger.info("session %s from frontend %r", session.session_id[:8],
                                 msg.hello.frontend_id)
@@ -219,6 +218,17 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
             idle = not session.unfinished
         if idle:
             session.queue.put(None)
+
+    def _call_utility(self, msg: pb.UtilityCall, session: _SessionState) -> None:
+        try:
+            args = json.loads(msg.args_json) if msg.args_json else {}
+            if not isinstance(args, dict):
+                raise ValueError("args_json must be a JSON object")
+        except ValueError as exc:
+            session.queue.put(UtilityReply(
+                msg.call_id, failure_message=f"utility {msg.method!r}: bad args_json: {exc}"))
+            return
+        self.core.call_utility(UtilityCall(session.session_id, msg.call_id, msg.method, args))
 
     def GetEngineInfo(  # noqa: N802 (gRPC method name)
         self, request: pb.GetEngineInfoRequest, context: grpc.ServicerContext

@@ -3,7 +3,9 @@
 The busy loop puts one `StepOutputs` per step on the engine's output queue; the
 output thread hands it here, and each open Session's queue receives a
 `SessionOutputs` holding only that Session's updates. State changes (draining,
-stopped, dead) are broadcast to every Session, with or without updates.
+stopped, dead) are broadcast to every Session, with or without updates. A
+utility call's reply takes the same queue, so it follows the outputs of the
+steps before it, to the one Session that made the call.
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ class SessionOutputs:
 
 @dataclass(frozen=True, slots=True)
 class UtilityReply:
+    """The answer to one utility call, for the Session that made it."""
+
     call_id: int
     result_json: str = ""
     failure_message: str = ""
+    session_id: str = ""
 
 
 # What a Session's queue carries; None means the engine will send nothing more.
@@ -85,6 +90,12 @@ class SessionRouter:
                 q.put(SessionOutputs(updates or [], step.stats, step.state, step.timestamp,
                                      session_id))
         # Updates for sessions that closed meanwhile are dropped: nobody is listening.
+
+    def reply(self, reply: UtilityReply) -> None:
+        with self._lock:
+            q = self._queues.get(reply.session_id)
+        if q is not None:  # else the caller's Session closed: nobody is listening
+            q.put(reply)
 
     def wake_all(self) -> None:
         """Unblock every Session reader (None means: the engine will send nothing more)."""

@@ -56,6 +56,11 @@ class Balancer:
         return self._ready
 
     @property
+    def clients(self) -> list[EngineClient]:
+        """Every engine's client, routable or not (admin calls reach draining ones too)."""
+        return list(self._clients.values())
+
+    @property
     def num_connected(self) -> int:
         return sum(c.connected for c in self._clients.values())
 

@@ -15,12 +15,18 @@ Watchdog: an engine sends at least one message per SESSION_HEARTBEAT_S while it
 has requests of ours, so a Session silent for `watchdog_timeout_s` with requests
 in flight belongs to a frozen process (SIGSTOP, a hung host) that cannot report
 anything itself: the client treats it as dead in the same way.
+
+Utility calls (admin) share the Session: `call_utility` sends one with a fresh
+call id and awaits the UtilityResult carrying that id; a lost session fails the
+calls still waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -58,6 +64,14 @@ class _SessionEnded(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class UtilityOutcome:
+    """An engine's answer to a utility call: its JSON result, or why it failed."""
+
+    result_json: str = ""
+    failure_message: str = ""
+
+
 class EngineClient:
     def __init__(
         self,
@@ -79,6 +93,8 @@ class EngineClient:
         self._state: int = common_pb2.ENGINE_STATE_UNSPECIFIED
         self._task: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
+        self._call_ids = itertools.count(1)
+        self._utility_calls: dict[int, asyncio.Future[UtilityOutcome]] = {}
 
     @property
     def connected(self) -> bool:
@@ -92,6 +108,11 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    @property
+    def engine_index(self) -> int | None:
+        """The engine's DP rank, once heard from."""
+        return self._engine_index
 
     @property
     def name(self) -> str:
@@ -159,6 +180,22 @@ class EngineClient:
                 )
             )
         return True
+
+    async def call_utility(self, method: str, args: dict[str, object],
+                           timeout_s: float) -> UtilityOutcome:
+        """Run a utility on the engine. Raises RequestError UNAVAILABLE when not
+        connected or the session breaks, TimeoutError after timeout_s."""
+        if not self._connected or self._send_queue is None:
+            raise unavailable(f"{self.name} is not connected")
+        call_id = next(self._call_ids)
+        future: asyncio.Future[UtilityOutcome] = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        self._send_queue.put_nowait(engine_pb2.SessionRequest(utility=engine_pb2.UtilityCall(
+            call_id=call_id, method=method, args_json=json.dumps(args))))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._utility_calls.pop(call_id, None)
 
     async def _run(self) -> None:
         backoff = Backoff()
@@ -245,6 +282,11 @@ class EngineClient:
                         "treating the engine as dead")
 
     def _on_response(self, response: engine_pb2.SessionResponse) -> None:
+        if response.HasField("utility_result"):
+            result = response.utility_result
+            future = self._utility_calls.pop(result.call_id, None)
+            if future is not None and not future.done():  # else the caller gave up
+                future.set_result(UtilityOutcome(result.result_json, result.failure_message))
         for output in response.outputs:
             queue = self._streams.get(output.request_id)
             if queue is None:  # aborted here while the engine was still producing
@@ -261,6 +303,10 @@ class EngineClient:
         # A DEAD engine ends the Session with UNAVAILABLE and the reason: read on.
 
     def _fail_all(self, reason: str) -> None:
+        calls, self._utility_calls = self._utility_calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(unavailable(f"{self.name} failed ({reason})"))
         streams, self._streams = self._streams, {}
         for queue in streams.values():
             queue.put_nowait(

@@ -1,4 +1,5 @@
-"""The public GenerateService and the frontend's gRPC server around it.
+"""The public GenerateService and the frontend's gRPC server around it (which also
+serves AdminService, see admin.py).
 
 Shutdown (SIGTERM) drains: readiness turns NOT_SERVING and new generation calls get
 UNAVAILABLE ("draining"); running ones may finish within the shutdown timeout,
@@ -16,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 from corestream.generate.v1 import generate_service_pb2_grpc as generate_pb2_grpc
 
@@ -26,6 +28,7 @@ from services.common.grpc_server import (
     server_options,
 )
 from services.common.model_info import ModelInfo
+from services.frontend import admin
 from services.frontend.balancer import Balancer
 from services.frontend.config import FrontendConfig
 from services.frontend.engine_client import EngineClient
@@ -233,7 +236,8 @@ async def _start(request: GenerateRequestLike, context: grpc.aio.ServicerContext
 
 
 class FrontendServer:
-    """GenerateService plus health and reflection, fed by a coordinator or static engines."""
+    """GenerateService and AdminService plus health and reflection, fed by a coordinator
+    or static engines."""
 
     def __init__(self, config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo) -> None:
         self._config = config
@@ -256,7 +260,10 @@ class FrontendServer:
         """Serve and start following engines; returns the bound port."""
         server = grpc.aio.server(options=server_options(PUBLIC_MAX_MESSAGE_BYTES))
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self._servicer, server)
-        self._health = await add_aio_health_and_reflection(server, [SERVICE_NAME])
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(
+            admin.AdminServicer(self.balancer), server)
+        self._health = await add_aio_health_and_reflection(
+            server, [SERVICE_NAME, admin.SERVICE_NAME])
         address = f"{self._config.host}:{self._config.port}"
         self.port = server.add_insecure_port(address)
         if self.port == 0:

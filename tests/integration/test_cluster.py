@@ -15,6 +15,8 @@ import pytest
 from corestream.common.v1 import common_pb2
 from corestream.coordinator.v1 import coordinator_service_pb2 as coord_pb
 from corestream.coordinator.v1 import coordinator_service_pb2_grpc as coord_grpc
+from corestream.generate.v1 import admin_service_pb2 as admin_pb
+from corestream.generate.v1 import admin_service_pb2_grpc as admin_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -265,6 +267,94 @@ def test_grpcurl_reflection_and_stream(cluster: Cluster) -> None:
     tokens = json_objects(grpcurl("-plaintext", "-d", '{"text": "hi"}', cluster.address,
                                   f"{SERVICE}/Tokenize"))[0]
     assert tokens["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def admin(cluster: Cluster) -> Iterator[admin_grpc.AdminServiceStub]:
+    with grpc.insecure_channel(cluster.address) as channel:
+        yield admin_grpc.AdminServiceStub(channel)
+
+
+def engine_stats(admin: admin_grpc.AdminServiceStub) -> list[dict[str, object]]:
+    reply = admin.GetEngineStats(admin_pb.GetEngineStatsRequest(), timeout=20)
+    assert all(r.ok for r in reply.results), reply
+    return [json.loads(r.result_json) for r in reply.results]
+
+
+def test_admin_stats_and_reset_prefix_cache(admin: admin_grpc.AdminServiceStub,
+                                            stub: pb_grpc.GenerateServiceStub) -> None:
+    stub.Generate(pb.GenerateRequest(text="cache me " * 20, sampling=greedy(2)), timeout=60)
+    stats = engine_stats(admin)
+    assert stats and all(s["state"] == "RUNNING" and s["paused"] is None for s in stats)
+    assert sum(s["num_cached_blocks"] for s in stats) > 0  # type: ignore[misc]
+    assert all(s["step_counter"] > 0 for s in stats)  # type: ignore[operator]
+    reply = admin.ResetPrefixCache(admin_pb.ResetPrefixCacheRequest(), timeout=20)
+    assert all(r.ok for r in reply.results), reply
+    assert sum(s["num_cached_blocks"] for s in engine_stats(admin)) == 0  # type: ignore[misc]
+    one = admin.GetEngineStats(admin_pb.GetEngineStatsRequest(engine_index=0), timeout=20)
+    assert [r.engine_index for r in one.results] == [0]
+    with pytest.raises(grpc.RpcError) as info:
+        admin.GetEngineStats(admin_pb.GetEngineStatsRequest(engine_index=99), timeout=20)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_admin_reset_refused_while_running_engine_keeps_serving(
+        admin: admin_grpc.AdminServiceStub, stub: pb_grpc.GenerateServiceStub) -> None:
+    stream = stub.GenerateStream(pb.GenerateStreamRequest(
+        text="a long story", sampling=greedy(1500, ignore_eos=True)), timeout=120)
+    next(stream)
+    reply = admin.ResetPrefixCache(admin_pb.ResetPrefixCacheRequest(), timeout=20)
+    refused = [r for r in reply.results if not r.ok]
+    assert refused, reply
+    assert refused[0].code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "reset_prefix_cache" in refused[0].message and "running" in refused[0].message
+    next(stream)  # the failed call changed nothing: the stream goes on
+    stream.cancel()
+    ok = stub.Generate(pb.GenerateRequest(text="still here", sampling=greedy(3)), timeout=60)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_admin_pause_wait_queues_requests_until_resume(
+        admin: admin_grpc.AdminServiceStub, stub: pb_grpc.GenerateServiceStub) -> None:
+    reply = admin.PauseScheduling(admin_pb.PauseSchedulingRequest(
+        mode=admin_pb.PAUSE_MODE_WAIT), timeout=20)
+    try:
+        assert all(r.ok and json.loads(r.result_json)["mode"] == "wait"
+                   for r in reply.results), reply
+        call = stub.Generate.future(pb.GenerateRequest(
+            text="paused", sampling=greedy(3, ignore_eos=True)), timeout=120)
+        deadline = time.monotonic() + 20
+        while (sum(s["num_waiting"] for s in engine_stats(admin)) == 0  # type: ignore[misc]
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert not call.done()
+        stats = engine_stats(admin)
+        assert sum(s["num_waiting"] for s in stats) == 1  # type: ignore[misc]
+        assert all(s["paused"] == "wait" and s["state"] == "RUNNING" for s in stats)
+    finally:
+        resumed = admin.ResumeScheduling(admin_pb.ResumeSchedulingRequest(), timeout=20)
+    assert all(r.ok for r in resumed.results), resumed
+    assert call.result().usage.completion_tokens == 3
+
+
+def test_admin_cli_prints_json(cluster: Cluster) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "admin", "--address", cluster.address, "stats"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    assert results and results[0]["ok"] and results[0]["result"]["state"] == "RUNNING"
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "admin", "--address", cluster.address,
+         "pause", "--mode", "keep", "--engine", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)[0]["result"]["mode"] == "keep"
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "admin", "--address", cluster.address, "resume"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "AdminService" in " ".join(grpcurl("-plaintext", cluster.address, "list").split())
 
 
 @pytest.mark.timeout(400)

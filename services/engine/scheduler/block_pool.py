@@ -97,6 +97,17 @@ class BlockPool:
         """The free list in eviction order (first = next evicted)."""
         return list(self._free)
 
+    def reset_cache(self) -> int:
+        """Forget every cached block and return how many; refused (ValueError) while
+        any block is held, since a held block's hash may still be shared by a table."""
+        num_held = self.num_blocks - len(self._free)
+        if num_held:
+            raise ValueError(f"{num_held} KV blocks are still held by requests")
+        num_cached = len(self._cached)
+        self._cached.clear()
+        self._hash_of.clear()
+        return num_cached
+
     def _evict(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:

@@ -120,6 +120,10 @@ class KVCacheManager:
             # which are the ones most likely shared as a prefix.
             self.pool.free(reversed(table))
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block (none may be held); returns how many were dropped."""
+        return self.pool.reset_cache()
+
     def _hash_up_to(self, request: Request, num_tokens: int) -> None:
         extend_block_hashes(request.block_hashes, request.token_slice, num_tokens,
                             self.block_size, request.cache_salt)

@@ -73,6 +73,9 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._finished_since_last_step: set[str] = set()
+        # False while the engine is paused in "wait" mode: running requests finish,
+        # waiting ones (new or preempted) stay queued until admission resumes.
+        self.admitting = True
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -173,6 +176,7 @@ class Scheduler:
         # for the survivors, and readmitting the victim now would thrash.
         while (
             not preempted
+            and self.admitting
             and budget > 0
             and self.waiting
             and len(self.running) < self.max_num_seqs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Iterator
@@ -200,3 +201,32 @@ def test_engine_process_serves_and_exits_zero_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_utility_calls_answer_with_their_call_id(channel: grpc.Channel) -> None:
+    client = SessionClient(channel)
+
+    def call(call_id: int, method: str, args_json: str = "") -> pb.UtilityResult:
+        client.send(pb.SessionRequest(utility=pb.UtilityCall(
+            call_id=call_id, method=method, args_json=args_json)))
+        for msg in client.responses:
+            if msg.HasField("utility_result"):
+                return msg.utility_result
+        raise AssertionError("the session ended without a reply")
+
+    stats = call(7, "get_stats")
+    assert stats.call_id == 7 and not stats.failure_message
+    assert json.loads(stats.result_json)["state"] == "RUNNING"
+    paused = call(8, "pause", '{"mode": "keep"}')
+    assert json.loads(paused.result_json)["mode"] == "keep"
+    assert json.loads(call(9, "resume").result_json)["was_paused"] == "keep"
+    unknown = call(10, "no_such_thing")
+    assert unknown.call_id == 10 and "no_such_thing" in unknown.failure_message
+    bad = call(11, "pause", "[1, 2")
+    assert bad.call_id == 11 and "bad args_json" in bad.failure_message
+    # The engine still serves after the failures.
+    client.add("after", [1, 2, 3], max_tokens=2)
+    outputs, _ = client.collect({"after"})
+    client.close()
+    assert len(tokens(outputs["after"])) >= 1
