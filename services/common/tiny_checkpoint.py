@@ -113,22 +113,35 @@ def write_tiny_checkpoint(folder: Path) -> None:
     save_file(_random_weights(vocab_size), str(folder / "model.safetensors"), {"format": "pt"})
 
 
-def _train_tokenizer() -> Tokenizer:
+def train_byte_level_bpe(
+    lines: list[str], vocab_size: int, special_tokens: tuple[str, ...], min_frequency: int = 0
+) -> Tokenizer:
+    """A byte-level BPE trained on `lines` whose encodings start with `<s>`, Llama-style.
+
+    Training is deterministic, so the same arguments give the same tokenizer.json.
+    """
     tokenizer = Tokenizer(models.BPE())
     # Byte-level pieces make every UTF-8 string encodable and decodable exactly.
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=_TARGET_VOCAB,
-        min_frequency=2,
-        special_tokens=list(_SPECIAL_TOKENS),
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer)
-    # Llama-style: the encoding of a prompt starts with <s>.
+    tokenizer.train_from_iterator(lines, trainer)
+    bos_id = tokenizer.token_to_id("<s>")
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", _BOS_ID)]
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos_id)]
+    )
+    return tokenizer
+
+
+def _train_tokenizer() -> Tokenizer:
+    tokenizer = train_byte_level_bpe(
+        _CORPUS.splitlines(), _TARGET_VOCAB, _SPECIAL_TOKENS, min_frequency=2
     )
     for token_id, token in enumerate(_SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == token_id, token

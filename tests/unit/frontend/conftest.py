@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from services.common.model_info import ModelInfo
+from services.common.tiny_checkpoint import train_byte_level_bpe
 from services.frontend.tokenizer import TextTokenizer
 
 BOS_ID = 0
@@ -22,18 +23,8 @@ _CORPUS = [
 
 
 def build_tokenizer() -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(_CORPUS * 10, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", BOS_ID)]
-    )
+    tokenizer = train_byte_level_bpe(_CORPUS * 10, VOCAB_SIZE, ("<s>", "</s>"))
+    assert tokenizer.token_to_id("<s>") == BOS_ID and tokenizer.token_to_id("</s>") == EOS_ID
     return tokenizer
 
 
