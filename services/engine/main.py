@@ -32,8 +32,6 @@ from services.engine.server import EngineServer
 from services.engine.session_router import EngineState
 from services.engine.worker.config import RunnerConfig
 
-GIL_SWITCH_INTERVAL_S = 0.0005
-
 logger = logging.getLogger(__name__)
 
 CONFIG_CLASSES = (EngineConfig, RunnerConfig)
@@ -49,10 +47,6 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(f"engine{config.engine_index}", config.log_level)
     logger.info("config: %s %s", config, runner_config)
     shutdown = ShutdownSignal.install()
-    # NOTE: the busy loop holds the GIL between torch ops; with the default 5 ms switch
-    # interval the output and Session threads wait up to that long to send each step's
-    # tokens, which lands straight on the inter-token latency.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     # Imported here: torch loads only in the process that runs a model.
     from services.engine.worker.model_runner import ModelRunner
