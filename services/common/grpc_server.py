@@ -1,8 +1,16 @@
 """gRPC server bootstrap shared by every service: options, health, reflection.
 
-Each process serves grpc.health.v1 with a streaming Watch: "" is liveness (the
-process answers), the full service name is readiness (warm, not draining, not
-dead). Reflection lists every service so grpcurl needs no proto files.
+Each process serves grpc.health.v1 with a streaming Watch. Probes (Kubernetes'
+native gRPC probes among them) ask by service name:
+
+- "" and "liveness": the process answers and is making progress (an engine whose
+  watchdog fired or that is DEAD reports NOT_SERVING);
+- "startup": SERVING from the first time the process became ready, and stays so,
+  so that a long model load is told apart from a later drain;
+- "readiness" and each full service name: warm, not draining, not dead, not
+  overloaded: send traffic here.
+
+Reflection lists every service so grpcurl needs no proto files.
 """
 
 from __future__ import annotations
@@ -52,6 +60,12 @@ def channel_options(max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> list
     ]
 
 
+LIVENESS = "liveness"
+READINESS = "readiness"
+STARTUP = "startup"
+PROBE_SERVICE_NAMES = (LIVENESS, READINESS, STARTUP)
+
+
 def _status(serving: bool) -> int:
     return (
         health_pb2.HealthCheckResponse.SERVING
@@ -61,18 +75,21 @@ def _status(serving: bool) -> int:
 
 
 class Health:
-    """Liveness ("") and readiness (each named service) of a threaded server."""
+    """Liveness, startup and readiness (see the module doc) of a threaded server."""
 
     def __init__(self, servicer: health.HealthServicer, service_names: Sequence[str]) -> None:
         self._servicer = servicer
-        self._names = list(service_names)
+        self._names = [*service_names, READINESS]
 
     def set_ready(self, ready: bool) -> None:
         for name in self._names:
             self._servicer.set(name, _status(ready))
+        if ready:
+            self._servicer.set(STARTUP, _status(True))
 
     def set_live(self, live: bool) -> None:
-        self._servicer.set("", _status(live))
+        for name in ("", LIVENESS):
+            self._servicer.set(name, _status(live))
 
     def shutdown(self) -> None:
         """Tell every watcher NOT_SERVING and refuse further changes."""
@@ -84,14 +101,17 @@ class AioHealth:
 
     def __init__(self, servicer: Any, service_names: Sequence[str]) -> None:
         self._servicer = servicer
-        self._names = list(service_names)
+        self._names = [*service_names, READINESS]
 
     async def set_ready(self, ready: bool) -> None:
         for name in self._names:
             await self._servicer.set(name, _status(ready))
+        if ready:
+            await self._servicer.set(STARTUP, _status(True))
 
     async def set_live(self, live: bool) -> None:
-        await self._servicer.set("", _status(live))
+        for name in ("", LIVENESS):
+            await self._servicer.set(name, _status(live))
 
     async def shutdown(self) -> None:
         await self._servicer.enter_graceful_shutdown()
@@ -110,6 +130,7 @@ def add_health_and_reflection(server: grpc.Server, service_names: Sequence[str])
     h = Health(servicer, service_names)
     h.set_live(True)
     h.set_ready(False)
+    servicer.set(STARTUP, _status(False))
     return h
 
 
@@ -122,4 +143,5 @@ async def add_aio_health_and_reflection(
     h = AioHealth(servicer, service_names)
     await h.set_live(True)
     await h.set_ready(False)
+    await servicer.set(STARTUP, _status(False))
     return h

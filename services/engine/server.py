@@ -263,7 +263,13 @@ class EngineServer:
         if self.port == 0:
             raise OSError(f"could not bind {host}:{port}")
         self.address = f"{host}:{self.port}"
-        core.add_state_listener(lambda state: self.health.set_ready(state is EngineState.RUNNING))
+        core.add_state_listener(self._on_state)
+
+    def _on_state(self, state: EngineState) -> None:
+        self.health.set_ready(state is EngineState.RUNNING)
+        # Liveness means forward progress: a DEAD engine (watchdog or fatal error)
+        # should be restarted even if the process lingers.
+        self.health.set_live(state is not EngineState.DEAD)
 
     def start(self) -> None:
         self.server.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -91,6 +92,18 @@ class Cluster:
             if flag in argv and argv[argv.index(flag) + 1] == str(index).encode():
                 return pid
         raise LookupError(f"no engine {index} below serve:\n{self.output()}")
+
+    def logged_addresses(self, pattern: str) -> list[str]:
+        """host:port values the children logged with `pattern` (a regex with one group)."""
+        return [m.group(1) for line in self.lines if (m := re.search(pattern, line))]
+
+    @property
+    def coordinator_address(self) -> str:
+        return self.logged_addresses(r"coordinator listening on (\S+)")[0]
+
+    @property
+    def engine_addresses(self) -> list[str]:
+        return self.logged_addresses(r"engine \d+ listening on (\S+)")
 
     def output(self) -> str:
         return "".join(self.lines[-200:])

@@ -225,8 +225,14 @@ def test_health_watch_streams(cluster: Cluster) -> None:
         watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         watch.cancel()
-        live = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-        assert live.status == health_pb2.HealthCheckResponse.SERVING
+        # The probe names a Kubernetes chart points at, on every process.
+        addresses = [cluster.address, cluster.coordinator_address, *cluster.engine_addresses]
+        for address in addresses:
+            with grpc.insecure_channel(address) as probe_channel:
+                probe = health_pb2_grpc.HealthStub(probe_channel)
+                for name in ("", "liveness", "readiness", "startup"):
+                    reply = probe.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING, (address, name)
 
 
 def grpcurl(*args: str) -> str:
