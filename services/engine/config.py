@@ -29,6 +29,14 @@ class EngineConfig:
     scheduling_policy: str = doc(
         "Order of admission: fcfs (arrival) or priority (lower value first).", default="fcfs"
     )
+    max_concurrent_batches: int = doc(
+        "Depth of the batch queue: with 2 the next step is scheduled while the previous one "
+        "executes; 1 runs schedule, execute, update one after another.", default=1
+    )
+    profile_dir: str = doc(
+        "Folder where the profile utility call writes torch profiler traces; empty means "
+        "a folder under the system temp dir.", default=""
+    )
     log_level: str = doc("Log level: debug, info, warning, error.", default="info")
     shutdown_timeout: float = doc(
         "Seconds that in-flight requests get to finish after SIGTERM before they are aborted "
@@ -50,6 +58,10 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not 1 <= self.max_concurrent_batches <= 8:
+            raise ValueError(
+                f"max_concurrent_batches must be in [1, 8], got {self.max_concurrent_batches}"
             )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
