@@ -33,9 +33,19 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _MAX_HEAD_DIM = 256
 _MAX_HEADS = 256
 
-# paged_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
+# paged_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, window):
+# window is the sliding window in tokens, 0 for none.
 DecodeFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        float,
+        int,
+    ],
     None,
 ]
 

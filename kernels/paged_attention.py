@@ -5,7 +5,11 @@ prompts, prompt chunks whose earlier tokens are already cached (a prefix), and
 single-token decodes. Sequence i owns query rows `query_start_loc[i]:query_start_loc[i+1]`
 and, after this step's cache write, `seq_lens[i]` cached tokens; its query rows are
 the last of those tokens, so query row j sits at position `seq_lens[i] - q_len + j` and
-may attend to every cached token up to and including that position.
+may attend to every cached token up to and including that position. With a sliding
+window W it attends only to the last W of those: a query at position p sees keys at
+positions k with p - W < k <= p (transformers' `sliding_window_overlay`, itself included).
+Every block stays in the cache even once it has slid out of every window; freeing such
+blocks would save memory on long contexts, and is left to a later change.
 
 On CUDA with triton installed this runs one Triton kernel for the whole batch
 (`kernels.triton_paged_attention`). On CPU, decodes (the common case, and bound by memory
@@ -41,9 +45,11 @@ def paged_attention(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
     query_start_loc_host: Sequence[int],
     seq_lens_host: Sequence[int],
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention output `[T, num_heads, head_dim]` for `query` `[T, num_heads, head_dim]`.
 
@@ -51,14 +57,32 @@ def paged_attention(
     block_tables: `[B, max_blocks]` integer block ids per sequence; unused entries must
         still be valid block ids (their contents are masked out).
     seq_lens: `[B]` cached tokens per sequence after this step, on the query's device.
+    query_start_loc: `[B + 1]` int32 offsets of each sequence's rows, on the query's
+        device; built once per step and shared by every layer, so no layer copies them.
     query_start_loc_host, seq_lens_host: the same offsets and lengths as host ints.
+    sliding_window: attend only to this many latest positions (None: all of them).
     """
     num_seqs = len(seq_lens_host)
     assert len(query_start_loc_host) == num_seqs + 1, "query_start_loc needs B + 1 entries"
     assert query_start_loc_host[-1] == query.shape[0], "query_start_loc must end at T"
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if use_triton(query):
-        return _paged_attention_triton(
-            query, key_cache, value_cache, block_tables, seq_lens, query_start_loc_host, scale
+        from kernels.triton_paged_attention import paged_attention_triton
+
+        max_query_len = max(
+            (end - start for start, end in pairwise(query_start_loc_host)), default=0
+        )
+        return paged_attention_triton(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            max_query_len,
+            scale,
+            sliding_window,
         )
     out = torch.empty_like(query)
     if num_seqs == 0:
@@ -70,11 +94,27 @@ def paged_attention(
             decodes.append(i)
         elif end > start:
             out[start:end] = _prefill(
-                query[start:end], key_cache, value_cache, block_tables[i], seq_lens_host[i], scale
+                query[start:end],
+                key_cache,
+                value_cache,
+                block_tables[i],
+                seq_lens_host[i],
+                scale,
+                sliding_window,
             )
     if len(decodes) == num_seqs:
         # Every row is a decode and rows are in sequence order: no gather, no scatter.
-        _decode(out, query, key_cache, value_cache, block_tables, seq_lens, seq_lens_host, scale)
+        _decode(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            seq_lens_host,
+            scale,
+            sliding_window,
+        )
     elif decodes:
         rows = torch.tensor([query_start_loc_host[i] for i in decodes], device=query.device)
         index = torch.tensor(decodes, device=query.device)
@@ -88,38 +128,10 @@ def paged_attention(
             seq_lens[index],
             [seq_lens_host[i] for i in decodes],
             scale,
+            sliding_window,
         )
         out[rows] = decode_out
     return out
-
-
-def _paged_attention_triton(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc_host: Sequence[int],
-    scale: float,
-) -> torch.Tensor:
-    from kernels.triton_paged_attention import paged_attention_triton
-
-    # NOTE: one small host-to-device copy per call, because the entry point receives the
-    # offsets only as host ints; passing the runner's device copy would remove it.
-    query_start_loc = torch.tensor(query_start_loc_host, dtype=torch.int32).to(
-        query.device, non_blocking=True
-    )
-    max_query_len = max((end - start for start, end in pairwise(query_start_loc_host)), default=0)
-    return paged_attention_triton(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        max_query_len,
-        scale,
-    )
 
 
 def _prefill(
@@ -129,22 +141,31 @@ def _prefill(
     block_table: torch.Tensor,
     seq_len: int,
     scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     """One sequence's chunk: query `[q_len, H, D]` over its first `seq_len` cached tokens."""
     q_len = query.shape[0]
-    num_blocks = -(-seq_len // key_cache.shape[1])
-    table = block_table[:num_blocks]
-    # [num_blocks, block_size, Hkv, D] -> [Hkv, seq_len, D]
-    keys = key_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)
-    values = value_cache.index_select(0, table).flatten(0, 1)[:seq_len].transpose(0, 1)
+    prefix = seq_len - q_len
+    block_size = key_cache.shape[1]
+    # Keys before the first row's window are invisible to every row: skip their blocks.
+    first_key = 0 if sliding_window is None else max(0, prefix - sliding_window + 1)
+    first_block = first_key // block_size
+    table = block_table[first_block : -(-seq_len // block_size)]
+    offset = first_block * block_size  # position of the first gathered key
+    # [num_blocks, block_size, Hkv, D] -> [Hkv, seq_len - offset, D]
+    keys = key_cache.index_select(0, table).flatten(0, 1)[: seq_len - offset].transpose(0, 1)
+    values = value_cache.index_select(0, table).flatten(0, 1)[: seq_len - offset].transpose(0, 1)
     q = query.transpose(0, 1)
-    if q_len == seq_len:
+    if q_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
         mask = None
     else:
-        # Causal mask shifted right by the cached prefix: row j sees keys 0..prefix+j.
-        prefix = seq_len - q_len
-        rows = torch.arange(prefix, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= rows[:, None]
+        # Causal mask shifted right by the cached prefix: row j sees keys up to
+        # prefix + j, and with a window only the last `sliding_window` of those.
+        rows = torch.arange(prefix, seq_len, device=query.device)[:, None]
+        key_pos = torch.arange(offset, seq_len, device=query.device)[None, :]
+        mask = key_pos <= rows
+        if sliding_window is not None:
+            mask &= key_pos > rows - sliding_window
     # NOTE: 4-D inputs: CPU SDPA runs its fused kernel only on [batch, heads, L, D], and
     # falls back to a much slower unfused path for 3-D ones.
     out = F.scaled_dot_product_attention(
@@ -168,6 +189,7 @@ def _decode(
     seq_lens: torch.Tensor,
     seq_lens_host: Sequence[int],
     scale: float,
+    sliding_window: int | None,
 ) -> None:
     """One query token per sequence, batched: writes `out` `[B, H, D]` for query `[B, H, D]`."""
     kernel = cpu_decode_kernel(query, key_cache)
@@ -180,9 +202,20 @@ def _decode(
             block_tables.to(torch.int32).contiguous(),
             seq_lens.to(torch.int32).contiguous(),
             scale,
+            sliding_window or 0,
         )
         return
-    _decode_torch(out, query, key_cache, value_cache, block_tables, seq_lens, seq_lens_host, scale)
+    _decode_torch(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        seq_lens_host,
+        scale,
+        sliding_window,
+    )
 
 
 def _decode_torch(
@@ -194,9 +227,11 @@ def _decode_torch(
     seq_lens: torch.Tensor,
     seq_lens_host: Sequence[int],
     scale: float,
+    sliding_window: int | None,
 ) -> None:
     """`_decode` in torch: sequences go in chunks of about `_DECODE_CHUNK_BYTES` of gathered
-    keys and values, each padded to its own longest sequence and masked by length.
+    keys and values, each padded to its own longest sequence and masked by length (and by
+    the window: the one query sits at position seq_len - 1).
     """
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     block_bytes = 2 * block_size * num_kv_heads * head_dim * key_cache.element_size()
@@ -212,7 +247,11 @@ def _decode_torch(
         keys = key_cache.index_select(0, table).view(gathered).transpose(1, 2)
         values = value_cache.index_select(0, table).view(gathered).transpose(1, 2)
         positions = torch.arange(num_blocks * block_size, device=query.device)
-        mask = (positions[None, :] < seq_lens[start:end, None])[:, None, None, :]
+        lens = seq_lens[start:end, None]
+        mask = positions[None, :] < lens
+        if sliding_window is not None:
+            mask &= positions[None, :] >= lens - sliding_window
+        mask = mask[:, None, None, :]
         # [b, H, 1, D] attends over [b, Hkv, L, D]
         chunk_out = F.scaled_dot_product_attention(
             query[start:end, :, None, :],

@@ -11,6 +11,8 @@ It walks that sequence's KV blocks in order through the block table and keeps a 
 max and sum (online softmax, as in flash attention), so scores are never materialised.
 Query token j of a chunk sits at position prefix + j and sees keys 0 ..= prefix + j:
 full attention over the prefix, causal within the chunk, and decodes fall out as q_len 1.
+With a sliding window W (SLIDING) it sees only keys above prefix + j - W, and the walk
+starts at the first block that the program's first row can see.
 
 Mapping programs to sequences without host work: sequence i's query blocks start at
 program `query_start_loc[i] // BLOCK_Q + i`. That start grows by at least
@@ -37,6 +39,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     num_seqs,
+    window,  # the sliding window, read only when SLIDING
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     query_token_stride,
     query_head_stride,
@@ -53,6 +56,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     UPCAST: tl.constexpr,  # run the dots in fp32 (see the launcher)
+    SLIDING: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,8 +105,12 @@ def _paged_attention_kernel(
     # Keys past the last row's position are masked for every row: stop before them.
     last_pos = tl.minimum(prefix + (q_block + 1) * BLOCK_Q, seq_len)
     num_blocks = tl.cdiv(last_pos, BLOCK_SIZE)
+    # Keys at or below the first row's position - window are masked for every row.
+    first_key = 0
+    if SLIDING:
+        first_key = tl.maximum(prefix + q_block * BLOCK_Q - window + 1, 0)
     slots = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, num_blocks):
+    for j in range(first_key // BLOCK_SIZE, num_blocks):
         block_id = tl.load(block_tables_ptr + seq * block_table_stride + j).to(tl.int64)
         kv_offsets = (
             block_id * cache_block_stride
@@ -113,7 +121,7 @@ def _paged_attention_kernel(
         key_pos = j * BLOCK_SIZE + slots
         # NOTE: slots past seq_len in the last block hold stale or uninitialised data,
         # possibly NaN; masking the scores is not enough, since 0 * NaN in p @ v is NaN.
-        kv_mask = (key_pos < seq_len)[:, None] & dim_valid[None, :]
+        kv_mask = ((key_pos < seq_len) & (key_pos >= first_key))[:, None] & dim_valid[None, :]
         k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if UPCAST:
@@ -122,9 +130,12 @@ def _paged_attention_kernel(
 
         scores = tl.dot(q, tl.trans(k)) * scale_log2  # [BLOCK_M, BLOCK_SIZE]
         visible = key_pos[None, :] <= row_pos[:, None]
+        if SLIDING:
+            visible = visible & (key_pos[None, :] > row_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
-        # Rows that see nothing yet (padding rows only: a real row always sees key 0)
-        # keep m = -inf; subtracting a finite stand-in keeps exp2 away from -inf - -inf.
+        # Rows that see nothing yet (padding rows, and rows whose window starts in a
+        # later block) keep m = -inf; subtracting a finite stand-in keeps exp2 away from
+        # -inf - -inf. Every real row sees at least its own key, so none ends empty.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -151,6 +162,7 @@ def paged_attention_triton(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `kernels.paged_attention.paged_attention`, with the query offsets
     `query_start_loc` `[B + 1]` int32 on the device and the longest query as a host int."""
@@ -193,6 +205,7 @@ def paged_attention_triton(
         seq_lens,
         query_start_loc,
         num_seqs,
+        sliding_window or 0,
         scale * LOG2_E,
         query.stride(0),
         query.stride(1),
@@ -211,5 +224,6 @@ def paged_attention_triton(
         # NOTE: CPU tensors only get here under TRITON_INTERPRET=1, whose tl.dot
         # computes garbage from bf16 operands (triton 3.9); fp32 dots there are exact.
         UPCAST=query.device.type == "cpu",
+        SLIDING=sliding_window is not None,
     )
     return out

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -11,6 +12,15 @@ def _cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # NOTE: triton decides when it is first imported whether its own @jit helpers (tl.max,
+    # tl.cdiv, ...) run in its interpreter, and any test module that imports transformers
+    # imports triton. Without CUDA the Triton kernel tests run in the interpreter, so the
+    # switch goes on before the first test module is collected, in whatever order.
+    if not _cuda_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

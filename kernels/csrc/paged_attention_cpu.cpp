@@ -13,6 +13,10 @@
 // context. Sequences differ in length, so items are handed out dynamically to torch's
 // intra-op threads rather than in fixed contiguous ranges.
 //
+// With a sliding window W the query (at position seq_len - 1) sees only the last W
+// cached tokens: the walk starts at the block holding position seq_len - W and skips
+// that block's earlier tokens, so a long context costs no more than W tokens.
+//
 // Registered as the torch op corestream_cpu::paged_decode; the light headers (no
 // torch/extension.h, no pybind11) keep the first-use build short.
 
@@ -126,6 +130,7 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict p,
 struct DecodeShape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t q_seq_stride, q_head_stride, o_seq_stride, o_head_stride;
+  int64_t window;  // sliding window in tokens; 0 = none
   float scale;
 };
 
@@ -167,10 +172,13 @@ void attend_one(
   // A block is [block_size, num_kv_heads, head_dim]; this item reads its kv heads' rows.
   const int64_t token_stride = s.num_kv_heads * dim;
   const int64_t num_blocks = (seq_len + bs - 1) / bs;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  const int64_t first_token = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
+  for (int64_t b = first_token / bs; b < num_blocks; ++b) {
     const int64_t block = block_table[b];
-    const int64_t n = std::min(bs, seq_len - b * bs);
-    const int64_t base = (block * bs * s.num_kv_heads + kv_begin) * dim;
+    // This block's visible tokens are [skip, skip + n) of its rows.
+    const int64_t skip = std::max<int64_t>(0, first_token - b * bs);
+    const int64_t n = std::min(bs, seq_len - b * bs) - skip;
+    const int64_t base = ((block * bs + skip) * s.num_kv_heads + kv_begin) * dim;
     const T* __restrict k = key_cache + base;
     const T* __restrict v = value_cache + base;
 
@@ -302,6 +310,7 @@ void decode_dispatch(const DecodeShape& s, const at::Tensor& out, const at::Tens
 // out, query: [B, H, D] (any row strides, unit stride over D).
 // key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous.
 // block_tables: [B, max_blocks] int32, contiguous; seq_lens: [B] int32.
+// window: attend only to the last `window` cached tokens; 0 = all of them.
 void paged_decode(
     const at::Tensor& out,
     const at::Tensor& query,
@@ -309,7 +318,8 @@ void paged_decode(
     const at::Tensor& value_cache,
     const at::Tensor& block_tables,
     const at::Tensor& seq_lens,
-    double scale) {
+    double scale,
+    int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D], cache 4-D");
   TORCH_CHECK(out.sizes() == query.sizes(), "out must match query");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
@@ -339,6 +349,8 @@ void paged_decode(
   TORCH_CHECK(s.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(s.num_heads <= kMaxHeads, "more than ", kMaxHeads, " query heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window), got ", window);
+  s.window = window;
   TORCH_CHECK(block_tables.size(0) == s.num_seqs && seq_lens.size(0) == s.num_seqs,
               "one block table row and one length per sequence");
   if (s.num_seqs == 0) return;
@@ -359,7 +371,7 @@ void paged_decode(
 TORCH_LIBRARY(corestream_cpu, m) {
   m.def(
       "paged_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor seq_lens, float scale, int window) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {

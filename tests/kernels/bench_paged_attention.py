@@ -20,9 +20,11 @@ HEADS, KV_HEADS, DIM, BLOCK_SIZE = 8, 4, 64, 16
 BACKENDS = ("torch", "cpp")
 
 
-def _time_batch(shapes: list[tuple[int, int]], repeats: int) -> dict[str, float]:
+def _time_batch(
+    shapes: list[tuple[int, int]], repeats: int, window: int | None = None
+) -> dict[str, float]:
     """Median milliseconds per call for each backend, for sequences given as
-    (cached prefix, new tokens)."""
+    (cached prefix, new tokens), attending through a sliding `window` if one is given."""
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = [-(-(p + n) // BLOCK_SIZE) for p, n in shapes]
     num_blocks = sum(blocks_per_seq) + 1
@@ -43,9 +45,11 @@ def _time_batch(shapes: list[tuple[int, int]], repeats: int) -> dict[str, float]
         value_cache,
         torch.tensor(tables, dtype=torch.int32),
         torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32),
         starts,
         seq_lens,
         DIM**-0.5,
+        window,
     )
     # Backends alternate call by call, so that load from neighbours on a shared machine
     # falls on both alike; the median then resists their spikes.
@@ -73,12 +77,16 @@ def main() -> None:
         "prefill  B=32 x 64 new, no prefix": [(0, 64)] * 32,
         "chunks   B=32 x 32 new after 256": [(256, 32)] * 32,
         "mixed    4 x 128 prompt + 124 decodes ctx 300": [(0, 128)] * 4 + [(299, 1)] * 124,
+        "decode   B=64 ctx=2048": [(2047, 1)] * 64,
+        "decode   B=64 ctx=2048 window=256": ([(2047, 1)] * 64, 256),
+        "chunks   B=8 x 128 new after 1920 window=256": ([(1920, 128)] * 8, 256),
     }
     print(f"threads={torch.get_num_threads()} heads={HEADS} kv_heads={KV_HEADS} dim={DIM} fp32")
     print(f"{'median ms/call':48s} {'torch':>8s} {'C++':>8s}")
-    for name, shapes in cases.items():
+    for name, case in cases.items():
+        shapes, window = case if isinstance(case, tuple) else (case, None)
         repeats = 200 if len(shapes) == 1 else 20
-        ms = _time_batch(shapes, repeats)
+        ms = _time_batch(shapes, repeats, window)
         print(f"{name:48s} {ms['torch']:8.3f} {ms['cpp']:8.3f}   x{ms['torch'] / ms['cpp']:.2f}")
 
 

@@ -17,21 +17,47 @@ class PagedBatch:
     value_cache: torch.Tensor
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0
     seq_lens: torch.Tensor  # [B] int32
-    query_start_loc: list[int]
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    query_start_loc_host: list[int]
     seq_lens_host: list[int]
     reference: torch.Tensor  # [T, H, D] float32
     scale: float
+    sliding_window: int | None
+
+    def args(self) -> tuple[object, ...]:
+        """The positional arguments of `kernels.paged_attention.paged_attention`."""
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.query_start_loc_host,
+            self.seq_lens_host,
+            self.scale,
+            self.sliding_window,
+        )
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [q_len, H, D] as the last q_len positions of k, v [seq_len, Hkv, D]."""
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None = None
+) -> torch.Tensor:
+    """q [q_len, H, D] as the last q_len positions of k, v [seq_len, Hkv, D].
+
+    With a window W, the query at position p sees keys at k with p - W < k <= p.
+    """
     q_len, seq_len = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    key_pos = torch.arange(seq_len)[None, :]
+    hidden = key_pos > query_pos
+    if sliding_window is not None:
+        hidden |= key_pos <= query_pos - sliding_window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -46,6 +72,7 @@ def make_batch(
     device: str = "cpu",
     fill: float = 0.0,
     seed: int = 0,
+    sliding_window: int | None = None,
 ) -> PagedBatch:
     """Sequences given as (cached prefix, new tokens); unwritten cache slots hold `fill`."""
     gen = torch.Generator().manual_seed(seed)
@@ -69,7 +96,7 @@ def make_batch(
         )
         write_kv_cache(k, v, key_cache, value_cache, slots)
         queries.append(q)
-        refs.append(dense_causal_attention(q.float(), k.float(), v.float()))
+        refs.append(dense_causal_attention(q.float(), k.float(), v.float(), sliding_window))
         starts.append(starts[-1] + new)
     seq_lens = [p + n for p, n in shapes]
     return PagedBatch(
@@ -78,8 +105,10 @@ def make_batch(
         value_cache=value_cache.to(device),
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=starts,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        query_start_loc_host=starts,
         seq_lens_host=seq_lens,
         reference=torch.cat(refs).to(device),
         scale=head_dim**-0.5,
+        sliding_window=sliding_window,
     )

@@ -30,22 +30,23 @@ def threads() -> Iterator[None]:
 
 def decode_batch(
     lengths: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype = torch.float32, fill: float = 0.0,
+    dtype: torch.dtype = torch.float32, fill: float = 0.0, sliding_window: int | None = None,
 ) -> PagedBatch:
     shapes = [(n - 1, 1) for n in lengths]
     return make_batch(shapes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                      block_size=block_size, dtype=dtype, fill=fill)
+                      block_size=block_size, dtype=dtype, fill=fill,
+                      sliding_window=sliding_window)
 
 
 def run_kernel(kernel: DecodeFn, b: PagedBatch) -> torch.Tensor:
     out = torch.empty_like(b.query)
-    kernel(out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale)
+    kernel(out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale,
+           b.sliding_window or 0)
     return out
 
 
 def call(b: PagedBatch) -> torch.Tensor:
-    return paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
-                           b.query_start_loc, b.seq_lens_host, b.scale)
+    return paged_attention(*b.args())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,8 +81,31 @@ def test_strided_query_and_output(cpu_kernel: DecodeFn) -> None:
     fused = torch.zeros(3, 2 * 4, 16)
     fused[:, :4] = b.query
     query, out = fused[:, :4], torch.zeros(3, 2 * 4, 16)[:, 4:]
-    cpu_kernel(out, query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale)
+    cpu_kernel(out, query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale, 0)
     torch.testing.assert_close(out, b.reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 16, 100])
+def test_sliding_window_matches_dense_reference(
+    cpu_kernel: DecodeFn, threads: None, window: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    # Windows inside one block, on block edges, across several blocks and wider than
+    # every sequence; NaN in unwritten slots, so reading past the cached tokens shows.
+    torch.set_num_threads(2)
+    b = decode_batch(LENGTHS, heads=8, kv_heads=2, head_dim=head_dim, block_size=4,
+                     dtype=dtype, fill=float("nan"), sliding_window=window)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(run_kernel(cpu_kernel, b).float(), b.reference, atol=tol, rtol=tol)
+
+
+def test_negative_window_raises(cpu_kernel: DecodeFn) -> None:
+    b = decode_batch([5, 9], heads=4, kv_heads=2, head_dim=16, block_size=4)
+    out = torch.empty_like(b.query)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        cpu_kernel(out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                   b.scale, -1)
 
 
 def test_out_of_range_block_id_raises(cpu_kernel: DecodeFn) -> None:

@@ -21,14 +21,14 @@ def backend(request: pytest.FixtureRequest, kernels_backend: None) -> str:
 
 
 def run_batch(
-    shapes: list[tuple[int, int]], dtype: torch.dtype = torch.float32
+    shapes: list[tuple[int, int]],
+    dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(paged, reference) outputs for sequences given as (cached prefix, new tokens)."""
     b = make_batch(shapes, heads=HEADS, kv_heads=KV_HEADS, head_dim=DIM, block_size=BLOCK_SIZE,
-                   dtype=dtype)
-    out = paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
-                          b.query_start_loc, b.seq_lens_host, b.scale)
-    return out, b.reference
+                   dtype=dtype, sliding_window=sliding_window)
+    return paged_attention(*b.args()), b.reference
 
 
 @pytest.mark.parametrize(
@@ -66,3 +66,33 @@ def test_decodes_split_into_chunks(monkeypatch: pytest.MonkeyPatch, chunk_bytes:
     for shapes in ([(5, 1), (30, 1), (0, 1), (12, 1), (2, 1)], [(3, 1), (0, 9), (22, 1), (6, 1)]):
         out, ref = run_batch(shapes)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+SLIDING_SHAPES = [
+    [(0, 13)],                          # a prompt longer than the window
+    [(9, 5)],                           # a chunk whose window starts inside the prefix
+    [(5, 1), (12, 1), (0, 1), (3, 1)],  # decodes only
+    [(0, 6), (10, 1), (14, 8), (7, 1), (0, 1), (2, 3)],  # mixed
+]
+
+
+@pytest.mark.parametrize("shapes", SLIDING_SHAPES)
+@pytest.mark.parametrize("window", [1, 3, 4, 6, 64])
+def test_sliding_window_matches_dense_reference(
+    shapes: list[tuple[int, int]], window: int
+) -> None:
+    out, ref = run_batch(shapes, sliding_window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_changes_the_output() -> None:
+    # The window test above could pass with the window ignored if it never bound.
+    windowed, _ = run_batch([(0, 13), (10, 1)], sliding_window=4)
+    full, _ = run_batch([(0, 13), (10, 1)])
+    assert not torch.allclose(windowed[4:], full[4:], atol=1e-3)
+    torch.testing.assert_close(windowed[:4], full[:4], atol=1e-5, rtol=1e-5)
+
+
+def test_window_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliding_window must be >= 1, got 0"):
+        run_batch([(3, 1)], sliding_window=0)

@@ -20,7 +20,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     """[B] int32: tokens in the cache per sequence after this step's write."""
     query_start_loc: torch.Tensor
-    """[B + 1] int32: offsets of each sequence's tokens in the flattened batch."""
+    """[B + 1] int32: offsets of each sequence's tokens in the flattened batch. The Triton
+    attention kernel reads it in every layer: one host-to-device copy per step."""
     seq_lens_host: list[int]
     query_start_loc_host: list[int]
 

@@ -41,8 +41,10 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
+        # Mistral slides every layer, Qwen2/3 may slide only some (see DecoderConfig).
+        self.sliding_window = config.layer_window(layer)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -67,7 +69,7 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         # [T, heads + 2 * kv_heads, head_dim]: q heads, then k heads, then v heads.
-        qkv = self.qkv_proj.forward(x).view(num_tokens, -1, self.head_dim)
+        qkv = self.qkv_proj.forward(x).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
         qk, v = qkv.split_with_sizes([heads + kv_heads, kv_heads], dim=1)
         if self.qk_norm:
             q, k = qk.split_with_sizes([heads, kv_heads], dim=1)
@@ -82,9 +84,11 @@ class LlamaAttention(nn.Module):
             value_cache,
             meta.block_tables,
             meta.seq_lens,
+            meta.query_start_loc,
             meta.query_start_loc_host,
             meta.seq_lens_host,
             self.scale,
+            self.sliding_window,
         )
         return self.o_proj.forward(out.view(num_tokens, heads * self.head_dim))
 
@@ -104,10 +108,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -129,7 +133,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(

@@ -7,6 +7,10 @@ names modules rather than importing them, so a new family is one line plus a mod
 The class also reads the config (`config_from_hf`), since families spell the same
 switches differently, and names the projections it runs fused (`packed_projections`):
 their checkpoint tensors are concatenated as they are read, each part freed once packed.
+Mixture-of-experts classes also stack each layer's per-expert tensors (`packed_experts`),
+rename modules their checkpoints name differently (`checkpoint_renames`), and, when the
+experts are split over DP ranks, say which ones this rank holds (`local_experts`): the
+others are never read.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +39,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "services.engine.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "services.engine.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "services.engine.models.qwen3:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "services.engine.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "services.engine.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "services.engine.models.qwen3_moe:Qwen3MoeForCausalLM",
     "CorestreamFixedLogitsForCausalLM": (
         "services.engine.models.fixed_logits:CorestreamFixedLogitsForCausalLM"
     ),
@@ -68,18 +76,24 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The checkpoint's model in eval mode, with weights in `dtype` on `device`.
 
-    `max_model_len` is the longest sequence it will see; it must fit the model's
-    attention window.
+    `max_model_len` is the longest sequence it will see.
     """
     folder = Path(path)
     hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     cls = model_class(list(hf_config.get("architectures") or []))
     config = cls.config_from_hf(hf_config)
-    check_attention_window(config, max_model_len)
+    note_attention_window(config, max_model_len)
     with torch.device("meta"):
         model = cls(config)
 
-    state = _read_safetensors(folder, dtype, device)
+    # The experts this rank holds; None for dense models.
+    experts: range | None = getattr(model, "local_experts", None)
+    renames: Mapping[str, str] = getattr(cls, "checkpoint_renames", {})
+    state = _read_safetensors(
+        folder, dtype, device, lambda name: _model_tensor_name(name, renames, experts)
+    )
+    if experts is not None:
+        pack_experts(state, getattr(cls, "packed_experts", {}), experts)
     # The fixed-logits stand-in has no projections, hence no packing to declare.
     pack_projections(state, getattr(cls, "packed_projections", {}))
     result = model.load_state_dict(state, strict=False, assign=True)
@@ -97,15 +111,18 @@ def load_model(
     return model.eval()
 
 
-def check_attention_window(config: DecoderConfig, max_model_len: int) -> None:
-    # NOTE: paged_attention has no window argument, so a window shorter than the
-    # longest sequence would be silently ignored; refuse instead of diverging.
+def note_attention_window(config: DecoderConfig, max_model_len: int) -> None:
+    """Log a sliding window that binds; every window is served as the checkpoint asks."""
     window = config.sliding_window
     if window is not None and window < max_model_len:
-        raise ValueError(
-            f"the model attends over a sliding window of {window} tokens, which corestream "
-            f"does not implement yet; max_model_len {max_model_len} exceeds it: "
-            f"set max_model_len to {window} or less"
+        # NOTE: the KV cache still keeps every block of a sequence, also those that slid
+        # out of every window, so a window saves attention time but no cache memory.
+        layers = "every layer" if config.sliding_layers is None else (
+            f"layers {list(config.sliding_layers)}"
+        )
+        logger.info(
+            "sliding attention window of %d tokens in %s (max_model_len %d)",
+            window, layers, max_model_len,
         )
 
 
@@ -129,8 +146,49 @@ def pack_projections(
                 state[f"{prefix}.{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names])
 
 
+# A checkpoint tensor of one expert: `<prefix>.experts.<id>.<projection>.weight`.
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<id>\d+)\.(?P<part>[^.]+)\.weight$")
+
+
+def _model_tensor_name(
+    name: str, renames: Mapping[str, str], experts: range | None
+) -> str | None:
+    """The model's name for checkpoint tensor `name`; None to skip it."""
+    for old, new in renames.items():
+        name = name.replace(f".{old}.", f".{new}.")
+    if experts is not None:
+        match = _EXPERT_TENSOR.match(name)
+        if match and int(match["id"]) not in experts:
+            return None
+    return name
+
+
+def pack_experts(
+    state: dict[str, torch.Tensor], packed: Mapping[str, Sequence[str]], experts: range
+) -> None:
+    """Replace, in `state`, each MoE layer's per-expert tensors by stacked ones.
+
+    `packed` maps a stacked parameter to the per-expert projections it concatenates,
+    e.g. w13 to (gate_proj, up_proj): `*.experts.<e>.gate_proj.weight` and
+    `*.experts.<e>.up_proj.weight` of every e in `experts` become `*.experts.w13`
+    `[len(experts), 2I, H]`. An incomplete layer is left as it is, so that loading
+    names the missing tensors.
+    """
+    prefixes = {m["prefix"] for name in state if (m := _EXPERT_TENSOR.match(name))}
+    for prefix in sorted(prefixes):
+        for stacked, parts in packed.items():
+            names = [[f"{prefix}.experts.{e}.{part}.weight" for part in parts] for e in experts]
+            if all(n in state for row in names for n in row):
+                state[f"{prefix}.experts.{stacked}"] = torch.stack(
+                    [torch.cat([state.pop(n) for n in row]) for row in names]
+                )
+
+
 def _read_safetensors(
-    folder: Path, dtype: torch.dtype, device: torch.device
+    folder: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    model_name: Callable[[str], str | None] = lambda name: name,
 ) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -142,8 +200,11 @@ def _read_safetensors(
                 # Precomputed RoPE tables in old checkpoints; ours are derived from config.
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
+                ours = model_name(name)
+                if ours is None:
+                    continue
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
-                state[name] = tensor.to(device)
+                state[ours] = tensor.to(device)
     return state

@@ -1,8 +1,7 @@
 """Mistral: the Llama decoder with a sliding attention window.
 
-Checkpoints from v0.2 on set `sliding_window` to null; v0.1 uses 4096. The window
-is read into the config, and the loader refuses a max_model_len beyond it, because
-the paged attention kernel attends over the whole sequence.
+Checkpoints from v0.2 on set `sliding_window` to null; v0.1 uses 4096, in every
+layer: each token attends to itself and the 4095 tokens before it.
 """
 
 from __future__ import annotations

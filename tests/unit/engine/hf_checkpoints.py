@@ -15,10 +15,13 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 256
@@ -28,6 +31,9 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "mixtral": MixtralConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+    "qwen3_moe": Qwen3MoeConfig,
 }
 
 

@@ -3,6 +3,8 @@
 Each variant is a tiny random checkpoint written by transformers; we load it through
 ModelRunner and compare logits of a mixed batch (whole prompts, a chunked prefill,
 a decode) and 32 greedy tokens of four requests batched in one execute per step.
+Variants with a sliding window use prompts several windows long, so that the window
+binds in prefills, in the chunk after a cached prefix and in every decode.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel
 
 from services.common.tiny_checkpoint import ensure_tiny_checkpoint
 from services.engine.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -28,6 +30,8 @@ from tests.unit.engine.runner_driver import (
 )
 
 PROMPT_LENGTHS = {"a": 5, "b": 13, "c": 1, "d": 22}
+# With a window of 8: prompts of 2.5 to 5 windows, plus one shorter than the window.
+WINDOWED_PROMPT_LENGTHS = {"a": 20, "b": 33, "c": 5, "d": 40}
 
 # name -> (family, config overrides)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -56,14 +60,37 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         "original_max_position_embeddings": 32,
     }}),
 }
+# Sliding windows far shorter than the prompts plus 32 generated tokens.
+WINDOWED_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral-window-8": ("mistral", {"sliding_window": 8}),
+    # Layer 0 attends over everything, layer 1 through the window (max_window_layers).
+    "qwen2-window-8-layer-1": ("qwen2", {
+        "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+    }),
+    # The other way round, named by layer_types.
+    "qwen3-window-8-layer-0": ("qwen3", {
+        "head_dim": 32, "use_sliding_window": True, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }),
+}
+# What turns a windowed variant's window off, for the check that the reference slides.
+NO_WINDOW: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": None},
+    "qwen2": {"use_sliding_window": False, "layer_types": ["full_attention"] * 2},
+    "qwen3": {"use_sliding_window": False, "layer_types": ["full_attention"] * 2},
+}
 
 
 def check_mixed_batch(
-    hf: PreTrainedModel, runner: ModelRunner, atol: float, rtol: float
+    hf: PreTrainedModel,
+    runner: ModelRunner,
+    atol: float,
+    rtol: float,
+    lengths: dict[str, int] = PROMPT_LENGTHS,
 ) -> None:
     """Step 1: whole prompts a, b, c and the first 9 tokens of d. Step 2: the rest of d
     (after its cached prefix) alongside one decode of a."""
-    ps = random_prompts(PROMPT_LENGTHS, VOCAB)
+    ps = random_prompts(lengths, VOCAB)
     per_request = runner.model_info.max_model_len // runner.block_size
     split = 9
     step1 = [
@@ -94,27 +121,45 @@ def check_mixed_batch(
     torch.testing.assert_close(got2[1:], want["d"][split:], atol=atol, rtol=rtol)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def pair(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[PreTrainedModel, ModelRunner]:
-    family, overrides = VARIANTS[request.param]
+Pair = tuple[PreTrainedModel, ModelRunner, dict[str, int]]
+
+
+@pytest.fixture(scope="module", params=[*VARIANTS, *WINDOWED_VARIANTS])
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    """(reference, our runner, prompt lengths) of one variant."""
+    windowed = request.param in WINDOWED_VARIANTS
+    family, overrides = (WINDOWED_VARIANTS if windowed else VARIANTS)[request.param]
     folder = tmp_path_factory.mktemp(request.param)
     hf = make_checkpoint(folder, family, **overrides)
-    return hf, make_runner(folder)
+    return hf, make_runner(folder), WINDOWED_PROMPT_LENGTHS if windowed else PROMPT_LENGTHS
 
 
-def test_logits_match_for_a_mixed_batch(pair: tuple[PreTrainedModel, ModelRunner]) -> None:
-    hf, runner = pair
-    check_mixed_batch(hf, runner, atol=1e-4, rtol=1e-4)
+def test_logits_match_for_a_mixed_batch(pair: Pair) -> None:
+    hf, runner, lengths = pair
+    check_mixed_batch(hf, runner, atol=1e-4, rtol=1e-4, lengths=lengths)
 
 
-def test_greedy_tokens_match_generate(pair: tuple[PreTrainedModel, ModelRunner]) -> None:
-    hf, runner = pair
-    ps = random_prompts(PROMPT_LENGTHS, VOCAB)
+def test_greedy_tokens_match_generate(pair: Pair) -> None:
+    hf, runner, lengths = pair
+    ps = random_prompts(lengths, VOCAB)
     ours = generate(runner, ps, num_tokens=32, first_chunk={"d": 10, "b": 4})
     for rid, p in ps.items():
         assert ours[rid] == hf_greedy(hf, p, 32), rid
+
+
+@pytest.mark.parametrize("variant", list(WINDOWED_VARIANTS))
+def test_windowed_reference_differs_from_full_attention(variant: str, tmp_path: Path) -> None:
+    # Otherwise the windowed variants above could pass with the window ignored on both
+    # sides (say, a transformers attention backend that drops it).
+    family, overrides = WINDOWED_VARIANTS[variant]
+    windowed = make_checkpoint(tmp_path, family, **overrides)
+    full = AutoModelForCausalLM.from_pretrained(tmp_path, **NO_WINDOW[family]).eval()
+    prompt = random_prompts({"p": 40}, VOCAB)["p"]
+    want, unwindowed = hf_logits(windowed, prompt), hf_logits(full, prompt)
+    # The first 8 positions see no further back than the window: identical there.
+    torch.testing.assert_close(want[:8], unwindowed[:8], atol=1e-5, rtol=1e-5)
+    assert (want[8:] - unwindowed[8:]).abs().amax(dim=-1).min() > 1e-3
+    assert hf_greedy(windowed, prompt, 32) != hf_greedy(full, prompt, 32)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

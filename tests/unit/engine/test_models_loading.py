@@ -69,11 +69,35 @@ def test_family_switches() -> None:
     assert (llama.qkv_bias, llama.o_bias, llama.head_dim) == (True, True, 16)
 
 
-def test_a_window_shorter_than_max_model_len_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("hf_config", "windows"),
+    [
+        (MistralConfig(**SMALL, sliding_window=64), [64, 64]),
+        (Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=64, max_window_layers=1),
+         [None, 64]),
+        (Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=64,
+                     layer_types=["sliding_attention", "full_attention"]), [64, None]),
+        (Qwen3Config(**SMALL, sliding_window=64,
+                     layer_types=["sliding_attention", "full_attention"]), [None, None]),
+    ],
+)
+def test_sliding_layers_are_read_per_family(hf_config: Any, windows: list[int | None]) -> None:
+    config = read(hf_config)
+    assert [config.layer_window(i) for i in range(config.num_hidden_layers)] == windows
+
+
+def test_unknown_layer_type_is_refused() -> None:
+    config = Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=64).to_dict()
+    config["layer_types"] = ["chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match="unsupported: \\['chunked_attention'\\]"):
+        model_class(["Qwen2ForCausalLM"]).config_from_hf(config)
+
+
+def test_a_window_shorter_than_max_model_len_is_served(tmp_path: Path) -> None:
     make_checkpoint(tmp_path, "mistral", sliding_window=64)
-    with pytest.raises(ValueError, match="sliding window of 64 .* max_model_len to 64 or less"):
-        make_runner(tmp_path, max_model_len=128)
-    assert make_runner(tmp_path, max_model_len=64).model_info.max_model_len == 64
+    runner = make_runner(tmp_path, max_model_len=128)
+    assert runner.model_info.max_model_len == 128
+    assert [layer.self_attn.sliding_window for layer in runner.model.model.layers] == [64, 64]
 
 
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])

@@ -1,0 +1,146 @@
+"""Sparse mixture-of-experts MLP, and the Llama decoder with it (Mixtral, Qwen2/3-MoE).
+
+A router (`gate`) scores every expert per token; each token goes to its top-k experts
+by softmax probability, optionally renormalized over those k, and its output is the
+probability-weighted sum of theirs. Qwen2-MoE adds a shared expert that every token
+passes through, scaled by a sigmoid gate.
+
+The experts' weights are stacked per layer, `w13` `[E, 2I, H]` (gate and up) and `w2`
+`[E, H, I]`, which the loader packs from the checkpoint's per-expert tensors
+(`packed_experts`). Only this rank's experts are stacked when the experts are split
+over DP ranks (`services.engine.parallel.expert_parallel`); routing always sees all
+experts, since the router is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.models.attention_metadata import AttentionMetadata
+from services.engine.models.decoder_config import DecoderConfig, MoEConfig
+from services.engine.models.llama import LlamaForCausalLM, LlamaMLP
+from services.engine.parallel.dp_group import DPGroup, current_dp_group
+from services.engine.parallel.expert_parallel import ExpertParallel
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights `[T, k]` float32, expert ids `[T, k]`) from router logits `[T, E]`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class StackedExperts(nn.Module):
+    """The SwiGLU experts `experts` of one layer, as two stacked weight tensors."""
+
+    def __init__(self, experts: range, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.first = experts.start
+        self.w13 = nn.Parameter(torch.empty(len(experts), 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(len(experts), hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Weighted sum `[T, H]` of the outputs of this module's experts among each
+        token's `ids` `[T, k]`; zero for a token routed to none of them."""
+        out = torch.zeros_like(x)
+        top_k = ids.shape[1]
+        # Sort the T*k (token, choice) slots by expert: each expert's slots become one
+        # run of `order`, and the counts, read once, give every run's bounds.
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        num_local = self.w13.shape[0]
+        counts = torch.bincount(flat_ids, minlength=self.first + num_local).tolist()
+        flat_weights = weights.flatten()
+        start = sum(counts[: self.first])
+        for local in range(num_local):
+            count = counts[self.first + local]
+            if count == 0:
+                continue
+            slots = order[start : start + count]
+            start += count
+            tokens = slots // top_k
+            gate, up = F.linear(x[tokens], self.w13[local]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[local])
+            out.index_add_(0, tokens, (y * flat_weights[slots, None]).to(x.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: DecoderConfig, ep: ExpertParallel) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        hidden = config.hidden_size
+        self.top_k = moe.num_experts_per_tok
+        self.renormalize = moe.norm_topk_prob
+        self.ep = ep
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.experts = StackedExperts(
+            ep.local_experts(moe.num_experts), hidden, moe.intermediate_size
+        )
+        self.shared_expert: LlamaMLP | None = None
+        if moe.shared_expert_intermediate_size:
+            shared = dataclasses.replace(
+                config, intermediate_size=moe.shared_expert_intermediate_size, mlp_bias=False
+            )
+            self.shared_expert = LlamaMLP(shared)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.ep.dispatch(x, self._run_local_experts)
+        if self.shared_expert is not None:
+            # Replicated on every rank, so it runs on this rank's tokens only.
+            gate = torch.sigmoid(self.shared_expert_gate.forward(x))
+            out = out + gate * self.shared_expert.forward(x)
+        return out
+
+    def _run_local_experts(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate.forward(x), self.top_k, self.renormalize)
+        return self.experts.forward(x, weights, ids)
+
+
+class SparseMoeForCausalLM(LlamaForCausalLM):
+    """The Llama decoder with `SparseMoeBlock` as the MLP of `config.moe.sparse_layers`.
+
+    Built under the process's DP group (`current_dp_group`), if any, it holds only that
+    rank's share of the experts (`local_experts`), which is all the loader reads.
+    """
+
+    packed_experts: ClassVar[dict[str, tuple[str, ...]]] = {
+        "w13": ("gate_proj", "up_proj"),
+        "w2": ("down_proj",),
+    }
+    """Stacked expert parameter -> the per-expert checkpoint modules it concatenates."""
+    checkpoint_renames: ClassVar[dict[str, str]] = {}
+    """Checkpoint module name -> ours, where a family names a module differently."""
+
+    def __init__(self, config: DecoderConfig, dp_group: DPGroup | None = None) -> None:
+        super().__init__(config)
+        moe: MoEConfig | None = config.moe
+        if moe is None:
+            raise ValueError(f"{type(self).__name__} needs a config with moe set")
+        self.expert_parallel = ExpertParallel(
+            dp_group if dp_group is not None else current_dp_group()
+        )
+        self.local_experts = self.expert_parallel.local_experts(moe.num_experts)
+        for i in moe.sparse_layers:
+            self.model.layers[i].mlp = SparseMoeBlock(config, self.expert_parallel)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        with self.expert_parallel.forward_batch(input_ids.shape[0], input_ids.device):
+            return super().forward(input_ids, positions, meta, kv_caches)
