@@ -1,0 +1,24 @@
+"""The busy loop's hooks for metrics and tracing; this base class does nothing.
+
+EngineCore calls these on the loop thread, so an implementation must be cheap:
+record timestamps and counts, and leave anything slow (building spans) to
+another thread. services/engine/metrics.py has the real one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.engine.request import Request, RequestUpdate
+from services.engine.scheduler.output import SchedulerOutput
+
+
+class EngineObserver:
+    def on_added(self, request: Request) -> None:
+        """The scheduler accepted `request`."""
+
+    def on_scheduled(self, out: SchedulerOutput) -> None:
+        """A step is about to execute `out` (not called for empty steps)."""
+
+    def on_updates(self, updates: Sequence[RequestUpdate]) -> None:
+        """Outputs are going to the Sessions: new tokens, endings, rejections."""

@@ -1,0 +1,142 @@
+"""EngineMetrics driven by the real scheduler: counters, stats read at scrape time, spans."""
+
+from __future__ import annotations
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import generate_latest
+
+from services.common.metrics import new_registry
+from services.common.observability_config import ObservabilityConfig
+from services.common.sampling import SamplingParams
+from services.common.tracing import Tracing
+from services.engine.metrics import EngineMetrics
+from services.engine.request import Request, RequestUpdate
+from services.engine.scheduler.kv_cache_manager import KVCacheManager
+from services.engine.scheduler.output import RunnerOutput
+from services.engine.scheduler.scheduler import Scheduler
+from services.engine.session_router import EngineState
+
+LABELS = {"model_name": "tiny", "engine": "3"}
+PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN = "00f067aa0ba902b7"
+
+
+class Harness:
+    """The real scheduler, a 'model' that always samples token 7, and the engine
+    core's three hook calls."""
+
+    def __init__(self, tracing: Tracing | None = None, num_blocks: int = 64) -> None:
+        self.scheduler = Scheduler(KVCacheManager(num_blocks, 4), max_model_len=256,
+                                   max_num_batched_tokens=64)
+        self.state = EngineState.RUNNING
+        self.registry = new_registry(process_metrics=False)
+        self.metrics = EngineMetrics(self.registry, "tiny", 3, self.scheduler.stats,
+                                     lambda: self.state, tracing)
+
+    def add(self, rid: str, prompt_len: int, max_tokens: int, **kwargs: object) -> Request:
+        request = Request(rid, list(range(1, prompt_len + 1)),
+                          SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                         ignore_eos=True), **kwargs)  # type: ignore[arg-type]
+        self.scheduler.add_request(request)
+        self.metrics.on_added(request)
+        return request
+
+    def step(self) -> list[RequestUpdate]:
+        out = self.scheduler.schedule()
+        self.metrics.on_scheduled(out)
+        sampled = {sr.request_id: 7 for sr in out.requests if sr.sample}
+        updates = self.scheduler.update_from_output(out, RunnerOutput(sampled=sampled))
+        self.metrics.on_updates(updates)
+        return updates
+
+    def sample(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, {**LABELS, **labels})
+        return 0.0 if value is None else value
+
+
+def test_counters_and_gauges_follow_the_requests() -> None:
+    h = Harness()
+    h.add("a", prompt_len=6, max_tokens=3)
+    h.add("b", prompt_len=4, max_tokens=5)
+    assert h.sample("corestream:num_requests_waiting") == 2
+    updates = h.step()
+    assert h.sample("corestream:num_requests_running") == 2
+    assert h.sample("corestream:prompt_tokens_total") == 10  # both prefills done
+    assert h.sample("corestream:request_queue_time_seconds_count") == 2
+    generated = sum(len(u.new_token_ids) for u in updates)
+    while h.scheduler.has_work():
+        generated += sum(len(u.new_token_ids) for u in h.step())
+    assert generated == 8
+    assert h.sample("corestream:generation_tokens_total") == 8
+    assert h.sample("corestream:request_decode_time_seconds_count") == 2
+    assert h.sample("corestream:num_requests_running") == 0
+    assert h.sample("corestream:engine_steps_total") == 5
+    assert h.sample("corestream:prefix_cache_queries_total") == 10
+    assert h.sample("corestream:last_step_timestamp_seconds") > 0
+
+
+def test_engine_state_is_one_hot_and_watchdog_trips_count() -> None:
+    h = Harness()
+    assert h.sample("corestream:engine_state", state="RUNNING") == 1
+    h.state = EngineState.DEAD
+    h.metrics.on_state(EngineState.DEAD, "watchdog: the busy loop made no progress")
+    h.metrics.on_state(EngineState.DEAD, "RuntimeError: boom")  # not a watchdog trip
+    text = generate_latest(h.registry).decode()
+    assert 'corestream:engine_state{engine="3",model_name="tiny",state="DEAD"} 1.0' in text
+    assert 'corestream:engine_state{engine="3",model_name="tiny",state="RUNNING"} 0.0' in text
+    assert h.sample("corestream:watchdog_trips_total") == 1
+
+
+def test_preemptions_are_counted() -> None:
+    # 6 blocks of 4 tokens: two requests growing to 16 tokens each cannot both fit.
+    h = Harness(num_blocks=6)
+    h.add("a", prompt_len=8, max_tokens=8)
+    h.add("b", prompt_len=8, max_tokens=8)
+    while h.scheduler.has_work():
+        h.step()
+    preemptions = h.scheduler.stats().num_preemptions
+    assert preemptions >= 1
+    assert h.sample("corestream:num_preemptions_total") == preemptions
+    # Every token still counted once, recomputes or not.
+    assert h.sample("corestream:generation_tokens_total") == 16
+
+
+def test_one_span_per_request_with_phases_and_no_span_per_token() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("engine", ObservabilityConfig(), exporter=exporter)
+    h = Harness(tracing)
+    headers = {"traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"}
+    h.add("traced", prompt_len=5, max_tokens=6, trace_headers=headers)
+    while h.scheduler.has_work():
+        h.step()
+    h.metrics.close()
+    assert tracing.provider is not None
+    tracing.provider.force_flush()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert sorted(spans) == ["engine.decode", "engine.prefill", "engine.queue", "engine.request"]
+    request = spans["engine.request"]
+    assert format(request.context.trace_id, "032x") == PARENT_TRACE
+    assert format(request.parent.span_id, "016x") == PARENT_SPAN
+    attrs = request.attributes
+    assert attrs["gen_ai.usage.input_tokens"] == 5
+    assert attrs["gen_ai.usage.output_tokens"] == 6
+    assert attrs["gen_ai.request.max_tokens"] == 6
+    assert attrs["gen_ai.response.finish_reasons"] == ("length",)
+    assert attrs["gen_ai.latency.time_in_queue"] >= 0
+    assert attrs["corestream.engine.index"] == 3
+    assert [e.name for e in request.events] == ["queued", "scheduled", "first_token"]
+    for name in ("engine.queue", "engine.prefill", "engine.decode"):
+        child = spans[name]
+        assert child.parent.span_id == request.context.span_id
+        assert request.start_time <= child.start_time <= child.end_time <= request.end_time
+    assert spans["engine.decode"].attributes["corestream.decode.steps"] == 5
+
+
+def test_without_tracing_no_span_thread_runs() -> None:
+    h = Harness(Tracing("engine", ObservabilityConfig()))
+    assert h.metrics._span_thread is None
+    h.add("x", prompt_len=3, max_tokens=2)
+    while h.scheduler.has_work():
+        h.step()
+    h.metrics.close()
+    assert h.sample("corestream:generation_tokens_total") == 2
