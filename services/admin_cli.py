@@ -15,7 +15,13 @@ import grpc
 from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
 
-COMMANDS = ("reset-prefix-cache", "stats", "pause", "resume")
+from services.common.auth import with_api_key
+from services.common.config import add_arguments as add_config_arguments
+from services.common.config import from_args
+from services.common.grpc_server import make_channel
+from services.common.security_config import SecurityConfig
+
+COMMANDS = ("reset-prefix-cache", "stats", "pause", "resume", "profile-start", "profile-stop")
 PAUSE_MODES = {"abort": admin_pb2.PAUSE_MODE_ABORT, "wait": admin_pb2.PAUSE_MODE_WAIT,
                "keep": admin_pb2.PAUSE_MODE_KEEP}
 
@@ -32,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", type=int, default=None, metavar="N",
                         help="Only the engine with this data-parallel rank (default: all).")
     parser.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds.")
+    parser.add_argument("--api-key-file", default="", metavar="FILE",
+                        help="Send the first key in FILE as 'authorization: Bearer' (the "
+                        "frontend's --admin-api-key-file, when it has one).")
+    # --tls-cert/--tls-key/--tls-ca: the client certificate for an mTLS frontend.
+    add_config_arguments(parser, SecurityConfig, exclude=("health_host", "health_port"))
 
 
 def _result_to_dict(r: admin_pb2.EngineResult) -> dict[str, Any]:
@@ -46,7 +57,9 @@ def _result_to_dict(r: admin_pb2.EngineResult) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     engine = {} if args.engine is None else {"engine_index": args.engine}
-    with grpc.insecure_channel(args.address) as channel:
+    security = from_args(SecurityConfig, args, exclude=("health_host", "health_port"))
+    with make_channel(args.address, security) as plain:
+        channel = with_api_key(plain, args.api_key_file) if args.api_key_file else plain
         stub = admin_pb2_grpc.AdminServiceStub(channel)
         try:
             if args.action == "reset-prefix-cache":
@@ -58,9 +71,15 @@ def run(args: argparse.Namespace) -> int:
             elif args.action == "pause":
                 reply = stub.PauseScheduling(admin_pb2.PauseSchedulingRequest(
                     mode=PAUSE_MODES[args.mode], **engine), timeout=args.timeout)
-            else:
+            elif args.action == "resume":
                 reply = stub.ResumeScheduling(admin_pb2.ResumeSchedulingRequest(**engine),
                                               timeout=args.timeout)
+            elif args.action == "profile-start":
+                reply = stub.StartProfile(admin_pb2.StartProfileRequest(**engine),
+                                          timeout=args.timeout)
+            else:
+                reply = stub.StopProfile(admin_pb2.StopProfileRequest(**engine),
+                                         timeout=args.timeout)
         except grpc.RpcError as e:
             print(f"corestream admin {args.action}: {e.code().name}: {e.details()}",
                   file=sys.stderr)

@@ -2,7 +2,8 @@
 
     corestream coordinator | engine | frontend   run one service
     corestream serve                             run a whole cluster on 127.0.0.1
-    corestream admin --address HOST:PORT ACTION  reset-prefix-cache, stats, pause, resume
+    corestream admin --address HOST:PORT ACTION  reset-prefix-cache, stats, pause, resume,
+                                                 profile-start, profile-stop
 
 Config modules are torch-free, so building the parsers never loads torch; a
 service's code is imported only when that service runs.
@@ -18,16 +19,24 @@ from collections.abc import Sequence
 from services.admin_cli import add_arguments as add_admin_arguments
 from services.admin_cli import run as run_admin
 from services.common.config import add_arguments
+from services.common.observability_config import ObservabilityConfig
+from services.common.parent_death import die_with_parent_from_env
+from services.common.security_config import SecurityConfig
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
+from services.engine.dp_config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig
 from services.frontend.config import FrontendConfig
 from services.serve_config import SERVE_OWNED, ServeConfig
 
 SERVICES: dict[str, tuple[tuple[type, ...], str, str]] = {
-    "coordinator": ((CoordinatorConfig,), "services.coordinator.main", "Run the DP coordinator."),
-    "engine": ((EngineConfig, RunnerConfig), "services.engine.main", "Run one engine-core."),
-    "frontend": ((FrontendConfig,), "services.frontend.main", "Run the public frontend."),
+    "coordinator": ((CoordinatorConfig, SecurityConfig, ObservabilityConfig),
+                    "services.coordinator.main", "Run the DP coordinator."),
+    "engine": ((EngineConfig, RunnerConfig, DataParallelConfig, SecurityConfig,
+                ObservabilityConfig),
+               "services.engine.main", "Run one engine-core."),
+    "frontend": ((FrontendConfig, SecurityConfig, ObservabilityConfig),
+                 "services.frontend.main", "Run the public frontend."),
 }
 
 
@@ -57,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent_from_env()
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":

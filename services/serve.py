@@ -12,20 +12,27 @@ still serves (the frontend routes around it); when the last engine, the
 frontend or the coordinator dies, the cluster is stopped and serve exits
 non-zero, so that a supervisor restarts it. Every child gets SIGTERM when serve
 dies, even by SIGKILL (PR_SET_PDEATHSIG), and then drains as on any SIGTERM.
+
+With --tls-auto, serve writes a throwaway CA and one certificate per process and
+every link (the public port included) is mTLS; the `client` certificate is for
+serve's own readiness checks and for the user's calls. Otherwise the --tls-* flags,
+if given, go to every child as they are.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
+import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from corestream.common.v1 import common_pb2
@@ -35,12 +42,18 @@ from corestream.generate.v1 import generate_service_pb2 as gen_pb
 from corestream.generate.v1 import generate_service_pb2_grpc as gen_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.auth import load_keys
 from services.common.config import from_args, to_argv
+from services.common.grpc_server import make_channel
 from services.common.logs import setup_logging
+from services.common.observability_config import ObservabilityConfig
+from services.common.parent_death import child_env
+from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
+from services.engine.dp_config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig
 from services.frontend.config import FrontendConfig
 from services.serve_config import SERVE_OWNED, ServeConfig
@@ -49,18 +62,6 @@ log = logging.getLogger("services.serve")
 
 HOST = "127.0.0.1"
 FRONTEND_SERVICE = "corestream.generate.v1.GenerateService"
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    # Children get SIGTERM if serve itself is killed (even with SIGKILL).
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -78,7 +79,10 @@ class Child:
         log.info("starting %s: %s", self.name, " ".join(self.argv))
         # A session of its own: a terminal's Ctrl-C reaches serve alone, which
         # then stops the children in order.
-        self.proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+        # Children get SIGTERM if serve itself is killed, even with SIGKILL (set up by the
+        # child: see services/common/parent_death.py).
+        self.proc = subprocess.Popen(cmd, start_new_session=True,
+                                     env={**os.environ, **child_env()})
 
     def exited(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -131,55 +135,96 @@ def engines_running(channel: grpc.Channel, count: int) -> Callable[[], bool]:
     return check
 
 
-def frontend_sees(channel: grpc.Channel, count: int) -> Callable[[], bool]:
+def frontend_sees(channel: grpc.Channel, count: int, frontend: FrontendConfig
+                  ) -> Callable[[], bool]:
     stub = gen_grpc.GenerateServiceStub(channel)
-    return lambda: stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=1.0).num_engines >= count
+    # With client auth on, serve asks with one of the frontend's own keys.
+    key_file = frontend.api_key_file or frontend.admin_api_key_file
+    metadata = (("authorization", "Bearer " + load_keys(key_file)[0].decode()),) if key_file else ()
+    return lambda: stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=1.0,
+                                     metadata=metadata).num_engines >= count
 
 
-def plan(args: argparse.Namespace, model: str) -> tuple[ServeConfig, list[Child], str]:
-    """The children to start, each with exactly its own flags."""
+def security_plan(serve: ServeConfig, args: argparse.Namespace) -> dict[str, SecurityConfig]:
+    """The SecurityConfig of each role: coordinator, engine, frontend and client (serve)."""
+    given = from_args(SecurityConfig, args, exclude=SERVE_OWNED)
+    roles = ("coordinator", "engine", "frontend", "client")
+    if not serve.tls_auto:
+        return dict.fromkeys(roles, given)
+    if given.tls:
+        raise ValueError(
+            "--tls-auto makes its own certificates: drop --tls-cert/--tls-key/--tls-ca")
+    # Imported here: only --tls-auto needs the cryptography package.
+    from services.common.certs import write_local_pki
+
+    directory = Path(serve.tls_dir or tempfile.mkdtemp(prefix="corestream-tls-"))
+    configs = write_local_pki(directory, roles)
+    log.info("--tls-auto: mTLS everywhere; CA and certificates in %s", directory)
+    return configs
+
+
+def plan(
+    args: argparse.Namespace, model: str
+) -> tuple[ServeConfig, list[Child], str, SecurityConfig]:
+    """The children to start, each with exactly its own flags, and how serve itself
+    dials them."""
     serve = from_args(ServeConfig, args)
+    security = security_plan(serve, args)
     coordinator_port = serve.coordinator_port or free_port()
     coordinator_addr = f"{HOST}:{coordinator_port}"
     coordinator = from_args(CoordinatorConfig, args, exclude=SERVE_OWNED)
     runner = from_args(RunnerConfig, args, exclude=SERVE_OWNED)
     frontend = from_args(FrontendConfig, args, exclude=SERVE_OWNED)
     engine = from_args(EngineConfig, args, exclude=SERVE_OWNED)
+    observability = to_argv(from_args(ObservabilityConfig, args, exclude=SERVE_OWNED))
+
+    def metrics_port(offset: int) -> list[str]:
+        return ["--metrics-port", str(serve.metrics_port + offset)] if serve.metrics_port else []
+
     children = [
         Child("coordinator", ["coordinator", *to_argv(coordinator),
+                              *to_argv(security["coordinator"]), *observability, *metrics_port(0),
                               "--host", HOST, "--port", str(coordinator_port)]),
     ]
+    # MoE models split their experts over the ranks (dense ones ignore these flags).
+    dp = to_argv(from_args(DataParallelConfig, args, exclude=SERVE_OWNED))
+    if serve.engines > 1:
+        dp += ["--data-parallel-size", str(serve.engines),
+               "--data-parallel-master", f"{HOST}:{free_port()}"]
     for index in range(serve.engines):
         children.append(Child(f"engine-{index}", [
-            "engine", *to_argv(engine), *to_argv(runner), "--model", model,
+            "engine", *to_argv(engine), *to_argv(runner), *dp, *to_argv(security["engine"]),
+            *observability, *metrics_port(2 + index), "--model", model,
             "--host", HOST, "--port", "0", "--engine-index", str(index),
             "--coordinator", coordinator_addr,
         ]))
     children.append(Child("frontend", [
-        "frontend", *to_argv(frontend), "--model", model,
+        "frontend", *to_argv(frontend), *to_argv(security["frontend"]), *observability,
+        *metrics_port(1), "--model", model,
         "--host", HOST, "--port", str(serve.port), "--coordinator", coordinator_addr,
     ]))
-    return serve, children, coordinator_addr
+    return serve, children, coordinator_addr, security["client"]
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging("serve", getattr(args, "log_level", "info"))
+    setup_logging("serve", getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
     stop = ShutdownSignal.install()
     # Write the built-in checkpoint once here, not racily in every child.
     model = str(resolve_model(args.model or None))
-    serve, children, coordinator_addr = plan(args, model)
+    serve, children, coordinator_addr, client = plan(args, model)
     frontend_addr = f"{HOST}:{serve.port}"
     coordinator, *engines, frontend = children
     deadline = time.monotonic() + serve.startup_timeout_s
     try:
-        with grpc.insecure_channel(coordinator_addr) as to_coordinator, \
-                grpc.insecure_channel(frontend_addr) as to_frontend:
+        with make_channel(coordinator_addr, client) as to_coordinator, \
+                make_channel(frontend_addr, client) as to_frontend:
             # Each stage waits for the one before, so "serving" means every engine is in.
             stages = [
                 ([coordinator], serving(to_coordinator, "")),
                 (engines, engines_running(to_coordinator, len(engines))),
                 ([frontend], serving(to_frontend, FRONTEND_SERVICE)),
-                ([], frontend_sees(to_frontend, len(engines))),
+                ([], frontend_sees(to_frontend, len(engines),
+                                   from_args(FrontendConfig, args, exclude=SERVE_OWNED))),
             ]
             for to_start, ready in stages:
                 for child in to_start:

@@ -9,7 +9,9 @@ from services.common.config import doc
 # Fields of the services' configs that `serve` sets per child process rather
 # than passing through (the frontend's static `engines` list clashes with
 # serve's engine count).
-SERVE_OWNED = ("host", "port", "coordinator", "engine_index", "engines", "advertise_address")
+SERVE_OWNED = ("host", "port", "coordinator", "engine_index", "engines", "advertise_address",
+               "health_host", "health_port", "metrics_port", "data_parallel_size",
+               "data_parallel_master")
 
 
 @dataclass(frozen=True)
@@ -25,13 +27,34 @@ class ServeConfig:
         "drain), before it is killed.", default=15.0
     )
 
+    metrics_port: int = doc(
+        "First of the Prometheus /metrics ports (0 = off): the coordinator gets P, the "
+        "frontend P+1, engine i P+2+i.", default=0
+    )
+
+    tls_auto: bool = doc(
+        "Generate a throwaway CA and a certificate per process (127.0.0.1, localhost) and "
+        "run every process with mTLS; the files (ca.pem, client.pem, client.key for your "
+        "own calls) go to --tls-dir.", default=False
+    )
+    tls_dir: str = doc(
+        "Folder for the --tls-auto files; empty means a new folder under the system temp "
+        "dir.", default=""
+    )
+
     def __post_init__(self) -> None:
+        if self.tls_dir and not self.tls_auto:
+            raise ValueError("tls_dir is only used with --tls-auto")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 1 <= self.engines <= 64:
             raise ValueError(f"engines must be in [1, 64], got {self.engines}")
         if not 0 <= self.coordinator_port <= 65535:
             raise ValueError(f"coordinator_port must be in [0, 65535], got {self.coordinator_port}")
+        if self.metrics_port and not 1 <= self.metrics_port <= 65535 - 2 - self.engines:
+            raise ValueError(
+                f"metrics_port must be in [1, {65535 - 2 - self.engines}] (it is followed by "
+                f"one port per process), got {self.metrics_port}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if self.stop_timeout_s <= 0:

@@ -20,6 +20,11 @@ class CoordinatorConfig:
     report_interval_s: float = doc(
         "How often engines report while their load is unchanged.", default=1.0
     )
+    lease_timeout_s: float = doc(
+        "An engine that sends no report for this long is dropped from the snapshots "
+        "(a frozen or unreachable process); it is taken back when it registers again.",
+        default=5.0,
+    )
     log_level: str = doc("Log level (debug, info, warning, error).", default="info")
 
     def __post_init__(self) -> None:
@@ -33,3 +38,9 @@ class CoordinatorConfig:
             raise ValueError(f"watch_heartbeat_s must be > 0, got {self.watch_heartbeat_s}")
         if self.report_interval_s <= 0:
             raise ValueError(f"report_interval_s must be > 0, got {self.report_interval_s}")
+        # One late heartbeat must not cost an engine its place.
+        if not self.lease_timeout_s >= 2 * self.report_interval_s:
+            raise ValueError(
+                f"lease_timeout_s must be >= 2 * report_interval_s "
+                f"({2 * self.report_interval_s:g}), got {self.lease_timeout_s}"
+            )

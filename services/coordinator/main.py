@@ -13,43 +13,62 @@ from services.common.config import from_args
 from services.common.grpc_server import (
     INTERNAL_MAX_MESSAGE_BYTES,
     add_health_and_reflection,
+    bind,
     server_options,
+    start_health_port,
 )
 from services.common.logs import setup_logging
+from services.common.observability import Observability
+from services.common.observability_config import ObservabilityConfig
+from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
 from services.coordinator.config import CoordinatorConfig
+from services.coordinator.metrics import CoordinatorCollector
 from services.coordinator.registry import EngineRegistry
 from services.coordinator.server import SERVICE_NAME, CoordinatorServicer
 
-CONFIG_CLASSES = (CoordinatorConfig,)
+CONFIG_CLASSES = (CoordinatorConfig, SecurityConfig, ObservabilityConfig)
 
 log = logging.getLogger("services.coordinator")
 
 
 def run(args: argparse.Namespace) -> int:
     config = from_args(CoordinatorConfig, args)
-    setup_logging("coordinator", config.log_level)
+    security = from_args(SecurityConfig, args)
+    obs_config = from_args(ObservabilityConfig, args)
+    setup_logging("coordinator", config.log_level, obs_config.log_format)
+    observability = Observability("coordinator", obs_config, config.host, (config, security))
     shutdown = ShutdownSignal.install()
     registry = EngineRegistry()
+    observability.registry.register(CoordinatorCollector(registry))
     # Each WatchLoad and ReportLoad stream holds a thread for its lifetime.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="coordinator-rpc"),
         options=server_options(INTERNAL_MAX_MESSAGE_BYTES),
+        interceptors=observability.interceptors(),
     )
-    pb_grpc.add_CoordinatorServiceServicer_to_server(
-        CoordinatorServicer(config, registry), server
-    )
+    servicer = CoordinatorServicer(config, registry)
+    pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        log.error("cannot bind %s:%d", config.host, config.port)
+    try:
+        port = bind(server, f"{config.host}:{config.port}", security)
+    except OSError as exc:
+        log.error("%s", exc)
         return 1
     server.start()
+    observability.start_metrics()
+    health_server = start_health_port(health, security)
     health.set_ready(True)
     log.info("coordinator listening on %s:%d", config.host, port)
-    shutdown.wait()
+    # The main thread keeps the leases while it waits for the shutdown signal.
+    while not shutdown.wait(config.lease_timeout_s / 4):
+        servicer.expire_leases()
     log.info("coordinator shutting down")
     health.shutdown()
     registry.close()
+    servicer.waves.close()
     server.stop(grace=2.0).wait()
+    if health_server is not None:
+        health_server.stop(0)
+    observability.shutdown()
     return 0

@@ -2,13 +2,20 @@
 
 Plain Python guarded by one condition variable. Every change bumps
 `generation`, which watchers wait on; readers get immutable snapshots.
+
+Each entry holds a lease that every report renews: `expire` drops the engines
+silent for longer than the lease (a frozen process keeps its TCP stream open,
+so the stream's end alone would never remove it). An expired engine that wakes
+up finds its id unknown and registers again.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, replace
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +31,13 @@ class EngineEntry:
     state: int = 0
     """A common.v1.EngineState value."""
     step_counter: int = 0
+    max_num_seqs: int = 0
+    """Capacity: the most requests the engine runs at once (0 = not told)."""
+    wave: int = 0
+    wave_running: bool = False
+    """Expert-parallel groups: the engine's wave and whether it runs."""
+    last_report: float = field(default=0.0, compare=False)
+    """When the lease was last renewed (the registry's clock)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +47,8 @@ class Snapshot:
 
 
 class EngineRegistry:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._engines: dict[str, EngineEntry] = {}
         self._generation = 0
         self._ids = itertools.count(1)
@@ -41,7 +56,13 @@ class EngineRegistry:
         self._closed = False
 
     def register(
-        self, engine_index: int, address: str, model: str, max_model_len: int, state: int
+        self,
+        engine_index: int,
+        address: str,
+        model: str,
+        max_model_len: int,
+        state: int,
+        max_num_seqs: int = 0,
     ) -> str:
         """Add an engine; a re-registration from the same address replaces the old entry."""
         with self._changed:
@@ -49,7 +70,8 @@ class EngineRegistry:
                 del self._engines[stale]
             engine_id = f"engine-{engine_index}-{next(self._ids)}"
             self._engines[engine_id] = EngineEntry(
-                engine_id, engine_index, address, model, max_model_len, state=state
+                engine_id, engine_index, address, model, max_model_len, state=state,
+                max_num_seqs=max_num_seqs, last_report=self._clock(),
             )
             self._bump()
             return engine_id
@@ -63,6 +85,8 @@ class EngineRegistry:
         kv_cache_usage: float,
         state: int,
         step_counter: int,
+        wave: int = 0,
+        wave_running: bool = False,
     ) -> bool:
         """Record a load report; False if the engine is not registered."""
         with self._changed:
@@ -76,6 +100,9 @@ class EngineRegistry:
                 kv_cache_usage=kv_cache_usage,
                 state=state,
                 step_counter=step_counter,
+                wave=wave,
+                wave_running=wave_running,
+                last_report=self._clock(),
             )
             # Only real changes wake watchers; a heartbeat with equal load does not.
             changed = (new.num_waiting, new.num_running, new.kv_cache_usage, new.state) != (
@@ -93,6 +120,17 @@ class EngineRegistry:
         with self._changed:
             if self._engines.pop(engine_id, None) is not None:
                 self._bump()
+
+    def expire(self, lease_s: float) -> list[EngineEntry]:
+        """Drop the engines whose last report is older than `lease_s`; returns them."""
+        with self._changed:
+            deadline = self._clock() - lease_s
+            expired = [e for e in self._engines.values() if e.last_report < deadline]
+            for entry in expired:
+                del self._engines[entry.engine_id]
+            if expired:
+                self._bump()
+            return expired
 
     def snapshot(self) -> Snapshot:
         with self._changed:

@@ -37,6 +37,11 @@ class EngineConfig:
         "Folder where the profile utility call writes torch profiler traces; empty means "
         "a folder under the system temp dir.", default=""
     )
+    max_waiting_requests: int = doc(
+        "Most requests that may wait for admission; past it new requests are refused at "
+        "once with RESOURCE_EXHAUSTED (a retry hint goes to the client), so the queue, and "
+        "the memory and latency behind it, stay bounded.", default=1024
+    )
     log_level: str = doc("Log level: debug, info, warning, error.", default="info")
     shutdown_timeout: float = doc(
         "Seconds that in-flight requests get to finish after SIGTERM before they are aborted "
@@ -58,6 +63,10 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_waiting_requests < 1:
+            raise ValueError(
+                f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}"
             )
         if not 1 <= self.max_concurrent_batches <= 8:
             raise ValueError(

@@ -8,7 +8,12 @@ scheduler and the runner; the output thread moves each step's `StepOutputs` from
     while state allows: process input (block only when idle); step; publish stats
     step = schedule -> execute -> apply aborts -> update
 
-Utility calls (reset_prefix_cache, get_stats, pause, resume) travel on
+With a batch queue (`max_concurrent_batches` > 1) execute runs on an executor
+thread: the loop schedules the next batch while the previous one executes (a
+request whose tokens are in flight is not scheduled again until they come back),
+and collects the oldest batch when the queue is full or nothing else can start.
+
+Utility calls (reset_prefix_cache, get_stats, pause, resume, profile) travel on
 `input_queue` like adds, so they run on the loop thread between steps, in order
 with the requests around them; each reply goes back to the calling Session. A
 failing or unknown call is answered with its error and changes nothing else.
@@ -32,25 +37,32 @@ import json
 import logging
 import queue
 import sys
+import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from services.common.model_info import ModelInfo
 from services.engine.config import EngineConfig
+from services.engine.observer import EngineObserver
 from services.engine.request import FinishReason, Request, RequestUpdate
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
 from services.engine.session_router import EngineState, SessionRouter, StepOutputs, UtilityReply
 from services.engine.watchdog import Watchdog
+from services.engine.wave import WaveState
 
 logger = logging.getLogger(__name__)
 
 # google.rpc.Code values carried by error outputs.
 INVALID_ARGUMENT = 3
+RESOURCE_EXHAUSTED = 8
 INTERNAL = 13
 UNAVAILABLE = 14
 
@@ -61,6 +73,7 @@ class InputType(enum.Enum):
     WAKEUP = enum.auto()
     SHUTDOWN = enum.auto()
     UTILITY = enum.auto()
+    START_WAVE = enum.auto()
 
 
 class PauseMode(enum.Enum):
@@ -91,6 +104,11 @@ class ModelRunner(Protocol):
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput: ...
 
+    # Only for expert-parallel groups (see join_waves):
+    def execute_dummy(self) -> None: ...
+
+    def any_rank_has_work(self, has_work: bool) -> bool: ...
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
@@ -112,6 +130,7 @@ class EngineCore:
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self.output_queue: queue.Queue[StepOutputs | UtilityReply | None] = queue.Queue()
         self.sessions = SessionRouter()
+        self.observer = EngineObserver()  # metrics and tracing hooks (see main.py)
         self.name = f"engine-core dp={config.engine_index}"
         self._state = EngineState.STARTING
         self._state_lock = threading.Lock()
@@ -125,6 +144,7 @@ class EngineCore:
             "get_stats": self._get_stats,
             "pause": self._pause,
             "resume": self._resume,
+            "profile": self._profile,
         }
         self._loop_thread = threading.Thread(target=self._run_busy_loop, name="engine-loop",
                                              daemon=True)
@@ -132,6 +152,14 @@ class EngineCore:
                                                name="engine-output", daemon=True)
         self._watchdog = (Watchdog(config.watchdog_timeout, self._on_watchdog_expired)
                           if config.watchdog_timeout > 0 else None)
+        # Depth > 1: the runner executes on its own thread while the loop schedules ahead.
+        self._batch_queue: deque[tuple[Future[RunnerOutput], SchedulerOutput]] | None = None
+        self._wave: WaveState | None = None
+        self._announce_wave: Callable[[int], None] | None = None
+        self._awaiting_batch = False
+        if config.max_concurrent_batches > 1:
+            self._batch_queue = deque()
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-execute")
 
     # ---- called from other threads ---------------------------------------------
 
@@ -160,6 +188,25 @@ class EngineCore:
         if self._watchdog is not None:
             self._watchdog.start()
         self._loop_thread.start()
+
+    def join_waves(self, check_interval: int,
+                   announce: Callable[[int], None] | None = None) -> None:
+        """Step in lockstep waves with the other ranks of an expert-parallel group (call
+        before start). `announce(wave)` asks the coordinator to start `wave` on the
+        other ranks; their starts come back through `start_wave`."""
+        if self.config.max_concurrent_batches > 1:
+            raise ValueError("an expert-parallel engine runs one batch at a time "
+                             "(max_concurrent_batches must be 1)")
+        self._wave = WaveState(check_interval)
+        self._announce_wave = announce
+
+    def start_wave(self, wave: int) -> None:
+        """Another rank started `wave` (relayed by the coordinator); stale ones are ignored."""
+        self.input_queue.put((InputType.START_WAVE, wave))
+
+    @property
+    def wave(self) -> WaveState | None:
+        return self._wave
 
     def add_request(self, request: Request) -> None:
         if self._state is not EngineState.RUNNING:
@@ -222,9 +269,12 @@ class EngineCore:
             self._stop()
 
     def _process_input_queue(self) -> None:
-        block = self._state is EngineState.RUNNING and not self._can_step()
-        if block and self._watchdog is not None:
+        idle = self._state is EngineState.RUNNING and not self._can_step()
+        if idle and self._watchdog is not None:
             self._watchdog.pause()  # idle is not stuck
+        # Waiting on an executing batch is not idle: the watchdog keeps watching.
+        block = idle or self._awaiting_batch
+        self._awaiting_batch = False
         while True:
             try:
                 kind, payload = self.input_queue.get(block=block)
@@ -236,6 +286,10 @@ class EngineCore:
             self._handle_input(kind, payload)
 
     def _can_step(self) -> bool:
+        if self._wave is not None and self._wave.running:
+            return True  # every rank steps while the wave runs, with or without work
+        if self._batch_queue:
+            return True  # its outputs must be collected, even if nobody waits for them
         if self._pause_mode is None:
             return self.scheduler.has_work()
         # Paused "wait" still runs what is running (admission is off meanwhile).
@@ -252,6 +306,9 @@ class EngineCore:
             self._emit(self.scheduler.abort_requests(payload))
         elif kind is InputType.UTILITY:
             self._run_utility(payload)
+        elif kind is InputType.START_WAVE and self._wave is not None:
+            if self._wave.start(payload):
+                logger.debug("%s: joined wave %d", self.name, payload)
         elif kind is InputType.SHUTDOWN and self._state is EngineState.RUNNING:
             # A drain lets in-flight requests finish; a pause must not hold them back.
             self._resume({})
@@ -263,8 +320,15 @@ class EngineCore:
         if self._state is not EngineState.RUNNING:
             self._reject([request], UNAVAILABLE, self._not_running_message())
             return
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            self._reject([request], RESOURCE_EXHAUSTED, (
+                f"{self.name} is overloaded: {len(self.scheduler.waiting)} requests are "
+                f"waiting (max_waiting_requests {self.config.max_waiting_requests}); "
+                "retry later"))
+            return
         try:
             self.scheduler.add_request(request)
+            self.observer.on_added(request)
         except RequestRejected as exc:
             self._reject([request], INVALID_ARGUMENT, str(exc))
         except Exception as exc:
@@ -273,13 +337,75 @@ class EngineCore:
             self._reject([request], INTERNAL, f"{self.name} could not add the request: {exc}")
 
     def step(self) -> None:
+        if self._wave is not None:
+            self._step_in_wave(self._wave)
+            return
+        if self._batch_queue is not None:
+            self._step_with_batch_queue(self._batch_queue)
+            return
         out = self.scheduler.schedule()
         if out.is_empty:
             time.sleep(0.001)  # work exists but none fits yet; do not spin hot
             return
-        result = self.runner.execute(out)
+        self.observer.on_scheduled(out)
+        self._update(out, self.runner.execute(out))
+
+    def _step_with_batch_queue(self, batches: deque[tuple[Future[RunnerOutput],
+                                                         SchedulerOutput]]) -> None:
+        """Schedule the next batch while earlier ones execute on the executor thread.
+        The oldest is collected when the queue is full or once it is done; until then
+        the loop waits for input (a new request may make another batch) or for the
+        done batch's wakeup."""
+        if len(batches) < self.config.max_concurrent_batches:
+            out = self.scheduler.schedule()
+            if not out.is_empty:
+                self.observer.on_scheduled(out)
+                future = self._executor.submit(self.runner.execute, out)
+                future.add_done_callback(lambda _: self.wakeup())
+                batches.append((future, out))
+                if len(batches) < self.config.max_concurrent_batches:
+                    return  # back to the loop: take input, then try to start another
+            elif not batches:
+                time.sleep(0.001)  # work exists but none fits yet; do not spin hot
+                return
+            elif not batches[0][0].done():
+                self._awaiting_batch = True
+                return
+        future, out = batches.popleft()
+        self._update(out, future.result())
+
+    def _step_in_wave(self, wave: WaveState) -> None:
+        """One lockstep step of an expert-parallel group: a real batch, or a dummy one
+        when this rank has nothing to run, so that the MoE collectives line up; every
+        check interval the ranks agree whether the wave goes on."""
+        if not wave.running and wave.start_local() and self._announce_wave is not None:
+            self._announce_wave(wave.wave)
+        out = self.scheduler.schedule() if self._pause_mode is not PauseMode.KEEP else None
+        dummy = out is None or out.is_empty
+        if dummy:
+            self.runner.execute_dummy()
+        else:
+            assert out is not None
+            self.observer.on_scheduled(out)
+            self._update(out, self.runner.execute(out))
+        if wave.stepped(dummy) and wave.agreed(
+                self.runner.any_rank_has_work(self.scheduler.has_work())):
+            logger.info("%s: wave %d ended; idle until new work", self.name, wave.wave - 1)
+
+    def _update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
+        # Aborts that arrived while the batch executed go out before its outputs.
         aborted = self._apply_aborts()
         self._emit(aborted + self.scheduler.update_from_output(out, result))
+
+    def _wait_for_batches(self) -> None:
+        """Let batches in flight finish (their outputs are dropped) before the scheduler's
+        requests are torn down, so no forward pass outlives the loop."""
+        while self._batch_queue:
+            future, _ = self._batch_queue.popleft()
+            try:
+                future.result()
+            except Exception:
+                logger.exception("%s: a batch in flight failed during shutdown", self.name)
 
     # ---- utility calls (on the loop thread) -------------------------------------
 
@@ -331,6 +457,8 @@ class EngineCore:
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "step_counter": stats.step_counter,
+            **({"wave": self._wave.wave, "wave_running": self._wave.running,
+                "dummy_steps": self._wave.num_dummy_steps} if self._wave is not None else {}),
         }
 
     def _pause(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -359,6 +487,18 @@ class EngineCore:
         self.scheduler.admitting = True
         return {"was_paused": was.value if was else None}
 
+    def _profile(self, args: dict[str, Any]) -> dict[str, Any]:
+        action = args.get("action")
+        if action not in ("start", "stop"):
+            raise ValueError(f"profile action must be 'start' or 'stop', got {action!r}")
+        if not hasattr(self.runner, "start_profile"):
+            raise ValueError(f"the model runner {type(self.runner).__name__} cannot profile")
+        if action == "stop":
+            return self.runner.stop_profile()
+        folder = Path(self.config.profile_dir or Path(tempfile.gettempdir()) /
+                      "corestream-profiles")
+        return self.runner.start_profile(folder, f"engine{self.config.engine_index}")
+
     def _apply_aborts(self) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
         while True:
@@ -371,13 +511,19 @@ class EngineCore:
         self._stats = self.scheduler.stats()
 
     def _drain_over(self) -> bool:
-        return not self.scheduler.has_work() or time.monotonic() >= self._drain_deadline
+        # A rank must not leave a running wave: the others' collectives need it.
+        in_wave = self._wave is not None and self._wave.running
+        return ((not self.scheduler.has_work() and not in_wave)
+                or time.monotonic() >= self._drain_deadline)
 
     # ---- endings ---------------------------------------------------------------
 
     def _stop(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()
+        self._wait_for_batches()
+        if self._batch_queue is not None:
+            self._executor.shutdown(wait=False)
         unfinished = self.scheduler.finish_all(
             FinishReason.ERROR, UNAVAILABLE,
             f"{self.name} is shutting down; the request did not finish within the drain timeout")
@@ -465,6 +611,7 @@ class EngineCore:
     def _emit(self, updates: list[RequestUpdate]) -> None:
         if not updates:
             return
+        self.observer.on_updates(updates)
         by_session: dict[str, list[RequestUpdate]] = {}
         for u in updates:
             by_session.setdefault(u.session_id, []).append(u)

@@ -22,19 +22,28 @@ from corestream.coordinator.v1 import coordinator_service_pb2 as coordinator_pb
 
 from services.common.config import add_arguments, from_args
 from services.common.logs import setup_logging
+from services.common.model_info import load_model_info
+from services.common.observability import Observability
+from services.common.observability_config import ObservabilityConfig
+from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
+from services.common.tiny_checkpoint import resolve_model
 from services.engine.config import EngineConfig
+from services.engine.dp_config import DataParallelConfig, is_moe
 from services.engine.engine_core import EngineCore
 from services.engine.fault_injection import ENV_VAR as FAULT_INJECT_ENV
 from services.engine.fault_injection import maybe_inject
 from services.engine.load_reporter import LoadReporter
+from services.engine.metrics import EngineMetrics
 from services.engine.server import EngineServer
 from services.engine.session_router import EngineState
+from services.engine.wave_relay import WaveRelay
 from services.engine.worker.config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
-CONFIG_CLASSES = (EngineConfig, RunnerConfig)
+CONFIG_CLASSES = (EngineConfig, RunnerConfig, DataParallelConfig, SecurityConfig,
+                  ObservabilityConfig)
 STOP_GRACE_S = 2.0
 # Beyond the drain timeout, how long the loop may take to finish its last step.
 JOIN_MARGIN_S = 10.0
@@ -44,24 +53,52 @@ EXIT_DEAD = 1
 def run(args: argparse.Namespace) -> int:
     config = from_args(EngineConfig, args)
     runner_config = from_args(RunnerConfig, args)
-    setup_logging(f"engine{config.engine_index}", config.log_level)
-    logger.info("config: %s %s", config, runner_config)
+    security = from_args(SecurityConfig, args)
+    obs_config = from_args(ObservabilityConfig, args)
+    dp = from_args(DataParallelConfig, args)
+    setup_logging(f"engine{config.engine_index}", config.log_level, obs_config.log_format)
+    logger.info("config: %s %s %s", config, runner_config, obs_config)
     shutdown = ShutdownSignal.install()
 
     # Imported here: torch loads only in the process that runs a model.
     from services.engine.worker.model_runner import ModelRunner
 
+    expert_parallel = dp.data_parallel_size > 1 and is_moe(
+        load_model_info(resolve_model(runner_config.model)).architectures)
+    if expert_parallel:
+        join_expert_parallel_group(config, runner_config, dp)
     runner = ModelRunner(runner_config)
     runner.warmup()
     core = EngineCore(config, maybe_inject(runner, os.environ.get(FAULT_INJECT_ENV),
                                            config.engine_index))
+    relay = None
+    if expert_parallel:
+        if config.coordinator:
+            relay = WaveRelay(config.coordinator, runner.model_info.name, config.engine_index,
+                              core.start_wave, security)
+            relay.start()
+            # Starts announced before this rank listened are replayed on subscribing.
+            relay.subscribed.wait(10)
+        else:
+            logger.warning("expert parallel without a coordinator: a rank that gets no "
+                           "request of its own never joins a wave")
+        core.join_waves(dp.wave_check_interval, relay.announce if relay else None)
 
     def exit_when_dead(state: EngineState) -> None:
         if state is EngineState.DEAD:
             shutdown.set()
 
     core.add_state_listener(exit_when_dead)
-    server = EngineServer(core, runner, config.host, config.port)
+    observability = Observability("engine", obs_config, config.host,
+                                  (config, runner_config, security),
+                                  {"corestream.engine.index": config.engine_index})
+    metrics = EngineMetrics(observability.registry, runner.model_info.name, config.engine_index,
+                            lambda: core.stats, lambda: core.state, observability.tracing)
+    core.observer = metrics
+    core.add_state_listener(lambda state: metrics.on_state(state, core.death_reason))
+    observability.start_metrics()
+    server = EngineServer(core, runner, config.host, config.port, security,
+                          observability.interceptors())
     server.start()
     logger.info("engine %d listening on %s", config.engine_index, server.address)
     core.start()
@@ -73,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
             address=config.advertise_address or server.address,
             model=runner.model_info.name,
             max_model_len=core.max_model_len,
+            max_num_seqs=config.max_num_seqs,
         )
         reporter = LoadReporter(config.coordinator, registration,
-                                lambda: (core.stats, core.state))
+                                lambda: (core.stats, core.state), security,
+                                wave=lambda: core.wave)
         reporter.start()
 
     shutdown.wait()
@@ -88,13 +127,40 @@ def run(args: argparse.Namespace) -> int:
     # The reporter outlives the drain so that the coordinator sees DRAINING.
     if reporter is not None:
         reporter.stop()
+    if relay is not None:
+        relay.stop()
     server.stop(STOP_GRACE_S)  # lets every Session deliver its last message
+    metrics.close()
+    observability.shutdown()
     if core.state is EngineState.DEAD:
         logging.shutdown()
         sys.stderr.flush()
         os._exit(EXIT_DEAD)
     logger.info("%s stopped", core.name)
     return 0
+
+
+def join_expert_parallel_group(config: EngineConfig, runner_config: RunnerConfig,
+                               dp: DataParallelConfig) -> None:
+    """Join the MoE model's process group (before the model is built: each rank loads
+    only its own experts)."""
+    import torch
+
+    from services.engine.parallel.dp_group import init_dp_group
+    from services.engine.worker.model_runner import pick_device
+
+    if not dp.data_parallel_master:
+        raise SystemExit("--data-parallel-master HOST:PORT is needed to split an MoE "
+                         f"model over {dp.data_parallel_size} ranks")
+    if config.engine_index >= dp.data_parallel_size:
+        raise SystemExit(f"--engine-index {config.engine_index} is not a rank of "
+                         f"--data-parallel-size {dp.data_parallel_size}")
+    host, port = dp.master_host_port
+    device: torch.device = pick_device(runner_config.device)
+    logger.info("joining the expert-parallel group as rank %d of %d (rendezvous %s)",
+                config.engine_index, dp.data_parallel_size, dp.data_parallel_master)
+    init_dp_group(config.engine_index, dp.data_parallel_size, host, port, device,
+                  timeout_s=dp.data_parallel_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,10 +45,15 @@ class Request:
     """The Session that added the request; its outputs go back there."""
     cache_salt: str = ""
     """Prefix-cache isolation: only requests with equal salts share cached blocks."""
+    trace_headers: dict[str, str] = field(default_factory=dict)
+    """W3C traceparent/tracestate of the caller's span: the engine's span continues it."""
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose keys and values are in the KV cache."""
+    num_inflight_tokens: int = 0
+    """Tokens scheduled in batches that have not come back yet (a batch queue deeper
+    than 1 schedules the next step while the previous one executes)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
@@ -75,8 +80,14 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens still to feed the model: a (rest of a) prompt, or the last sampled token."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens still to feed the model: a (rest of a) prompt, or the last sampled token.
+        Tokens of batches in flight are not counted: they are being computed."""
+        return self.num_tokens - self.num_computed_tokens - self.num_inflight_tokens
+
+    @property
+    def num_scheduled_end(self) -> int:
+        """Where the next scheduled chunk starts: past the computed and in-flight tokens."""
+        return self.num_computed_tokens + self.num_inflight_tokens
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -13,13 +13,13 @@ state: SERVING only while RUNNING (so not before warmup, nor while draining/dead
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
 import threading
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -34,12 +34,22 @@ from services.common.grpc_server import (
     SESSION_HEARTBEAT_S,
     Health,
     add_health_and_reflection,
+    bind,
     server_options,
+    start_health_port,
 )
+from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.engine.engine_core import EngineCore, UtilityCall
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import PositionLogprobs
-from services.engine.session_router import EngineState, SessionItem, SessionOutputs, UtilityReply
+from services.engine.session_router import (
+    EngineState,
+    SessionItem,
+    SessionOutputs,
+    UtilityReply,
+    engine_request_id,
+    session_request_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +60,7 @@ MAX_WORKERS = 256
 
 def request_from_proto(add: pb.AddRequest, session_id: str) -> Request:
     return Request(
-        request_id=add.request_id,
+        request_id=engine_request_id(session_id, add.request_id),
         prompt_token_ids=list(add.prompt_token_ids),
         sampling=sampling_from_proto(add.sampling),
         eos_token_ids=tuple(add.eos_token_ids),
@@ -58,6 +68,7 @@ def request_from_proto(add: pb.AddRequest, session_id: str) -> Request:
         priority=add.priority,
         session_id=session_id,
         cache_salt=add.cache_salt,
+        trace_headers=dict(add.trace_headers),
     )
 
 
@@ -72,7 +83,7 @@ def logprobs_to_proto(lp: PositionLogprobs) -> common_pb2.PositionLogprobs:
 
 def output_to_proto(u: RequestUpdate) -> pb.RequestOutput:
     out = pb.RequestOutput(
-        request_id=u.request_id,
+        request_id=session_request_id(u.session_id, u.request_id),
         new_token_ids=list(u.new_token_ids),
         finish_reason=int(u.finish_reason) if u.finish_reason is not None else 0,
         num_cached_tokens=u.num_cached_tokens,
@@ -102,7 +113,7 @@ def response_to_proto(msg: SessionOutputs, engine_index: int) -> pb.SessionRespo
 
 
 class _SessionState:
-    """What one Session's two threads share: its unfinished request ids."""
+    """What one Session's two threads share: its unfinished (engine) request ids."""
 
     def __init__(self, session_id: str, q: queue.Queue[SessionItem]) -> None:
         self.session_id = session_id
@@ -124,16 +135,18 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
     def __init__(self, core: EngineCore, runner: Any) -> None:
         self.core = core
         self.runner = runner
+        # Short and unique for the process's life: they prefix every request id inside.
+        self._session_ids = itertools.count(1)
 
     def Session(  # noqa: N802 (gRPC method name)
         self, request_iterator: Iterator[pb.SessionRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.SessionResponse]:
-        session_id = uuid.uuid4().hex
+        session_id = f"s{next(self._session_ids)}"
         session = _SessionState(session_id, self.core.sessions.open(session_id))
         context.add_callback(lambda: session.queue.put(None))
         reader = threading.Thread(
             target=self._read_session, args=(request_iterator, session),
-            name=f"session-{session.session_id[:8]}", daemon=True,
+            name=f"session-{session.session_id}", daemon=True,
         )
         reader.start()
         try:
@@ -198,15 +211,17 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
             for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
                 if kind == "add":
+                    request = request_from_proto(msg.add, session.session_id)
                     with session.lock:
-                        session.unfinished.add(msg.add.request_id)
-                    self.core.add_request(request_from_proto(msg.add, session.session_id))
+                        session.unfinished.add(request.request_id)
+                    self.core.add_request(request)
                 elif kind == "abort":
-                    self.core.abort_requests(list(msg.abort.request_ids))
+                    self.core.abort_requests([engine_request_id(session.session_id, rid)
+                                              for rid in msg.abort.request_ids])
                 elif kind == "utility":
                     self._call_utility(msg.utility, session)
                 elif kind == "hello":
-                    logger.info("session %s from frontend %r", session.session_id[:8],
+                    logger.info("session %s from frontend %r", session.session_id,
                                 msg.hello.frontend_id)
         except grpc.RpcError:
             pass  # the client broke the stream; the handler's callback ends the Session
@@ -250,18 +265,19 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
 class EngineServer:
     """The gRPC server of one engine: EngineCoreService, health and reflection."""
 
-    def __init__(self, core: EngineCore, runner: Any, host: str, port: int) -> None:
+    def __init__(self, core: EngineCore, runner: Any, host: str, port: int,
+                 security: SecurityConfig = PLAINTEXT, interceptors: Sequence[Any] = ()) -> None:
         self.core = core
+        self._security = security
+        self._health_server: grpc.Server | None = None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="grpc"),
-            options=server_options(INTERNAL_MAX_MESSAGE_BYTES),
+            options=server_options(INTERNAL_MAX_MESSAGE_BYTES), interceptors=interceptors,
         )
         engine_core_service_pb2_grpc.add_EngineCoreServiceServicer_to_server(
             EngineCoreServicer(core, runner), self.server)
         self.health: Health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"could not bind {host}:{port}")
+        self.port = bind(self.server, f"{host}:{port}", security)
         self.address = f"{host}:{self.port}"
         core.add_state_listener(self._on_state)
 
@@ -273,8 +289,11 @@ class EngineServer:
 
     def start(self) -> None:
         self.server.start()
+        self._health_server = start_health_port(self.health, self._security)
         self.health.set_ready(self.core.state is EngineState.RUNNING)
 
     def stop(self, grace_s: float = 2.0) -> None:
         self.health.shutdown()
         self.server.stop(grace_s).wait()
+        if self._health_server is not None:
+            self._health_server.stop(0)

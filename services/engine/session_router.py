@@ -2,7 +2,12 @@
 
 The busy loop puts one `StepOutputs` per step on the engine's output queue; the
 output thread hands it here, and each open Session's queue receives a
-`SessionOutputs` holding only that Session's updates. State changes (draining,
+`SessionOutputs` holding only that Session's updates.
+
+Several frontends share an engine, each with its own Session and its own request
+ids, which may collide: inside the engine a request is known by its Session's id
+and the frontend's id together (`engine_request_id`), and the frontend's id is
+restored on the way out (`session_request_id`). State changes (draining,
 stopped, dead) are broadcast to every Session, with or without updates. A
 utility call's reply takes the same queue, so it follows the outputs of the
 steps before it, to the one Session that made the call.
@@ -58,6 +63,16 @@ class UtilityReply:
     result_json: str = ""
     failure_message: str = ""
     session_id: str = ""
+
+
+def engine_request_id(session_id: str, request_id: str) -> str:
+    """The engine-wide id of a Session's request."""
+    return f"{session_id}/{request_id}"
+
+
+def session_request_id(session_id: str, engine_request_id: str) -> str:
+    """The id the Session's frontend gave the request."""
+    return engine_request_id.removeprefix(f"{session_id}/")
 
 
 # What a Session's queue carries; None means the engine will send nothing more.

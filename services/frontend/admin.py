@@ -72,6 +72,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         results = await self._call_all(request, context, "resume", {})
         return admin_pb2.ResumeSchedulingResponse(results=results)
 
+    async def StartProfile(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.StartProfileResponse:
+        results = await self._call_all(request, context, "profile", {"action": "start"})
+        return admin_pb2.StartProfileResponse(results=results)
+
+    async def StopProfile(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.StopProfileResponse:
+        results = await self._call_all(request, context, "profile", {"action": "stop"})
+        return admin_pb2.StopProfileResponse(results=results)
+
     async def _call_all(self, request: _EngineFilter, context: grpc.aio.ServicerContext,
                         method: str, args: dict[str, Any]) -> list[admin_pb2.EngineResult]:
         clients = [c for c in self._balancer.clients if c.connected]

@@ -5,23 +5,36 @@ coordinator's load snapshots (`update`) or from a static list (`set_static`). An
 engine that leaves the snapshot, or stops running, takes no new requests; its
 client stays open until its in-flight requests finish, so a draining engine can
 complete them.
+
+Routing picks the lowest `load_score`. A snapshot lags behind our own routing
+(engine report, then the coordinator's rate limit), so the requests we sent
+since the snapshot before last count too: without them a burst would all land
+on the engine that looked idlest. Equal scores rotate, so an idle cluster
+spreads requests evenly. Without load figures (static engines, or the
+coordinator out of reach: `degraded`) the score is our own in-flight count on
+each engine, which is exact for a single frontend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from services.frontend.engine_client import EngineClient
-from services.frontend.errors import unavailable
+from services.frontend.errors import invalid_argument, unavailable
 
 log = logging.getLogger(__name__)
 
 # A waiting request costs more than a running one: it has not even been scheduled.
-WAITING_WEIGHT = 4
+WAITING_WEIGHT = 4.0
+# Past this KV-cache usage a waiting request may wait for blocks to free (or cause a
+# preemption), so waiting costs up to 1 + KV_PRESSURE_WEIGHT times more at a full cache.
+KV_PRESSURE_THRESHOLD = 0.8
+KV_PRESSURE_WEIGHT = 4.0
+# Scores closer than this are a tie (they are sums of counts and weights).
+_TIE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,42 @@ class EngineLoadInfo:
     """Not stopped or dead: requests already there may still finish."""
     num_waiting: int = 0
     num_running: int = 0
+    kv_cache_usage: float = 0.0
+    engine_index: int | None = None
+    """The engine's data-parallel rank, when the snapshot tells it."""
+
+
+def waiting_cost(kv_cache_usage: float) -> float:
+    """What one waiting request adds to the score at this KV-cache usage."""
+    pressure = max(0.0, kv_cache_usage - KV_PRESSURE_THRESHOLD) / (1 - KV_PRESSURE_THRESHOLD)
+    return WAITING_WEIGHT * (1 + KV_PRESSURE_WEIGHT * min(pressure, 1.0))
+
+
+def load_score(load: EngineLoadInfo, num_unseen: int = 0) -> float:
+    """How busy an engine is, lower is better. `num_unseen` requests were sent there
+    after the snapshot was taken; they run at once on an engine that queues nothing,
+    and queue where others already queue."""
+    cost = waiting_cost(load.kv_cache_usage)
+    unseen_cost = cost if load.num_waiting else 1.0
+    return load.num_running + load.num_waiting * cost + num_unseen * unseen_cost
+
+
+class _Unseen:
+    """Requests sent to one engine in the current and the previous snapshot period.
+    Those older than the snapshot before last are in the engine's reported load."""
+
+    __slots__ = ("current", "previous")
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.previous = 0
+
+    @property
+    def count(self) -> int:
+        return self.current + self.previous
+
+    def next_snapshot(self) -> None:
+        self.previous, self.current = self.current, 0
 
 
 class Balancer:
@@ -49,11 +98,22 @@ class Balancer:
         self._client_factory = client_factory
         self._clients: dict[str, EngineClient] = {}
         self._loads: dict[str, EngineLoadInfo] = {}
+        self._unseen: dict[str, _Unseen] = {}
+        self._seen_ranks: set[int] = set()
+        self._has_load_figures = False
+        self._degraded_reason = ""
+        self._last_pick = ""
         self._ready = False
 
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def degraded(self) -> bool:
+        """The coordinator is out of reach: routing on our own counts over the engines
+        last known."""
+        return bool(self._degraded_reason)
 
     @property
     def clients(self) -> list[EngineClient]:
@@ -65,12 +125,72 @@ class Balancer:
         return sum(c.connected for c in self._clients.values())
 
     async def set_static(self, addresses: Iterable[str]) -> None:
-        await self.update(EngineLoadInfo(a, routable=True, alive=True) for a in addresses)
+        await self._apply([EngineLoadInfo(a, routable=True, alive=True) for a in addresses])
+        self._has_load_figures = False
 
-    async def update(self, engines: Iterable[EngineLoadInfo]) -> None:
-        """Apply a snapshot: open clients for new engines, retire vanished ones."""
+    async def update(self, engines: Iterable[EngineLoadInfo], retire: bool = True) -> None:
+        """Apply a coordinator snapshot: open clients for new engines and, with `retire`,
+        retire those the snapshot lacks (a coordinator that just restarted does not know
+        every engine yet: keep them then)."""
+        engines = list(engines)
+        if not retire:
+            fresh = {e.address for e in engines}
+            engines += [e for a, e in self._loads.items() if a not in fresh]
+        for unseen in self._unseen.values():
+            unseen.next_snapshot()
+        self._has_load_figures = True
+        self.set_degraded("")
+        await self._apply(engines)
+
+    def set_degraded(self, reason: str) -> None:
+        """Enter (a reason) or leave ("") the degraded state; logged once each way."""
+        if bool(reason) != self.degraded:
+            if reason:
+                log.warning("degraded: %s; routing on our own in-flight counts over the %d "
+                            "engines already known until the coordinator is back",
+                            reason, len(self._clients))
+            else:
+                log.info("the coordinator is back: routing on its load snapshots again")
+        self._degraded_reason = reason
+        self._refresh()
+
+    def pick(self, data_parallel_rank: int | None = None) -> EngineClient:
+        """The engine for the next request: the pinned rank, else the least loaded one
+        that accepts requests (ties in rotation)."""
+        candidates = [
+            (address, client) for address, client in self._clients.items()
+            if client.accepting and self._routable(address)
+        ]
+        if data_parallel_rank is not None:
+            candidates = self._pinned(data_parallel_rank, candidates)
+        if not candidates:
+            raise unavailable(
+                "no engine is available to serve the request "
+                f"({self.num_connected} connected, {len(self._clients)} known); retry later"
+            )
+        # Start after the engine picked last, so that equal scores take turns.
+        start = next((i + 1 for i, (address, _) in enumerate(candidates)
+                      if address == self._last_pick), 0)
+        ordered = candidates[start:] + candidates[:start]
+        scores = [self._score(address, client) for address, client in ordered]
+        lowest = min(scores)
+        address, client = next(
+            engine for engine, score in zip(ordered, scores, strict=True)
+            if score <= lowest + _TIE)
+        self._last_pick = address
+        self._unseen.setdefault(address, _Unseen()).current += 1
+        return client
+
+    async def close(self) -> None:
+        clients, self._clients = self._clients, {}
+        await asyncio.gather(*(c.close() for c in clients.values()))
+        self._refresh()
+
+    async def _apply(self, engines: list[EngineLoadInfo]) -> None:
         self._loads = {e.address: e for e in engines if e.alive}
-        for address in self._loads:
+        for address, load in self._loads.items():
+            if load.engine_index is not None:
+                self._seen_ranks.add(load.engine_index)
             if address not in self._clients:
                 log.info("engine %s appeared", address)
                 client = self._client_factory(address, self._frontend_id, self._refresh)
@@ -79,30 +199,43 @@ class Balancer:
         await self._close_retired()
         self._refresh()
 
-    def pick(self) -> EngineClient:
-        """The least loaded engine that accepts requests, counting local in-flight ones
-        because snapshots lag behind our own routing."""
-        best: EngineClient | None = None
-        best_key: tuple[int, float] | None = None
-        for address, client in self._clients.items():
-            load = self._loads.get(address)
-            if load is None or not load.routable or not client.accepting:
-                continue
-            score = load.num_waiting * WAITING_WEIGHT + load.num_running + client.num_in_flight
-            key = (score, random.random())
-            if best_key is None or key < best_key:
-                best, best_key = client, key
-        if best is None:
-            raise unavailable(
-                "no engine is available to serve the request "
-                f"({self.num_connected} connected, {len(self._clients)} known); retry later"
-            )
-        return best
+    def _routable(self, address: str) -> bool:
+        if self.degraded:
+            return True  # the snapshot is stale; the Session's own state decides
+        load = self._loads.get(address)
+        return load is not None and load.routable
 
-    async def close(self) -> None:
-        clients, self._clients = self._clients, {}
-        await asyncio.gather(*(c.close() for c in clients.values()))
-        self._refresh()
+    def _score(self, address: str, client: EngineClient) -> float:
+        load = self._loads.get(address)
+        if self.degraded or not self._has_load_figures or load is None:
+            return float(client.num_in_flight)
+        unseen = self._unseen.get(address)
+        return load_score(load, unseen.count if unseen is not None else 0)
+
+    def _rank(self, address: str, client: EngineClient) -> int | None:
+        load = self._loads.get(address)
+        if load is not None and load.engine_index is not None:
+            return load.engine_index
+        return client.engine_index
+
+    def _pinned(
+        self, rank: int, candidates: list[tuple[str, EngineClient]]
+    ) -> list[tuple[str, EngineClient]]:
+        pinned = [(a, c) for a, c in candidates if self._rank(a, c) == rank]
+        if pinned:
+            return pinned
+        self._seen_ranks.update(
+            r for a, c in self._clients.items() if (r := self._rank(a, c)) is not None)
+        if rank in self._seen_ranks:
+            raise unavailable(
+                f"data_parallel_rank {rank}: that engine is down or draining; retry later, "
+                "or leave data_parallel_rank unset to use any engine")
+        known = sorted(self._seen_ranks)
+        raise invalid_argument(
+            "data_parallel_rank",
+            f"data_parallel_rank {rank} names no engine (known ranks: "
+            f"{', '.join(map(str, known)) or 'none yet'})",
+        )
 
     async def _close_retired(self) -> None:
         retired = [
@@ -112,10 +245,12 @@ class Balancer:
         ]
         for address in retired:
             log.info("engine %s left; closing its session", address)
+            self._unseen.pop(address, None)
             await self._clients.pop(address).close()
 
     def _refresh(self) -> None:
-        ready = any(c.accepting for c in self._clients.values())
+        # Ready exactly when pick() would find an engine.
+        ready = any(c.accepting and self._routable(a) for a, c in self._clients.items())
         if ready != self._ready:
             self._ready = ready
             log.info("ready: %s (%d engines connected)", ready, self.num_connected)

@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 
 from services.common.config import doc
-from services.common.grpc_server import SESSION_HEARTBEAT_S
+from services.common.grpc_server import SESSION_HEARTBEAT_S, MiB
+from services.frontend.validation import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -55,6 +56,38 @@ class FrontendConfig:
         default=120.0,
     )
 
+    api_key_file: str = doc(
+        "File of API keys, one per line (blank lines and # comments ignored); when set, "
+        "every RPC but health needs 'authorization: Bearer <key>' metadata, else "
+        "UNAUTHENTICATED. Empty: no client auth.", default=""
+    )
+    admin_api_key_file: str = doc(
+        "File of admin keys (same format); when set, AdminService RPCs need one of these "
+        "(an API key gets PERMISSION_DENIED). Admin keys are also accepted as API keys.",
+        default=""
+    )
+    max_message_bytes: int = doc(
+        "Largest request message accepted, in bytes; bigger ones get RESOURCE_EXHAUSTED "
+        "before they are parsed.", default=16 * MiB
+    )
+    max_tokens_limit: int = doc(
+        "Largest sampling.max_tokens accepted (and the default when unset); 0 means the "
+        "model's context length.", default=0
+    )
+    max_n: int = doc("Largest sampling.n (samples per request) accepted.", default=MAX_SAMPLES)
+    max_stop_strings: int = doc(
+        "Most sampling.stop strings one request may give.", default=MAX_STOP_STRINGS
+    )
+    max_stop_string_length: int = doc(
+        "Longest sampling.stop string accepted, in characters.", default=MAX_STOP_STRING_CHARS
+    )
+    max_concurrent_streams: int = doc(
+        "Most concurrent calls on one client connection (HTTP/2 streams). A gRPC client "
+        "queues calls beyond it once it has the server's settings; calls it opens before "
+        "that are refused unstarted (REFUSED_STREAM: UNAVAILABLE, safe to retry), so keep "
+        "it above a client's usual burst.", default=1024
+    )
+
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -74,5 +107,16 @@ class FrontendConfig:
                 f"watchdog_timeout must be 0 (off) or >= {min_watchdog_s:g} s (three engine "
                 f"heartbeats), got {self.watchdog_timeout}"
             )
+        if not 4096 <= self.max_message_bytes <= 1024 * MiB:
+            raise ValueError(
+                f"max_message_bytes must be in [4096, {1024 * MiB}], got {self.max_message_bytes}"
+            )
+        for name, low, high in (("max_tokens_limit", 0, 1 << 30), ("max_n", 1, 1024),
+                                ("max_stop_strings", 0, 1024),
+                                ("max_stop_string_length", 1, 1 << 16),
+                                ("max_concurrent_streams", 1, 1 << 16)):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
         if self.log_level.lower() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")

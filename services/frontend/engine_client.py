@@ -37,8 +37,9 @@ from corestream.common.v1 import common_pb2
 from corestream.engine.v1 import engine_core_service_pb2 as engine_pb2
 from corestream.engine.v1 import engine_core_service_pb2_grpc as engine_pb2_grpc
 
-from services.common.grpc_server import channel_options
-from services.frontend.backoff import Backoff
+from services.common.backoff import Backoff
+from services.common.grpc_server import make_aio_channel
+from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend.errors import RequestError, unavailable
 
 log = logging.getLogger(__name__)
@@ -79,9 +80,11 @@ class EngineClient:
         frontend_id: str,
         on_change: Callable[[], None] | None = None,
         watchdog_timeout_s: float = 0.0,
+        security: SecurityConfig = PLAINTEXT,
     ) -> None:
         """`watchdog_timeout_s` 0 disables the silence watchdog."""
         self.address = address
+        self._security = security
         self._frontend_id = frontend_id
         self._on_change = on_change
         self._watchdog_timeout_s = watchdog_timeout_s
@@ -122,7 +125,7 @@ class EngineClient:
         return f"engine-core dp={self._engine_index} at {self.address}"
 
     def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
+        self._channel = make_aio_channel(self.address, self._security)
         self._task = asyncio.create_task(self._run(), name=f"engine-session-{self.address}")
 
     async def close(self) -> None:

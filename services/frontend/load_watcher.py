@@ -1,7 +1,11 @@
-"""Follows the coordinator's WatchLoad stream and hands each snapshot on.
+"""Follows the coordinator's WatchLoad stream and hands each snapshot to the balancer.
 
-If the coordinator goes away, the last snapshot stays in force (engines already
-connected keep serving) and the watcher reconnects with backoff.
+If the coordinator goes away, the balancer turns degraded: the engines already
+known keep serving (their Sessions do not depend on the coordinator), routed on
+the frontend's own in-flight counts, while the watcher reconnects with backoff.
+A coordinator that comes back after a restart knows no engine until each has
+registered again, so for REJOIN_GRACE_S after a reconnect the snapshots only add
+engines and the ones missing from them stay.
 """
 
 from __future__ import annotations
@@ -9,20 +13,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import time
 
 import grpc
 from corestream.common.v1 import common_pb2
 from corestream.coordinator.v1 import coordinator_service_pb2 as coordinator_pb2
 from corestream.coordinator.v1 import coordinator_service_pb2_grpc as coordinator_pb2_grpc
 
-from services.common.grpc_server import channel_options
-from services.frontend.backoff import Backoff
-from services.frontend.balancer import EngineLoadInfo
+from services.common.backoff import Backoff
+from services.common.grpc_server import make_aio_channel
+from services.common.security_config import PLAINTEXT, SecurityConfig
+from services.frontend.balancer import Balancer, EngineLoadInfo
 
 log = logging.getLogger(__name__)
 
 _ENDED_STATES = (common_pb2.ENGINE_STATE_STOPPED, common_pb2.ENGINE_STATE_DEAD)
+# Engines retry their registration with a backoff of at most 2 s (plus jitter).
+REJOIN_GRACE_S = 5.0
 
 
 def load_info_from_proto(engine: coordinator_pb2.EngineLoad) -> EngineLoadInfo:
@@ -32,17 +39,17 @@ def load_info_from_proto(engine: coordinator_pb2.EngineLoad) -> EngineLoadInfo:
         alive=engine.state not in _ENDED_STATES,
         num_waiting=engine.num_waiting,
         num_running=engine.num_running,
+        kv_cache_usage=engine.kv_cache_usage,
+        engine_index=engine.engine_index,
     )
 
 
 class LoadWatcher:
-    def __init__(
-        self,
-        coordinator: str,
-        on_snapshot: Callable[[list[EngineLoadInfo]], Awaitable[None]],
-    ) -> None:
+    def __init__(self, coordinator: str, balancer: Balancer,
+                 security: SecurityConfig = PLAINTEXT) -> None:
         self._coordinator = coordinator
-        self._on_snapshot = on_snapshot
+        self._security = security
+        self._balancer = balancer
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -57,17 +64,32 @@ class LoadWatcher:
 
     async def _run(self) -> None:
         backoff = Backoff()
-        async with grpc.aio.insecure_channel(
-            self._coordinator, options=channel_options()
-        ) as channel:
+        rejoining = False
+        async with make_aio_channel(self._coordinator, self._security) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             while True:
                 try:
-                    async for snapshot in stub.WatchLoad(coordinator_pb2.WatchLoadRequest()):
-                        backoff.reset()
-                        await self._on_snapshot([load_info_from_proto(e) for e in snapshot.engines])
-                    reason = "stream ended"
+                    await self._follow(stub, backoff, rejoining)
+                    reason = "its WatchLoad stream ended"
                 except grpc.aio.AioRpcError as e:
                     reason = f"{e.code().name}: {e.details()}"
-                log.warning("WatchLoad on coordinator %s: %s; retrying", self._coordinator, reason)
-                await asyncio.sleep(backoff.next_delay())
+                rejoining = True
+                self._balancer.set_degraded(f"coordinator {self._coordinator} lost ({reason})")
+                delay = backoff.next_delay()
+                log.debug("WatchLoad on %s: %s; retrying in %.1f s",
+                          self._coordinator, reason, delay)
+                await asyncio.sleep(delay)
+
+    async def _follow(
+        self, stub: coordinator_pb2_grpc.CoordinatorServiceStub, backoff: Backoff,
+        rejoining: bool,
+    ) -> None:
+        opened_at: float | None = None
+        async for snapshot in stub.WatchLoad(coordinator_pb2.WatchLoadRequest()):
+            now = time.monotonic()
+            if opened_at is None:
+                opened_at = now
+                backoff.reset()
+            retire = not rejoining or now - opened_at >= REJOIN_GRACE_S
+            await self._balancer.update(
+                [load_info_from_proto(e) for e in snapshot.engines], retire=retire)

@@ -10,6 +10,9 @@ import signal
 from services.common.config import from_args
 from services.common.logs import setup_logging
 from services.common.model_info import ModelInfo, load_model_info
+from services.common.observability import Observability
+from services.common.observability_config import ObservabilityConfig
+from services.common.security_config import SecurityConfig
 from services.common.tiny_checkpoint import resolve_model
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
@@ -17,12 +20,14 @@ from services.frontend.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
-CONFIG_CLASSES = (FrontendConfig,)
+CONFIG_CLASSES = (FrontendConfig, SecurityConfig, ObservabilityConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     config = from_args(FrontendConfig, args)
-    setup_logging("frontend", config.log_level)
+    security = from_args(SecurityConfig, args)
+    obs_config = from_args(ObservabilityConfig, args)
+    setup_logging("frontend", config.log_level, obs_config.log_format)
     if not config.coordinator and not config.engines:
         log.error("nothing to route to: give --coordinator HOST:PORT or --engines HOST:PORT ...")
         return 2
@@ -33,20 +38,24 @@ def run(args: argparse.Namespace) -> int:
     log.info(
         "model %s: vocab %d, context %d tokens", model.name, model.vocab_size, model.max_model_len
     )
-    return asyncio.run(_serve(config, tokenizer, model))
+    observability = Observability("frontend", obs_config, config.host, (config, security))
+    return asyncio.run(_serve(config, security, tokenizer, model, observability))
 
 
-async def _serve(config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo) -> int:
+async def _serve(config: FrontendConfig, security: SecurityConfig, tokenizer: TextTokenizer,
+                 model: ModelInfo, observability: Observability) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = FrontendServer(config, tokenizer, model)
+    server = FrontendServer(config, tokenizer, model, security, observability)
     port = await server.start()
+    observability.start_metrics()
     log.info("frontend listening on %s:%d", config.host, port)
     await stop.wait()
     log.info("shutting down: NOT_SERVING, letting running requests finish (%g s)",
              config.shutdown_timeout)
     await server.stop(config.shutdown_timeout)
+    observability.shutdown()
     log.info("frontend stopped")
     return 0

@@ -15,6 +15,7 @@ spending compute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -30,7 +31,8 @@ from services.common.model_info import ModelInfo
 from services.common.sampling import SamplingParams
 from services.frontend.balancer import Balancer
 from services.frontend.engine_client import EngineClient, EngineEvent, EngineFailure
-from services.frontend.errors import RequestError, status_code_from_int
+from services.frontend.errors import RequestError, engine_error
+from services.frontend.request_telemetry import RequestTelemetry
 from services.frontend.sample_stream import SampleStream, with_token_text
 from services.frontend.tokenizer import TextTokenizer
 
@@ -45,6 +47,8 @@ class PreparedRequest:
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str = ""
+    data_parallel_rank: int | None = None
+    """Run on this engine rank instead of the least loaded one."""
     arrival_time: float = field(default_factory=time.time)
     trace_headers: Mapping[str, str] = field(default_factory=dict)
 
@@ -113,7 +117,7 @@ class RequestRunner:
         ]
 
     async def run(
-        self, request: PreparedRequest
+        self, request: PreparedRequest, telemetry: RequestTelemetry | None = None
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         request_id = request.request_id
         if self._closed_reason:
@@ -131,8 +135,12 @@ class RequestRunner:
             for i in range(n)
         ]
         by_engine_id = {s.engine_request_id: s for s in samples}
+        with telemetry.phase("route") if telemetry else contextlib.nullcontext():
+            client = self._balancer.pick(request.data_parallel_rank)
+        if telemetry:
+            telemetry.on_routed(client.engine_index)
         engine = _EngineRequests(
-            self._balancer.pick(), asyncio.Queue(),
+            client, asyncio.Queue(),
             [self._add_request(request, s.index, s.engine_request_id) for s in samples],
         )
         engine.send(1)
@@ -147,8 +155,11 @@ class RequestRunner:
                     continue
                 if sample.index == 0 and not sample.num_generated:
                     engine.send()  # sample 0 has computed the prompt: the siblings follow
+                started = time.monotonic()
                 prompt_logprobs += with_token_text(self._tokenizer, output.prompt_logprobs)
                 chunk = sample.on_output(request_id, output)
+                if telemetry:
+                    telemetry.detokenized(started)
                 if chunk is None:
                     continue
                 if sample.stopped_by_string:
@@ -209,9 +220,5 @@ def _raise_on_failure(event: EngineEvent) -> engine_pb2.RequestOutput:
     if isinstance(event, EngineFailure):
         raise RequestError(event.code, event.message)
     if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
-        code = status_code_from_int(event.error_code) if event.error_code else None
-        raise RequestError(
-            code or grpc.StatusCode.INTERNAL,
-            event.error_message or "the engine failed the request",
-        )
+        raise engine_error(event.error_code, event.error_message)
     return event

@@ -21,13 +21,20 @@ from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 from corestream.generate.v1 import generate_service_pb2_grpc as generate_pb2_grpc
 
+from services.common.auth import BearerAuthInterceptor, load_keys
 from services.common.grpc_server import (
-    PUBLIC_MAX_MESSAGE_BYTES,
     AioHealth,
     add_aio_health_and_reflection,
+    bind,
     server_options,
+    start_aio_health_port,
 )
+from services.common.malformed import RejectMalformedInterceptor
 from services.common.model_info import ModelInfo
+from services.common.observability import Observability
+from services.common.observability_config import ObservabilityConfig
+from services.common.sampling import SamplingParams
+from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend import admin
 from services.frontend.balancer import Balancer
 from services.frontend.config import FrontendConfig
@@ -35,11 +42,14 @@ from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError, invalid_argument, to_status
 from services.frontend.load_watcher import LoadWatcher
 from services.frontend.request_runner import PreparedRequest, RequestRunner
+from services.frontend.request_telemetry import FrontendMetrics, RequestTelemetry
 from services.frontend.tokenizer import TextTokenizer
 from services.frontend.validation import (
+    RequestLimits,
     check_length,
     check_prompt_text,
     check_prompt_token_ids,
+    check_request_id,
     check_sampling,
 )
 
@@ -49,7 +59,6 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_
 MAX_REQUEST_ID_CHARS = 256
 # Longer texts are tokenized off the event loop so that they do not stall other streams.
 _THREADED_TOKENIZE_CHARS = 4096
-_TRACE_KEYS = ("traceparent", "tracestate")
 # After the drain, how long the aborted streams get to send their status.
 _FINAL_GRACE_S = 2.0
 
@@ -63,12 +72,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         tokenizer: TextTokenizer,
         model: ModelInfo,
         balancer: Balancer,
+        observability: Observability | None = None,
     ) -> None:
         self._config = config
+        self._observability = observability or Observability(
+            "frontend", ObservabilityConfig(), config.host)
+        self._metrics = FrontendMetrics(self._observability.registry,
+                                        config.served_model_name or model.name)
         self._tokenizer = tokenizer
         self._model = model
         self._balancer = balancer
         self._runner = RequestRunner(tokenizer, model, balancer)
+        self._limits = RequestLimits(
+            max_n=config.max_n, max_stop_strings=config.max_stop_strings,
+            max_stop_string_chars=config.max_stop_string_length,
+            max_tokens=config.max_tokens_limit)
         self.draining = False
 
     @property
@@ -83,9 +101,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         request_id = await _start(request, context)
         try:
-            async with asyncio.timeout(self._config.request_timeout_s):
-                prepared = await self._prepare(request_id, request, context)
-                async for chunk in self._runner.run(prepared):
+            async with (self._telemetry(request_id, context) as telemetry,
+                        asyncio.timeout(self._config.request_timeout_s)):
+                prepared = await self._prepare(request_id, request, context, telemetry)
+                async for chunk in self._runner.run(prepared, telemetry):
+                    telemetry.on_chunk(chunk)
                     yield chunk
         except RequestError as e:
             await context.abort_with_status(to_status(e))
@@ -100,9 +120,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         completions: dict[int, generate_pb2.Completion] = {}
         texts: dict[int, list[str]] = {}
         try:
-            async with asyncio.timeout(self._config.request_timeout_s):
-                prepared = await self._prepare(request_id, request, context)
-                async for chunk in self._runner.run(prepared):
+            async with (self._telemetry(request_id, context) as telemetry,
+                        asyncio.timeout(self._config.request_timeout_s)):
+                prepared = await self._prepare(request_id, request, context, telemetry)
+                async for chunk in self._runner.run(prepared, telemetry):
+                    telemetry.on_chunk(chunk)
                     completion = completions.setdefault(
                         chunk.index, generate_pb2.Completion(index=chunk.index))
                     texts.setdefault(chunk.index, []).append(chunk.text)
@@ -161,6 +183,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             eos_token_ids=model.eos_token_ids,
             dtype=model.dtype,
             num_engines=self._balancer.num_connected,
+            degraded=self._balancer.degraded,
         )
         if model.bos_token_id is not None:
             response.bos_token_id = model.bos_token_id
@@ -174,10 +197,49 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             log.info("aborted %d request(s) on request", len(aborted))
         return generate_pb2.AbortResponse(aborted_request_ids=aborted)
 
+    def _telemetry(self, request_id: str, context: grpc.aio.ServicerContext) -> RequestTelemetry:
+        return RequestTelemetry(self._observability.tracing, self._metrics, request_id,
+                                dict(context.invocation_metadata() or ()))
+
     async def _prepare(
-        self, request_id: str, request: GenerateRequestLike, context: grpc.aio.ServicerContext
+        self, request_id: str, request: GenerateRequestLike, context: grpc.aio.ServicerContext,
+        telemetry: RequestTelemetry,
     ) -> PreparedRequest:
         """Validate (cheap checks first), tokenize and apply the length limits."""
+        with telemetry.phase("validate"):
+            sampling, token_ids = self._validate(request_id, request)
+        text = request.text if token_ids is None else None
+        with telemetry.phase("tokenize"):
+            if token_ids is None:
+                token_ids = await self._encode(request.text, add_special_tokens=True)
+            max_tokens = check_length(
+                len(token_ids),
+                sampling.max_tokens,
+                self._model.max_model_len,
+                self._config.max_prompt_tokens,
+                self._config.max_tokens_limit,
+            )
+        sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+        telemetry.on_prepared(sampling, text, len(token_ids))
+        return PreparedRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling=sampling,
+            skip_special_tokens=(
+                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+            ),
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            data_parallel_rank=(
+                request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+            ),
+            trace_headers=telemetry.trace_headers(),
+        )
+
+    def _validate(
+        self, request_id: str, request: GenerateRequestLike
+    ) -> tuple[SamplingParams, list[int] | None]:
+        """The checks that need no tokenizer; the prompt's ids when it came as ids."""
         if self.draining:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -191,32 +253,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 f"request_id has {len(request_id)} characters, "
                 f"at most {MAX_REQUEST_ID_CHARS} are allowed",
             )
-        sampling = check_sampling(request.sampling, self._model.vocab_size)
-        prompt = request.WhichOneof("prompt")
-        if prompt == "token_ids":
+        sampling = check_sampling(request.sampling, self._model.vocab_size, self._limits)
+        if request.WhichOneof("prompt") == "token_ids":
             token_ids = list(request.token_ids.ids)
             check_prompt_token_ids(token_ids, self._model.vocab_size)
-        else:
-            check_prompt_text(request.text)
-            token_ids = await self._encode(request.text, add_special_tokens=True)
-        max_tokens = check_length(
-            len(token_ids),
-            sampling.max_tokens,
-            self._model.max_model_len,
-            self._config.max_prompt_tokens,
-        )
-        metadata = dict(context.invocation_metadata() or ())
-        return PreparedRequest(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling=dataclasses.replace(sampling, max_tokens=max_tokens),
-            skip_special_tokens=(
-                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-            ),
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-            trace_headers={k: str(metadata[k]) for k in _TRACE_KEYS if k in metadata},
-        )
+            return sampling, token_ids
+        check_prompt_text(request.text)
+        return sampling, None
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > _THREADED_TOKENIZE_CHARS:
@@ -229,8 +272,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
 
 async def _start(request: GenerateRequestLike, context: grpc.aio.ServicerContext) -> str:
-    """The request's id (generated when empty), echoed as `x-request-id` metadata."""
-    request_id = request.request_id or uuid.uuid4().hex
+    """The request's id, echoed as `x-request-id` metadata: the request's own, else the
+    client's `x-request-id` metadata, else a new one."""
+    metadata = dict(context.invocation_metadata() or ())
+    request_id = request.request_id or str(metadata.get("x-request-id", "")) or uuid.uuid4().hex
+    try:
+        check_request_id(request_id, MAX_REQUEST_ID_CHARS)
+    except RequestError as e:
+        await context.abort_with_status(to_status(e))
     await context.send_initial_metadata((("x-request-id", request_id),))
     return request_id
 
@@ -239,15 +288,23 @@ class FrontendServer:
     """GenerateService and AdminService plus health and reflection, fed by a coordinator
     or static engines."""
 
-    def __init__(self, config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo) -> None:
+    def __init__(self, config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo,
+                 security: SecurityConfig = PLAINTEXT,
+                 observability: Observability | None = None) -> None:
         self._config = config
+        self.observability = observability or Observability(
+            "frontend", ObservabilityConfig(), config.host)
+        self._security = security
+        self._health_server: grpc.aio.Server | None = None
         self._frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
         self.balancer = Balancer(
             self._frontend_id, on_readiness=self._on_readiness,
             client_factory=functools.partial(EngineClient,
-                                             watchdog_timeout_s=config.watchdog_timeout),
+                                             watchdog_timeout_s=config.watchdog_timeout,
+                                             security=security),
         )
-        self._servicer = GenerateServicer(config, tokenizer, model, self.balancer)
+        self._servicer = GenerateServicer(config, tokenizer, model, self.balancer,
+                                          self.observability)
         self._server: grpc.aio.Server | None = None
         self._health: AioHealth | None = None
         self._watcher: LoadWatcher | None = None
@@ -258,20 +315,23 @@ class FrontendServer:
 
     async def start(self) -> int:
         """Serve and start following engines; returns the bound port."""
-        server = grpc.aio.server(options=server_options(PUBLIC_MAX_MESSAGE_BYTES))
+        server = grpc.aio.server(
+            options=server_options(self._config.max_message_bytes,
+                                   self._config.max_concurrent_streams),
+            interceptors=[*self.observability.aio_interceptors(),
+                          *_auth_interceptors(self._config), RejectMalformedInterceptor()])
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self._servicer, server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             admin.AdminServicer(self.balancer), server)
         self._health = await add_aio_health_and_reflection(
             server, [SERVICE_NAME, admin.SERVICE_NAME])
         address = f"{self._config.host}:{self._config.port}"
-        self.port = server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+        self.port = bind(server, address, self._security)
         await server.start()
         self._server = server
+        self._health_server = await start_aio_health_port(self._health, self._security)
         if self._config.coordinator:
-            self._watcher = LoadWatcher(self._config.coordinator, self.balancer.update)
+            self._watcher = LoadWatcher(self._config.coordinator, self.balancer, self._security)
             self._watcher.start()
         else:
             await self.balancer.set_static(self._config.engines)
@@ -293,6 +353,8 @@ class FrontendServer:
         await self._wait_until_idle(_FINAL_GRACE_S)
         if self._server is not None:
             await self._server.stop(_FINAL_GRACE_S)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         if self._watcher is not None:
             await self._watcher.close()
         await self.balancer.close()
@@ -313,3 +375,12 @@ class FrontendServer:
         async with self._health_lock:
             if self._health is not None:
                 await self._health.set_ready(self.balancer.ready and not self._draining)
+
+
+def _auth_interceptors(config: FrontendConfig) -> list[grpc.aio.ServerInterceptor]:
+    if not config.api_key_file and not config.admin_api_key_file:
+        return []
+    api_keys = load_keys(config.api_key_file, "api_key_file") if config.api_key_file else ()
+    admin_keys = (load_keys(config.admin_api_key_file, "admin_api_key_file")
+                  if config.admin_api_key_file else ())
+    return [BearerAuthInterceptor(api_keys, admin_keys, admin_services=[admin.SERVICE_NAME])]

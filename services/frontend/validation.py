@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from corestream.common.v1 import common_pb2
 
@@ -22,6 +23,17 @@ MAX_STOP_TOKEN_IDS = 64
 PENALTY_RANGE = 2.0
 MAX_SAMPLES = 16
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The server's caps on one request (FrontendConfig's flags)."""
+
+    max_n: int = MAX_SAMPLES
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_string_chars: int = MAX_STOP_STRING_CHARS
+    max_tokens: int = 0
+    """Cap on sampling.max_tokens; 0 means only the model's context bounds it."""
 
 
 def _fmt(value: float) -> str:
@@ -56,6 +68,22 @@ def _check_token_ids(field: str, token_ids: Iterable[int], vocab_size: int) -> N
             )
 
 
+def check_request_id(request_id: str, max_chars: int) -> None:
+    """The id is echoed as `x-request-id` metadata, whose values are printable ASCII."""
+    if len(request_id) > max_chars:
+        raise invalid_argument(
+            "request_id",
+            f"request_id has {len(request_id)} characters, at most {max_chars} are allowed",
+        )
+    for i, char in enumerate(request_id):
+        if not " " <= char <= "~":
+            raise invalid_argument(
+                "request_id",
+                f"request_id must be printable ASCII (it is echoed as x-request-id "
+                f"metadata), got U+{ord(char):04X} at index {i}",
+            )
+
+
 def check_prompt_text(text: str) -> None:
     if not text:
         raise invalid_argument("text", "prompt is empty: give a non-empty text or token_ids")
@@ -69,7 +97,9 @@ def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
     _check_token_ids("token_ids.ids", token_ids, vocab_size)
 
 
-def check_sampling(pb: common_pb2.SamplingParams, vocab_size: int) -> SamplingParams:
+def check_sampling(
+    pb: common_pb2.SamplingParams, vocab_size: int, limits: RequestLimits = RequestLimits()
+) -> SamplingParams:
     """Validate the wire message and convert it; unset fields take the defaults."""
     if pb.HasField("temperature"):
         _check_float("sampling.temperature", pb.temperature,
@@ -93,6 +123,12 @@ def check_sampling(pb: common_pb2.SamplingParams, vocab_size: int) -> SamplingPa
         raise invalid_argument(
             "sampling.max_tokens", f"sampling.max_tokens must be >= 1, got {pb.max_tokens}"
         )
+    if limits.max_tokens and pb.HasField("max_tokens") and pb.max_tokens > limits.max_tokens:
+        raise invalid_argument(
+            "sampling.max_tokens",
+            f"sampling.max_tokens must be <= {limits.max_tokens} (this server's "
+            f"max_tokens_limit), got {pb.max_tokens}",
+        )
     if pb.HasField("min_tokens"):
         if pb.min_tokens < 0:
             raise invalid_argument(
@@ -104,10 +140,10 @@ def check_sampling(pb: common_pb2.SamplingParams, vocab_size: int) -> SamplingPa
                 f"sampling.min_tokens must be <= sampling.max_tokens ({pb.max_tokens}), "
                 f"got {pb.min_tokens}",
             )
-    _check_int("n", pb, low=1, high=MAX_SAMPLES)
+    _check_int("n", pb, low=1, high=limits.max_n)
     _check_int("logprobs", pb, low=0, high=MAX_LOGPROBS)
     _check_int("prompt_logprobs", pb, low=0, high=MAX_LOGPROBS)
-    _check_stops(pb)
+    _check_stops(pb, limits)
     _check_token_ids("sampling.stop_token_ids", pb.stop_token_ids, vocab_size)
     for token_id, bias in sorted(pb.logit_bias.items()):
         if token_id >= vocab_size:
@@ -134,20 +170,21 @@ def _check_int(name: str, pb: common_pb2.SamplingParams, *, low: int, high: int)
         raise invalid_argument(field, f"{field} must be in [{low}, {high}], got {value}")
 
 
-def _check_stops(pb: common_pb2.SamplingParams) -> None:
-    if len(pb.stop) > MAX_STOP_STRINGS:
+def _check_stops(pb: common_pb2.SamplingParams, limits: RequestLimits) -> None:
+    if len(pb.stop) > limits.max_stop_strings:
         raise invalid_argument(
             "sampling.stop",
-            f"sampling.stop has {len(pb.stop)} strings, at most {MAX_STOP_STRINGS} are allowed",
+            f"sampling.stop has {len(pb.stop)} strings, at most {limits.max_stop_strings} "
+            "are allowed",
         )
     for i, stop in enumerate(pb.stop):
         if not stop:
             raise invalid_argument("sampling.stop", f"sampling.stop[{i}] is empty")
-        if len(stop) > MAX_STOP_STRING_CHARS:
+        if len(stop) > limits.max_stop_string_chars:
             raise invalid_argument(
                 "sampling.stop",
                 f"sampling.stop[{i}] has {len(stop)} characters, "
-                f"at most {MAX_STOP_STRING_CHARS} are allowed",
+                f"at most {limits.max_stop_string_chars} are allowed",
             )
     if len(pb.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise invalid_argument(
@@ -162,8 +199,10 @@ def check_length(
     max_tokens: int | None,
     max_model_len: int,
     max_prompt_tokens: int = 0,
+    max_tokens_limit: int = 0,
 ) -> int:
-    """The number of tokens the request may generate, or an error naming the limit hit."""
+    """The number of tokens the request may generate, or an error naming the limit hit
+    (unset max_tokens means as many as fit, up to `max_tokens_limit` when set)."""
     if max_prompt_tokens and num_prompt_tokens > max_prompt_tokens:
         raise _too_long(
             f"prompt has {num_prompt_tokens} tokens, more than this server's "
@@ -176,7 +215,7 @@ def check_length(
         )
     room = max_model_len - num_prompt_tokens
     if max_tokens is None:
-        return room
+        return min(room, max_tokens_limit) if max_tokens_limit else room
     if max_tokens > room:
         raise invalid_argument(
             "sampling.max_tokens",

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -361,6 +362,34 @@ def test_admin_cli_prints_json(cluster: Cluster) -> None:
         capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "AdminService" in " ".join(grpcurl("-plaintext", cluster.address, "list").split())
+
+
+def test_admin_profile_start_stop_writes_a_trace(cluster: Cluster,
+                                                 stub: pb_grpc.GenerateServiceStub) -> None:
+    def admin_cli(*args: str) -> list[dict[str, Any]]:
+        done = subprocess.run(
+            [sys.executable, "-m", "services.cli", "admin", "--address", cluster.address, *args],
+            capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        results: list[dict[str, Any]] = json.loads(done.stdout)
+        return results
+
+    assert admin_cli("profile-start")[0]["result"]["profiling"] is True
+    stub.Generate(pb.GenerateRequest(text="profile me", sampling=greedy(4, ignore_eos=True)),
+                  timeout=60)
+    [stopped] = admin_cli("profile-stop")
+    trace = Path(stopped["result"]["trace"])
+    try:
+        assert trace.stat().st_size > 0
+        assert stopped["result"]["top_operators"]
+    finally:
+        trace.unlink()
+    # Stopping twice is the caller's error, reported per engine; the CLI exits 1.
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "admin", "--address", cluster.address,
+         "profile-stop"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "no profile is running" in json.loads(done.stdout)[0]["message"]
 
 
 @pytest.mark.timeout(400)

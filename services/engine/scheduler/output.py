@@ -38,6 +38,10 @@ class ScheduledRequest:
     """Alternatives per prompt position to report for this chunk; None: no prompt
     logprobs (also once they have been reported, e.g. when recomputing after a
     preemption)."""
+    attempt: int = 0
+    """The request's preemption count when this was scheduled: the outputs of a batch
+    that was in flight when its request got preempted belong to an earlier attempt
+    and are dropped."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ class SchedulerStats:
     step_counter: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_preemptions: int = 0
 
 
 class Scheduler:
@@ -72,6 +73,7 @@ class Scheduler:
         # (again after each preemption): tokens looked up and tokens found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_preemptions = 0  # cumulative, for the metrics
         self._finished_since_last_step: set[str] = set()
         # False while the engine is paused in "wait" mode: running requests finish,
         # waiting ones (new or preempted) stay queued until admission resumes.
@@ -148,6 +150,7 @@ class Scheduler:
             step_counter=self.step_counter,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
         )
 
     # ---- one step ------------------------------------------------------------------
@@ -163,8 +166,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_uncomputed_tokens, budget)
+            if n == 0:
+                i += 1
+                continue  # its tokens are in a batch still executing
             num_running = len(self.running)
-            room = self._make_room(req, req.num_computed_tokens + n, unscheduled_from=i)
+            room = self._make_room(req, req.num_scheduled_end + n, unscheduled_from=i)
             preempted |= len(self.running) < num_running
             if not room:
                 continue  # req itself was the victim; running[i] is now the next one
@@ -226,14 +232,17 @@ class Scheduler:
         self.running.remove(req)
         self.kv_cache.free(req.request_id)
         req.num_computed_tokens = 0
+        req.num_inflight_tokens = 0  # what is in flight will be dropped (see attempt)
         req.prompt_logprobs.clear()  # the recompute gathers them again
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.add_preempted(req)
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
+        start = req.num_scheduled_end
+        req.num_inflight_tokens += n
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.token_slice(start, start + n),
@@ -245,6 +254,7 @@ class Scheduler:
             output_token_ids=tuple(req.output_token_ids),
             eos_token_ids=req.eos_token_ids,
             prompt_logprobs=req.sampling.prompt_logprobs if req.wants_prompt_logprobs else None,
+            attempt=req.num_preemptions,
         )
 
     def update_from_output(
@@ -254,8 +264,10 @@ class Scheduler:
         updates = []
         for sr in out.requests:
             req = self.requests.get(sr.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted between execute and update
+            if (req is None or req.status is not RequestStatus.RUNNING
+                    or req.num_preemptions != sr.attempt):
+                continue  # aborted or preempted since it was scheduled
+            req.num_inflight_tokens -= len(sr.token_ids)
             req.num_computed_tokens += len(sr.token_ids)
             self.kv_cache.cache_full_blocks(req)
             if sr.prompt_logprobs is not None:

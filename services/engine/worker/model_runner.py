@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +25,8 @@ from services.common.tiny_checkpoint import resolve_model
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.loader import load_model, torch_dtype
+from services.engine.parallel.dp_group import current_dp_group
+from services.engine.parallel.dummy_batch import dummy_forward
 from services.engine.scheduler.output import (
     PositionLogprobs,
     RunnerOutput,
@@ -32,6 +36,7 @@ from services.engine.scheduler.output import (
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.kv_cache_memory import available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
+from services.engine.worker.profiler import Profiler
 from services.engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -97,10 +102,34 @@ class ModelRunner:
             self.model = load_model(path, self._dtype, self._device, info.max_model_len)
         self.kv_caches = self._allocate_kv_cache(self.model.config)
         self.sampler = Sampler(self._device, config.seed)
+        self._profiler: Profiler | None = None
         logger.info(
             "model runner ready: %s on %s (%s), %d KV blocks of %d tokens",
             info.name, self.device, self.dtype, self.num_blocks, self.block_size,
         )
+
+    def execute_dummy(self) -> None:
+        """A forward over zero tokens: an idle expert-parallel rank's share of a step."""
+        dummy_forward(self.model, self.kv_caches)
+
+    def any_rank_has_work(self, has_work: bool) -> bool:
+        """Whether any rank of the DP group has work (this rank's answer alone without
+        a group); every rank must call it at the same step."""
+        group = current_dp_group()
+        if group is None:
+            return has_work
+        return bool(group.all_reduce(torch.tensor([int(has_work)], dtype=torch.int64)).item())
+
+    def start_profile(self, folder: Path, name: str) -> dict[str, Any]:
+        """Start the torch profiler (the profile utility call)."""
+        if self._profiler is None or not self._profiler.running:
+            self._profiler = Profiler(folder, name)
+        return self._profiler.start()
+
+    def stop_profile(self) -> dict[str, Any]:
+        if self._profiler is None:
+            raise ValueError("no profile is running; start one first")
+        return self._profiler.stop()
 
     @property
     def num_blocks(self) -> int:

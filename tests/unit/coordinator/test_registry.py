@@ -56,3 +56,34 @@ def test_close_wakes_watchers() -> None:
     start = time.monotonic()
     reg.wait_for_change(reg.snapshot().generation, timeout=5.0)
     assert reg.closed and time.monotonic() - start < 4.0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_silent_engines_expire_after_the_lease() -> None:
+    clock = _Clock()
+    reg = EngineRegistry(clock=clock)
+    quiet = reg.register(0, "a:1", "m", 128, state=2, max_num_seqs=8)
+    chatty = reg.register(1, "b:1", "m", 128, state=2)
+    assert reg.snapshot().engines[0].max_num_seqs == 8
+    clock.now += 3.0
+    # An unchanged report renews the lease without waking watchers.
+    reg.update(chatty, num_waiting=0, num_running=0, kv_cache_usage=0.0, state=0,
+               step_counter=1)
+    assert reg.expire(lease_s=5.0) == []
+    clock.now += 3.0
+    g = reg.snapshot().generation
+    assert [e.engine_id for e in reg.expire(lease_s=5.0)] == [quiet]
+    snap = reg.snapshot()
+    assert [e.engine_id for e in snap.engines] == [chatty] and snap.generation > g
+    # The expired engine's next report is refused, so it registers again.
+    assert not reg.update(quiet, num_waiting=0, num_running=0, kv_cache_usage=0.0, state=2,
+                          step_counter=2)
+    back = reg.register(0, "a:1", "m", 128, state=2)
+    assert {e.engine_id for e in reg.snapshot().engines} == {chatty, back}

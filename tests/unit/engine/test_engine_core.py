@@ -260,14 +260,19 @@ def test_a_request_that_breaks_the_scheduler_fails_alone(core: EngineCore) -> No
 # ---- the real tiny model ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_runner() -> ModelRunner:
+def tiny_runner_for_tests() -> ModelRunner:
+    """The real model runner on the built-in tiny checkpoint, warm."""
     from services.engine.worker.config import RunnerConfig
     from services.engine.worker.model_runner import ModelRunner as TorchModelRunner
 
     runner = TorchModelRunner(RunnerConfig(kv_cache_memory="8MiB"))
     runner.warmup()
     return runner
+
+
+@pytest.fixture(scope="module")
+def tiny_runner() -> ModelRunner:
+    return tiny_runner_for_tests()
 
 
 class RecordingRunner:
@@ -380,3 +385,134 @@ def test_preemption_matches_no_preemption(tiny_runner: ModelRunner,
     squeezed, _ = run_core(tight, varied_requests(vocab, **sampling))
     assert tight.num_preemptions > 0
     assert {k: tokens(v) for k, v in squeezed.items()} == {k: tokens(v) for k, v in roomy.items()}
+
+
+# ---- the batch queue (max_concurrent_batches > 1) ------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_batch_queue_schedules_the_next_step_while_one_executes() -> None:
+    runner = FakeRunner()
+    core = EngineCore(EngineConfig(max_concurrent_batches=2), runner)
+    q = core.sessions.open("s")
+    runner.gate = threading.Event()
+    core.start()
+    try:
+        core.add_request(request("first", max_tokens=3))
+        while runner.steps == 0:  # the first batch is blocked inside execute
+            time.sleep(0.01)
+        core.add_request(request("second", prompt=(7, 8), max_tokens=3))
+        deadline = time.monotonic() + 10
+        while core.scheduler.requests.get("second") is None or \
+                core.scheduler.requests["second"].num_inflight_tokens == 0:
+            assert time.monotonic() < deadline, "the second batch was not scheduled ahead"
+            time.sleep(0.01)
+        assert runner.steps == 1  # scheduled while the first still executes
+        runner.gate.set()
+        by_id, _ = collect(q, {"first", "second"})
+        assert tokens(by_id["first"]) == [4, 5, 6]
+        assert tokens(by_id["second"]) == [9, 10, 11]
+    finally:
+        runner.gate.set()
+        core.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_batch_queue_applies_aborts_before_the_outputs_of_the_executing_step() -> None:
+    runner = FakeRunner()
+    core = EngineCore(EngineConfig(max_concurrent_batches=2), runner)
+    q = core.sessions.open("s")
+    runner.gate = threading.Event()
+    core.start()
+    try:
+        core.add_request(request("r", max_tokens=50))
+        core.add_request(request("keep", prompt=(30,), max_tokens=2))
+        while runner.steps == 0:
+            time.sleep(0.01)
+        core.abort_requests(["r"])
+        runner.gate.set()
+        by_id, _ = collect(q, {"r", "keep"})
+        assert tokens(by_id["r"]) == []
+        assert by_id["r"][-1].finish_reason is FinishReason.ABORT
+        assert tokens(by_id["keep"]) == [31, 32]
+        deadline = time.monotonic() + 5
+        while core.scheduler.kv_cache.num_free_blocks != runner.num_blocks:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        runner.gate.set()
+        core.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 1234},
+                                      {"logprobs": 2, "prompt_logprobs": 1}],
+                         ids=["greedy", "seeded", "logprobs"])
+def test_batch_queue_outputs_equal_depth_one(tiny_runner: ModelRunner,
+                                             sampling: dict[str, object]) -> None:
+    vocab = tiny_runner.model_info.vocab_size
+
+    def run(depth: int, num_blocks: int | None) -> dict[str, list[RequestUpdate]]:
+        requests = varied_requests(vocab, **sampling)
+        out, _ = run_core(RecordingRunner(tiny_runner, num_blocks=num_blocks), requests,
+                          max_num_batched_tokens=16, max_concurrent_batches=depth)
+        return out
+
+    def seen(results: dict[str, list[RequestUpdate]]) -> dict[str, object]:
+        # Tokens and ranks exactly; log-probabilities to float32 rounding, since
+        # other batch shapes sum in another order.
+        return {k: ([t for u in v for t in u.new_token_ids],
+                    [(lp.token_id, lp.rank, pytest.approx(lp.logprob, abs=1e-4),
+                      [(t, pytest.approx(p, abs=1e-4)) for t, p in lp.top])
+                     for u in v for lp in [*u.prompt_logprobs, *u.new_logprobs]])
+                for k, v in results.items()}
+
+    expected = seen(run(1, None))
+    assert seen(run(2, None)) == expected
+    # A small cache: preemptions of requests whose batch is still in flight.
+    assert seen(run(2, 6)) == expected
+
+
+@pytest.mark.timeout(120)
+def test_preemption_keeps_prompt_logprobs_exact(tiny_runner: ModelRunner) -> None:
+    # Preempted requests lose their cache and recompute: the prompt logprobs they return
+    # must be those of an unpreempted run, each position exactly once, whether they were
+    # preempted after their prompt or in the middle of its chunked prefill.
+    vocab = tiny_runner.model_info.vocab_size
+
+    class PrefillPreemptions(RecordingRunner):
+        """Also counts preemptions of requests that had not finished their prompt."""
+
+        num_in_prefill = 0
+
+        def execute(self, out: SchedulerOutput) -> RunnerOutput:
+            self.num_in_prefill += sum(
+                r.start_pos < self._end.get(r.request_id, 0) and not r.output_token_ids
+                for r in out.requests
+            )
+            return super().execute(out)
+
+    def requests() -> list[Request]:
+        # a and b: at 16 tokens a step, b is still in its prefill when a's decodes need
+        # a fourth block of the six, so b is preempted with part of its prompt done.
+        return [*varied_requests(vocab, prompt_logprobs=2),
+                real_request("a", prompt_of(46, 1, vocab), 12, prompt_logprobs=2),
+                real_request("b", prompt_of(40, 2, vocab), 12, prompt_logprobs=2)]
+
+    def seen(results: dict[str, list[RequestUpdate]]) -> dict[str, object]:
+        return {k: ([t for u in v for t in u.new_token_ids],
+                    [(lp.token_id, lp.rank, pytest.approx(lp.logprob, abs=1e-4),
+                      [(t, pytest.approx(p, abs=1e-4)) for t, p in lp.top])
+                     for u in v for lp in u.prompt_logprobs])
+                for k, v in results.items()}
+
+    roomy, _ = run_core(tiny_runner, requests(), max_num_batched_tokens=16)
+    # The last two requests run alone, after the first four.
+    tight = PrefillPreemptions(tiny_runner, num_blocks=6)
+    squeezed, _ = run_core(tight, requests()[:4], requests()[4:], max_num_batched_tokens=16)
+    assert tight.num_preemptions > tight.num_in_prefill > 0
+    expected = seen(roomy)
+    for r in requests():
+        logprobs = expected[r.request_id][1]  # type: ignore[index]
+        assert [lp[0] for lp in logprobs] == r.prompt_token_ids[1:], r.request_id
+    assert seen(squeezed) == expected

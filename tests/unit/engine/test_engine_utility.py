@@ -8,6 +8,7 @@ import json
 import queue
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -195,3 +196,38 @@ def test_utility_on_stopped_engine_fails_at_once(core: EngineCore) -> None:
     core.shutdown()
     reply = call(core, q, "get_stats")
     assert "get_stats" in reply.failure_message and "stopped" in reply.failure_message
+
+
+@pytest.mark.timeout(60)
+def test_profile_start_stop_writes_a_trace_of_the_steps_between(tmp_path: Any) -> None:
+    from tests.unit.engine.test_engine_core import real_request, tiny_runner_for_tests
+
+    core = EngineCore(EngineConfig(profile_dir=str(tmp_path)), tiny_runner_for_tests())
+    q = core.sessions.open("s")
+    core.start()
+    try:
+        assert "no profile is running" in call(core, q, "profile", {"action": "stop"}
+                                                 ).failure_message
+        assert ok(call(core, q, "profile", {"action": "start"}))["profiling"] is True
+        assert "already running" in call(core, q, "profile", {"action": "start"}
+                                         ).failure_message
+        core.add_request(real_request("profiled", (1, 2, 3, 4, 5), 4))
+        collect(q, {"profiled"})
+        result = ok(call(core, q, "profile", {"action": "stop"}))
+        trace = json.loads(Path(result["trace"]).read_text())
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert any(n.startswith("aten::") for n in names)  # the forward passes were traced
+        assert result["top_operators"] and result["top_operators"][0]["calls"] > 0
+        assert str(tmp_path) in result["trace"]
+        assert "profile action" in call(core, q, "profile", {"action": "pause"}).failure_message
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_profile_on_a_runner_without_a_profiler_fails_cleanly(core: EngineCore) -> None:
+    q = core.sessions.open("s")
+    core.start()
+    reply = call(core, q, "profile", {"action": "start"})
+    assert "cannot profile" in reply.failure_message
+    assert ok(call(core, q, "get_stats"))["state"] == "RUNNING"

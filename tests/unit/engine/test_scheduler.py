@@ -288,3 +288,86 @@ def test_prompt_logprobs_gather_over_chunks_and_skip_the_cache() -> None:
     assert first.num_cached_tokens == 0
     out, ups = prompt_step(s)
     assert out.requests[0].prompt_logprobs is None and not ups[0].prompt_logprobs
+
+
+# ---- batches in flight (a batch queue deeper than 1) -------------------------------
+
+
+def run_pipelined(s: Scheduler, depth: int = 2,
+                  max_steps: int = 2000) -> dict[str, list[RequestUpdate]]:
+    """Schedule up to `depth` batches ahead of their updates, as the engine's batch
+    queue does, applying each batch's outputs in order."""
+    in_flight: list[SchedulerOutput] = []
+    updates: dict[str, list[RequestUpdate]] = {}
+    for _ in range(max_steps):
+        if not s.has_work() and not in_flight:
+            return updates
+        if len(in_flight) < depth:
+            out = s.schedule()
+            if not out.is_empty:
+                in_flight.append(out)
+                if len(in_flight) < depth:
+                    continue
+        if in_flight:
+            out = in_flight.pop(0)
+            for u in s.update_from_output(out, RunnerOutput(fake_execute(out))):
+                updates.setdefault(u.request_id, []).append(u)
+    raise AssertionError("did not finish")
+
+
+def test_request_in_flight_is_not_scheduled_again() -> None:
+    s = make_scheduler(max_num_batched_tokens=4)
+    s.add_request(make_request("a", prompt_len=6, max_tokens=2))
+    first = s.schedule()
+    # The rest of the prompt may follow while the first chunk executes ...
+    second = s.schedule()
+    assert [(r.start_pos, len(r.token_ids), r.sample) for r in first.requests] == [(0, 4, False)]
+    assert [(r.start_pos, len(r.token_ids), r.sample) for r in second.requests] == [(4, 2, True)]
+    # ... but nothing more until the token sampled at its end is known.
+    assert s.schedule().is_empty
+    s.update_from_output(first, RunnerOutput({}))
+    assert s.schedule().is_empty
+    ups = s.update_from_output(second, RunnerOutput(fake_execute(second)))
+    assert [u.new_token_ids for u in ups] == [(7,)]
+    third = s.schedule()
+    assert [(r.start_pos, list(r.token_ids)) for r in third.requests] == [(6, [7])]
+
+
+def test_outputs_of_a_preempted_request_in_flight_are_dropped() -> None:
+    s = make_scheduler(num_blocks=8, block_size=2, max_num_batched_tokens=64)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=3))
+    s.add_request(make_request("b", prompt_len=3, max_tokens=3))
+    first = s.schedule()
+    s.update_from_output(first, RunnerOutput(fake_execute(first)))
+    in_flight = s.schedule()  # a and b decode
+    assert {r.request_id for r in in_flight.requests} == {"a", "b"}
+    b = s.requests["b"]
+    s._preempt(b)  # as a later schedule would when a block runs out
+    ups = s.update_from_output(in_flight, RunnerOutput(fake_execute(in_flight)))
+    assert [u.request_id for u in ups] == ["a"]
+    assert b.num_computed_tokens == 0 and b.num_inflight_tokens == 0
+    results = run_to_completion(s)
+    tokens_b = [t for u in [*results["b"]] for t in u.new_token_ids]
+    assert tokens_b == [5, 6]  # 4 was reported by the first step: nothing lost or repeated
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_pipelined_schedule_gives_the_same_tokens(depth: int) -> None:
+    def fill(s: Scheduler) -> None:
+        for i in range(10):
+            s.add_request(make_request(f"r{i}", prompt_len=3 + i, max_tokens=5 + i % 3))
+
+    serial = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16,
+                            max_num_seqs=6)
+    fill(serial)
+    expected = run_to_completion(serial)
+    piped = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16,
+                           max_num_seqs=6)
+    fill(piped)
+    got = run_pipelined(piped, depth)
+
+    def toks(results: dict[str, list[RequestUpdate]]) -> dict[str, list[int]]:
+        return {k: [t for u in v for t in u.new_token_ids] for k, v in results.items()}
+
+    assert toks(got) == toks(expected)
+    assert piped.kv_cache.num_free_blocks == 12

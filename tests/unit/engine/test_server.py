@@ -230,3 +230,27 @@ def test_utility_calls_answer_with_their_call_id(channel: grpc.Channel) -> None:
     outputs, _ = client.collect({"after"})
     client.close()
     assert len(tokens(outputs["after"])) >= 1
+
+
+@pytest.mark.timeout(60)
+def test_sessions_of_two_frontends_may_reuse_request_ids(channel: grpc.Channel,
+                                                         server: EngineServer) -> None:
+    first, second = SessionClient(channel), SessionClient(channel)
+    first.add("r", [1, 5, 9, 12], max_tokens=1000)
+    second.add("r", [1, 7, 3], max_tokens=6)
+    # Both run side by side; aborting the first's "r" leaves the second's alone.
+    assert next(first.responses).outputs[0].request_id == "r"
+    first.send(pb.SessionRequest(abort=pb.AbortRequests(request_ids=["r"])))
+    outputs, _ = first.collect({"r"})
+    assert outputs["r"][-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    outputs2, _ = second.collect({"r"})
+    assert outputs2["r"][-1].finish_reason in (
+        common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_EOS_TOKEN)
+    assert 1 <= len(tokens(outputs2["r"])) <= 6
+    # Alone, the second prompt gives the same tokens: nothing of the first leaked in.
+    alone = SessionClient(channel)
+    alone.add("r", [1, 7, 3], max_tokens=6)
+    outputs3, _ = alone.collect({"r"})
+    assert tokens(outputs3["r"]) == tokens(outputs2["r"])
+    for client in (first, second, alone):
+        client.close()

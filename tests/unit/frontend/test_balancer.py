@@ -3,12 +3,21 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import grpc
 import pytest
 
-from services.frontend.balancer import Balancer, EngineLoadInfo
+from services.frontend.balancer import (
+    KV_PRESSURE_THRESHOLD,
+    KV_PRESSURE_WEIGHT,
+    WAITING_WEIGHT,
+    Balancer,
+    EngineLoadInfo,
+    load_score,
+    waiting_cost,
+)
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError
 
@@ -25,28 +34,164 @@ class _StubClient(EngineClient):
         self._connected = False
 
 
-def test_picks_least_loaded_counting_local_in_flight() -> None:
+def _load(address: str, running: int = 0, waiting: int = 0, kv: float = 0.0,
+          rank: int | None = None, routable: bool = True) -> EngineLoadInfo:
+    return EngineLoadInfo(address, routable=routable, alive=True, num_waiting=waiting,
+                          num_running=running, kv_cache_usage=kv, engine_index=rank)
+
+
+def _picks(balancer: Balancer, count: int, rank: int | None = None) -> list[str]:
+    return [balancer.pick(rank).address for _ in range(count)]
+
+
+def test_score_weights_waiting_more_as_the_kv_cache_fills() -> None:
+    assert load_score(_load("a", running=3)) == 3
+    assert load_score(_load("a", running=3, waiting=2)) == 3 + 2 * WAITING_WEIGHT
+    # No KV pressure below the threshold, then a linear rise to the full penalty.
+    assert waiting_cost(0.0) == waiting_cost(KV_PRESSURE_THRESHOLD) == WAITING_WEIGHT
+    assert waiting_cost(1.0) == pytest.approx(WAITING_WEIGHT * (1 + KV_PRESSURE_WEIGHT))
+    assert WAITING_WEIGHT < waiting_cost(0.9) < waiting_cost(0.95) < waiting_cost(1.0)
+    assert load_score(_load("a", waiting=1, kv=0.95)) > load_score(_load("a", waiting=1, kv=0.5))
+    # Running requests cost the same whatever the KV usage.
+    assert load_score(_load("a", running=4, kv=0.99)) == 4
+    # Requests the snapshot does not show yet run at once where nothing waits, and
+    # queue (at the waiting cost) where requests already wait.
+    assert load_score(_load("a", running=2), num_unseen=3) == 5
+    assert load_score(_load("a", waiting=1), num_unseen=1) == 2 * WAITING_WEIGHT
+
+
+def test_burst_fills_the_idler_engine_counting_unseen_requests() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient)
+        await balancer.update([_load("busy:1", running=6), _load("idle:1")])
+        picks = _picks(balancer, 12)
+        # The idle engine takes the first 6 until the scores meet, then they alternate.
+        assert picks[:6] == ["idle:1"] * 6
+        assert Counter(picks) == {"idle:1": 9, "busy:1": 3}
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_kv_pressure_steers_away_from_a_full_cache() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient)
+        # Same counts; one engine's cache is nearly full, so its waiting request costs more.
+        await balancer.update([_load("full:1", running=2, waiting=1, kv=0.98),
+                               _load("roomy:1", running=2, waiting=1, kv=0.3)])
+        assert Counter(_picks(balancer, 4)) == {"roomy:1": 4}
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_equal_scores_rotate() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient)
+        await balancer.set_static(["a:1", "b:1", "c:1"])
+        # Static engines route on our own in-flight counts, all zero here: a tie each time.
+        assert _picks(balancer, 7) == ["a:1", "b:1", "c:1", "a:1", "b:1", "c:1", "a:1"]
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_snapshots_retire_unseen_counts() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient)
+        snapshot = [_load("a:1"), _load("b:1")]
+        await balancer.update(snapshot)
+        assert _picks(balancer, 4) == ["a:1", "b:1", "a:1", "b:1"]
+        await balancer.update([_load("a:1", running=2), _load("b:1")])
+        # a: 2 reported + 2 unseen (sent before the latest snapshot) vs b: 2 unseen.
+        assert _picks(balancer, 1) == ["b:1"]
+        # Two snapshots later the early requests are in the reported load only.
+        await balancer.update([_load("a:1", running=2), _load("b:1", running=3)])
+        await balancer.update([_load("a:1", running=2), _load("b:1", running=3)])
+        assert _picks(balancer, 1) == ["a:1"]
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_pinned_rank_and_its_errors() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient)
+        await balancer.update([_load("a:1", rank=0), _load("b:1", running=50, rank=1),
+                               _load("c:1", rank=2, routable=False)])
+        assert _picks(balancer, 3, rank=1) == ["b:1"] * 3  # pinned beats the least loaded
+        with pytest.raises(RequestError) as info:
+            balancer.pick(7)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.field == "data_parallel_rank"
+        assert "known ranks: 0, 1, 2" in info.value.message
+        with pytest.raises(RequestError) as info:
+            balancer.pick(2)  # draining
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "data_parallel_rank 2" in info.value.message
+        await balancer.update([_load("a:1", rank=0)])  # rank 1 left the cluster
+        with pytest.raises(RequestError) as info:
+            balancer.pick(1)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_degraded_routes_on_own_counts_over_known_engines() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient)
+        await balancer.update([_load("a:1", running=9), _load("b:1", running=0)])
+        assert not balancer.degraded
+        balancer.set_degraded("coordinator lost")
+        assert balancer.degraded
+        # The stale snapshot no longer counts; our own in-flight requests do.
+        balancer._clients["b:1"]._streams.update({"x": asyncio.Queue()})
+        assert _picks(balancer, 2) == ["a:1", "a:1"]
+        # A snapshot ends the degraded state.
+        await balancer.update([_load("a:1", running=9), _load("b:1", running=1)])
+        assert not balancer.degraded and balancer.pick().address == "b:1"
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_update_without_retire_keeps_missing_engines() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient)
+        await balancer.update([_load("a:1"), _load("b:1")])
+        await balancer.update([_load("b:1")], retire=False)  # a has not re-registered yet
+        assert {c.address for c in balancer.clients} == {"a:1", "b:1"}
+        assert set(_picks(balancer, 2)) == {"a:1", "b:1"}
+        await balancer.update([_load("b:1")])
+        assert {c.address for c in balancer.clients} == {"b:1"}
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_vanished_engines_and_readiness() -> None:
     async def main() -> None:
         readiness: list[bool] = []
         balancer = Balancer("f", on_readiness=readiness.append, client_factory=_StubClient)
-        await balancer.update([
-            EngineLoadInfo("a:1", routable=True, alive=True, num_waiting=1, num_running=0),
-            EngineLoadInfo("b:1", routable=True, alive=True, num_waiting=0, num_running=3),
-            EngineLoadInfo("c:1", routable=False, alive=True),  # draining
-        ])
+        await balancer.update([_load("a:1"), _load("b:1"), _load("c:1", routable=False)])
         assert readiness == [True]
-        assert balancer.pick().address == "b:1"  # 3 < 4 * 1
-        # Two requests we sent to b that the snapshot does not show yet.
-        balancer._clients["b:1"]._streams.update({"x": asyncio.Queue(), "y": asyncio.Queue()})
-        assert balancer.pick().address == "a:1"
-        # a vanishes (closed at once, nothing in flight); b vanishes but keeps its client.
-        await balancer.update([EngineLoadInfo("c:1", routable=False, alive=True)])
+        assert balancer.pick().address in ("a:1", "b:1")
+        # b has a request of ours in flight, so its client stays until it finishes.
+        balancer._clients["b:1"]._streams.update({"x": asyncio.Queue()})
+        await balancer.update([_load("c:1", routable=False)])
         assert set(balancer._clients) == {"b:1", "c:1"}
         with pytest.raises(RequestError) as info:
             balancer.pick()
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        # No engine left at all: not ready; one coming back: ready again.
+        balancer._clients["b:1"]._streams.clear()
+        await balancer.update([])
+        assert readiness == [True, False] and not balancer.clients
+        await balancer.update([_load("d:1")])
+        assert readiness == [True, False, True]
         await balancer.close()
-        assert readiness == [True, False]
+        assert readiness == [True, False, True, False]
 
     asyncio.run(main())
 

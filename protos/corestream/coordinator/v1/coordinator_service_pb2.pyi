@@ -8,47 +8,57 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("engine_index", "address", "model", "max_model_len")
+    __slots__ = ("engine_index", "address", "model", "max_model_len", "max_num_seqs", "state")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     address: str
     model: str
     max_model_len: int
-    def __init__(self, engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    state: _common_pb2.EngineState
+    def __init__(self, engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("engine_id", "report_interval_s")
+    __slots__ = ("engine_id", "report_interval_s", "lease_timeout_s")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REPORT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     report_interval_s: float
-    def __init__(self, engine_id: _Optional[str] = ..., report_interval_s: _Optional[float] = ...) -> None: ...
+    lease_timeout_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., report_interval_s: _Optional[float] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ReportLoadRequest(_message.Message):
-    __slots__ = ("engine_id", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter")
+    __slots__ = ("engine_id", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter", "wave", "wave_running")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_COUNTER_FIELD_NUMBER: _ClassVar[int]
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    WAVE_RUNNING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     num_waiting: int
     num_running: int
     kv_cache_usage: float
     state: _common_pb2.EngineState
     step_counter: int
-    def __init__(self, engine_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ...) -> None: ...
+    wave: int
+    wave_running: bool
+    def __init__(self, engine_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ..., wave: _Optional[int] = ..., wave_running: _Optional[bool] = ...) -> None: ...
 
 class ReportLoadResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("engine_id", "engine_index", "address", "model", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter")
+    __slots__ = ("engine_id", "engine_index", "address", "model", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter", "max_num_seqs", "wave", "wave_running")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +68,9 @@ class EngineLoad(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_COUNTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    WAVE_RUNNING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     engine_index: int
     address: str
@@ -67,7 +80,10 @@ class EngineLoad(_message.Message):
     kv_cache_usage: float
     state: _common_pb2.EngineState
     step_counter: int
-    def __init__(self, engine_id: _Optional[str] = ..., engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ...) -> None: ...
+    max_num_seqs: int
+    wave: int
+    wave_running: bool
+    def __init__(self, engine_id: _Optional[str] = ..., engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wave: _Optional[int] = ..., wave_running: _Optional[bool] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ()
@@ -92,3 +108,35 @@ class ListEnginesResponse(_message.Message):
     engines: _containers.RepeatedCompositeFieldContainer[EngineLoad]
     generation: int
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineLoad, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class StartWaveRequest(_message.Message):
+    __slots__ = ("model", "engine_index", "wave")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    engine_index: int
+    wave: int
+    def __init__(self, model: _Optional[str] = ..., engine_index: _Optional[int] = ..., wave: _Optional[int] = ...) -> None: ...
+
+class StartWaveResponse(_message.Message):
+    __slots__ = ("num_relayed",)
+    NUM_RELAYED_FIELD_NUMBER: _ClassVar[int]
+    num_relayed: int
+    def __init__(self, num_relayed: _Optional[int] = ...) -> None: ...
+
+class WatchWavesRequest(_message.Message):
+    __slots__ = ("model", "engine_index")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    engine_index: int
+    def __init__(self, model: _Optional[str] = ..., engine_index: _Optional[int] = ...) -> None: ...
+
+class WatchWavesResponse(_message.Message):
+    __slots__ = ("wave", "started_by")
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_BY_FIELD_NUMBER: _ClassVar[int]
+    wave: int
+    started_by: int
+    def __init__(self, wave: _Optional[int] = ..., started_by: _Optional[int] = ...) -> None: ...

@@ -55,6 +55,16 @@ class CoordinatorServiceStub:
                 request_serializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.ListEnginesRequest.SerializeToString,
                 response_deserializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.ListEnginesResponse.FromString,
                 _registered_method=True)
+        self.StartWave = channel.unary_unary(
+                '/corestream.coordinator.v1.CoordinatorService/StartWave',
+                request_serializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.StartWaveRequest.SerializeToString,
+                response_deserializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.StartWaveResponse.FromString,
+                _registered_method=True)
+        self.WatchWaves = channel.unary_stream(
+                '/corestream.coordinator.v1.CoordinatorService/WatchWaves',
+                request_serializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.WatchWavesRequest.SerializeToString,
+                response_deserializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.WatchWavesResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -70,7 +80,9 @@ class CoordinatorServiceServicer:
 
     def ReportLoad(self, request_iterator, context):
         """An engine streams its load while it lives; the stream ending (or breaking)
-        removes the engine from the registry.
+        removes the engine from the registry, and so does silence longer than the
+        coordinator's lease (a frozen process). A report for an engine_id the
+        registry does not hold ends the stream with NOT_FOUND: register again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,6 +97,22 @@ class CoordinatorServiceServicer:
 
     def ListEngines(self, request, context):
         """The current snapshot, once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartWave(self, request, context):
+        """An engine of an expert-parallel group got work while the group idled and
+        started `wave`: relay the start to the group's other engines.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchWaves(self, request, context):
+        """An engine's stream of the wave starts that the other engines of its group
+        announce, beginning with the latest one already announced.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +140,16 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.ListEngines,
                     request_deserializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.ListEnginesRequest.FromString,
                     response_serializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.ListEnginesResponse.SerializeToString,
+            ),
+            'StartWave': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartWave,
+                    request_deserializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.StartWaveRequest.FromString,
+                    response_serializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.StartWaveResponse.SerializeToString,
+            ),
+            'WatchWaves': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchWaves,
+                    request_deserializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.WatchWavesRequest.FromString,
+                    response_serializer=corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.WatchWavesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +261,60 @@ class CoordinatorService:
             '/corestream.coordinator.v1.CoordinatorService/ListEngines',
             corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.ListEnginesRequest.SerializeToString,
             corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.ListEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartWave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.coordinator.v1.CoordinatorService/StartWave',
+            corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.StartWaveRequest.SerializeToString,
+            corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.StartWaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchWaves(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/corestream.coordinator.v1.CoordinatorService/WatchWaves',
+            corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.WatchWavesRequest.SerializeToString,
+            corestream_dot_coordinator_dot_v1_dot_coordinator__service__pb2.WatchWavesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,3 +83,27 @@ class ResumeSchedulingResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[EngineResult]
     def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ("engine_index",)
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ("engine_index",)
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...

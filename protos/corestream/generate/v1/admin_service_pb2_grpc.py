@@ -58,6 +58,16 @@ class AdminServiceStub:
                 request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.ResumeSchedulingRequest.SerializeToString,
                 response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.ResumeSchedulingResponse.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/StartProfile',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/StopProfile',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -95,6 +105,21 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """Start the torch profiler in each engine; refused where one already runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Stop the profiler and write its trace (Chrome trace JSON) in the engine's
+        --profile-dir; each result names the file and the busiest operators.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +142,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ResumeScheduling,
                     request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.ResumeSchedulingRequest.FromString,
                     response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.ResumeSchedulingResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartProfileRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -231,6 +266,60 @@ class AdminService:
             '/corestream.generate.v1.AdminService/ResumeScheduling',
             corestream_dot_generate_dot_v1_dot_admin__service__pb2.ResumeSchedulingRequest.SerializeToString,
             corestream_dot_generate_dot_v1_dot_admin__service__pb2.ResumeSchedulingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/StartProfile',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartProfileRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/StopProfile',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

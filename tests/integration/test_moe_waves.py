@@ -1,0 +1,148 @@
+"""An MoE model split over two engine processes (expert parallel, gloo on 127.0.0.1),
+stepping in lockstep waves started through the coordinator."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from corestream.common.v1 import common_pb2
+from corestream.coordinator.v1 import coordinator_service_pb2 as coord_pb
+from corestream.coordinator.v1 import coordinator_service_pb2_grpc as coord_grpc
+from corestream.generate.v1 import admin_service_pb2 as admin_pb
+from corestream.generate.v1 import admin_service_pb2_grpc as admin_grpc
+from corestream.generate.v1 import generate_service_pb2 as pb
+from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+
+from services.common.tiny_checkpoint import ensure_tiny_checkpoint
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.timeout(400)
+
+PROMPTS = {"a": [5, 17, 42, 99, 7, 3, 250, 11], "b": [1, 2, 3], "c": list(range(40, 70))}
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.unit.engine.hf_checkpoints import make_checkpoint
+
+    tiny = ensure_tiny_checkpoint()
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    folder = tmp_path_factory.mktemp("mixtral")
+    make_checkpoint(folder, "mixtral", vocab_size=vocab, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=64, max_position_embeddings=256)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(moe_checkpoint: Path) -> dict[str, list[int]]:
+    """Greedy tokens of the whole model in one process."""
+    from tests.unit.engine.runner_driver import generate, make_runner
+
+    return generate(make_runner(moe_checkpoint, max_model_len=256), PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def cluster(moe_checkpoint: Path) -> Iterator[Cluster]:
+    c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval", "4",
+                 "--data-parallel-timeout", "15", "--kv-cache-memory", "16MiB"],
+                env={"OMP_NUM_THREADS": "1"})
+    yield c
+    c.stop()
+
+
+def generate(stub: pb_grpc.GenerateServiceStub, ids: list[int], rank: int,
+             max_tokens: int = MAX_TOKENS) -> list[int]:
+    reply = stub.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), data_parallel_rank=rank,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                           ignore_eos=True)), timeout=120)
+    return list(reply.completions[0].token_ids)
+
+
+def stats(address: str) -> dict[int, dict[str, Any]]:
+    with grpc.insecure_channel(address) as channel:
+        reply = admin_grpc.AdminServiceStub(channel).GetEngineStats(
+            admin_pb.GetEngineStatsRequest(), timeout=20)
+    assert all(r.ok for r in reply.results), reply
+    return {r.engine_index: json.loads(r.result_json) for r in reply.results}
+
+
+def wait_idle(address: str, timeout: float = 30) -> dict[int, dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stats(address)
+        if not any(e["wave_running"] for e in s.values()):
+            return s
+        assert time.monotonic() < deadline, f"the wave did not end: {s}"
+        time.sleep(0.2)
+
+
+def test_two_ranks_equal_one_process_and_idle_ranks_run_dummy_steps(
+        cluster: Cluster, reference: dict[str, list[int]]) -> None:
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).num_engines == 2
+        # Everything on rank 0: rank 1 must run dummy batches to keep up.
+        calls = {rid: stub.Generate.future(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids), data_parallel_rank=0,
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                               ignore_eos=True)), timeout=120)
+            for rid, ids in PROMPTS.items()}
+        got = {rid: list(call.result().completions[0].token_ids) for rid, call in calls.items()}
+        assert got == reference
+        idle = wait_idle(cluster.address)
+        assert idle[1]["dummy_steps"] > 0 and idle[0]["wave"] == idle[1]["wave"] >= 1
+        # Idle means idle: no rank keeps stepping.
+        time.sleep(1.0)
+        again = stats(cluster.address)
+        assert [again[r]["step_counter"] for r in (0, 1)] == \
+            [idle[r]["step_counter"] for r in (0, 1)]
+        # A request on rank 1 starts the next wave on both ranks.
+        assert generate(stub, PROMPTS["b"], rank=1) == reference["b"]
+        after = wait_idle(cluster.address)
+        assert after[0]["wave"] == after[1]["wave"] > idle[0]["wave"]
+        assert after[0]["dummy_steps"] > idle[0]["dummy_steps"]
+    # The coordinator sees the wave state in the engines' load reports.
+    deadline = time.monotonic() + 10
+    while True:
+        with grpc.insecure_channel(cluster.coordinator_address) as channel:
+            engines = coord_grpc.CoordinatorServiceStub(channel).ListEngines(
+                coord_pb.ListEnginesRequest(), timeout=10).engines
+        if sorted((e.wave, e.wave_running) for e in engines) == \
+                [(after[0]["wave"], False)] * 2:
+            break
+        assert time.monotonic() < deadline, engines
+        time.sleep(0.2)
+
+
+def test_a_rank_dying_mid_wave_ends_the_others_streams(cluster: Cluster) -> None:
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        stream = stub.GenerateStream(pb.GenerateStreamRequest(
+            token_ids=pb.TokenIds(ids=PROMPTS["a"]), data_parallel_rank=0,
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=200,
+                                               ignore_eos=True)), timeout=120)
+        next(stream)
+        os.kill(cluster.engine_pid(1), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        elapsed = time.monotonic() - killed
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+    assert "engine" in (err.value.details() or "")
+    assert elapsed < 20, elapsed  # within the group's collective timeout (15 s) + margin
+    print(f"rank 1 killed mid-wave: rank 0's stream ended UNAVAILABLE after {elapsed:.2f} s")
