@@ -209,6 +209,10 @@ def test_engines_are_ranks_behind_a_headless_service(rendered: Any) -> None:
     (engine,) = sts["spec"]["template"]["spec"]["containers"]
     assert engine["image"].endswith("-cuda")
     assert "--device=cuda" in engine["args"]
+    # Rank 0's stable name hosts the group's rendezvous (MoE models split experts).
+    assert "--data-parallel-size=2" in engine["args"]
+    assert (f"--data-parallel-master={sts['metadata']['name']}-0.{service['metadata']['name']}"
+            ".$(POD_NAMESPACE).svc.cluster.local:29500") in engine["args"]
     gpu = engine["resources"]["limits"]["nvidia.com/gpu"]
     assert gpu == engine["resources"]["requests"]["nvidia.com/gpu"] == 1
     spec = sts["spec"]["template"]["spec"]

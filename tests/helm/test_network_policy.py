@@ -111,9 +111,15 @@ def test_only_the_cluster_links_are_open(rendered: Any, case: str) -> None:
         (frontend, KUBE_DNS, 53), (engine, KUBE_DNS, 53), (coordinator, KUBE_DNS, 53),
         *[(PROMETHEUS, pod, 9090) for pod in (frontend, coordinator, engine)],
     ]
+    # DP > 1: the ranks form a process group (rendezvous, then gloo/NCCL pairs on
+    # ephemeral ports), so engines reach each other; with one engine they must not.
+    engine_to_engine = [(engine, engine, 29500), (engine, engine, 41234)]
+    if case == "gpu-mtls-dp2":
+        open_links += engine_to_engine
     closed_links = [
+        *([] if case == "gpu-mtls-dp2" else [*engine_to_engine, (engine, engine, 50061)]),
         (coordinator, engine, 50061), (coordinator, frontend, 50051),
-        (engine, frontend, 50051), (engine, engine, 50061),
+        (engine, frontend, 50051),
         (frontend, coordinator, 50061), (frontend, engine, 50050),
         (CLIENT_GATEWAY, engine, 50061), (CLIENT_GATEWAY, coordinator, 50050),
         (NEIGHBOUR, coordinator, 50050), (NEIGHBOUR, engine, 50061),
