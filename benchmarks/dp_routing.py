@@ -31,10 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
+from benchmarks.throughput import stream_all  # noqa: E402
 from benchmarks.workload import VOCAB, BenchRequest, bench_checkpoint, warmup_workload  # noqa: E402
 
 PROMPT_LEN = 16
-STREAMS_PER_CONNECTION = 50
 
 
 def small_workload(num_requests: int, seed: int = 0) -> list[BenchRequest]:
@@ -45,39 +45,6 @@ def small_workload(num_requests: int, seed: int = 0) -> list[BenchRequest]:
                      max_tokens=rng.randint(16, 64))
         for _ in range(num_requests)
     ]
-
-
-async def stream_all(address: str, batch: list[BenchRequest]) -> int:
-    """Send the whole batch at once; the number of tokens generated."""
-    import grpc
-    from corestream.common.v1 import common_pb2
-    from corestream.generate.v1 import generate_service_pb2 as pb
-    from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
-
-    # The frontend allows a bounded number of concurrent streams per connection, and a
-    # fresh connection may be sent more before it has heard the limit (REFUSED_STREAM):
-    # one connection of its own per STREAMS_PER_CONNECTION requests.
-    num_channels = -(-len(batch) // STREAMS_PER_CONNECTION)
-    channels = [grpc.aio.insecure_channel(address,
-                                          options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(num_channels)]
-
-    async def one(i: int, r: BenchRequest) -> int:
-        stub = pb_grpc.GenerateServiceStub(channels[i % num_channels])
-        request = pb.GenerateStreamRequest(
-            token_ids=pb.TokenIds(ids=r.prompt),
-            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                               ignore_eos=True),
-        )
-        n = 0
-        async for chunk in stub.GenerateStream(request, timeout=1800):
-            n += len(chunk.token_ids)
-        return n
-
-    try:
-        return sum(await asyncio.gather(*(one(i, r) for i, r in enumerate(batch))))
-    finally:
-        await asyncio.gather(*(c.close() for c in channels))
 
 
 def admitted_per_engine(address: str) -> dict[int, int]:

@@ -101,28 +101,40 @@ def run_engine(model: Path, workload: list[BenchRequest], args: argparse.Namespa
 
 # ---- corestream, full gRPC cluster -----------------------------------------------------
 
+STREAMS_PER_CONNECTION = 50
 
-async def _stream_all(address: str, batch: list[BenchRequest]) -> int:
+
+async def stream_all(address: str, batch: list[BenchRequest]) -> int:
+    """Send the whole batch at once; the number of tokens generated."""
     import grpc
     from corestream.common.v1 import common_pb2
     from corestream.generate.v1 import generate_service_pb2 as pb
     from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.GenerateServiceStub(channel)
+    # The frontend allows a bounded number of concurrent streams per connection, and a
+    # fresh connection may be sent more before it has heard the limit (REFUSED_STREAM):
+    # one connection of its own per STREAMS_PER_CONNECTION requests.
+    num_channels = -(-len(batch) // STREAMS_PER_CONNECTION)
+    channels = [grpc.aio.insecure_channel(address,
+                                          options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(num_channels)]
 
-        async def one(r: BenchRequest) -> int:
-            request = pb.GenerateStreamRequest(
-                token_ids=pb.TokenIds(ids=r.prompt),
-                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
-                                                   ignore_eos=True),
-            )
-            n = 0
-            async for chunk in stub.GenerateStream(request, timeout=1800):
-                n += len(chunk.token_ids)
-            return n
+    async def one(i: int, r: BenchRequest) -> int:
+        stub = pb_grpc.GenerateServiceStub(channels[i % num_channels])
+        request = pb.GenerateStreamRequest(
+            token_ids=pb.TokenIds(ids=r.prompt),
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
+                                               ignore_eos=True),
+        )
+        n = 0
+        async for chunk in stub.GenerateStream(request, timeout=1800):
+            n += len(chunk.token_ids)
+        return n
 
-        return sum(await asyncio.gather(*(one(r) for r in batch)))
+    try:
+        return sum(await asyncio.gather(*(one(i, r) for i, r in enumerate(batch))))
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
 
 
 def _engine_steps(coordinator: str) -> int:
@@ -144,11 +156,11 @@ def run_cluster(model: Path, workload: list[BenchRequest], args: argparse.Namesp
                        "--kv-cache-memory", str(args.kv_cache_memory), "--log-level", "warning",
                        "--coordinator-port", coordinator.rsplit(":", 1)[1]])
     try:
-        asyncio.run(_stream_all(cluster.address, warmup_workload()))
+        asyncio.run(stream_all(cluster.address, warmup_workload()))
         time.sleep(1.5)  # let the load report with the step counter settle
         steps_before = _engine_steps(coordinator)
         start = time.perf_counter()
-        generated = asyncio.run(_stream_all(cluster.address, workload))
+        generated = asyncio.run(stream_all(cluster.address, workload))
         seconds = time.perf_counter() - start
         time.sleep(1.5)
         steps = _engine_steps(coordinator) - steps_before

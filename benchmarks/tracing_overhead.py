@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
-from benchmarks.throughput import _stream_all  # noqa: E402
+from benchmarks.throughput import stream_all  # noqa: E402
 from benchmarks.workload import bench_checkpoint, mixed_workload, warmup_workload  # noqa: E402
 from tests.integration.cluster import Cluster, free_port  # noqa: E402
 from tests.integration.otlp_collector import OtlpCollector  # noqa: E402
@@ -68,12 +68,12 @@ def main() -> None:
     cpu: dict[str, list[float]] = {name: [] for name in clusters}
     try:
         for cluster, _ in clusters.values():
-            asyncio.run(_stream_all(cluster.address, warmup_workload()))
+            asyncio.run(stream_all(cluster.address, warmup_workload()))
         for round_ in range(args.rounds):
             for name, (cluster, metrics_port) in clusters.items():
                 cpu_before = cpu_seconds(metrics_port)
                 started = time.perf_counter()
-                generated = asyncio.run(_stream_all(cluster.address, workload))
+                generated = asyncio.run(stream_all(cluster.address, workload))
                 seconds = time.perf_counter() - started
                 cpu[name].append(cpu_seconds(metrics_port) - cpu_before)
                 assert generated == expected, (generated, expected)
