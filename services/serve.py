@@ -22,6 +22,7 @@ if given, go to every child as they are.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -150,7 +151,10 @@ def security_plan(serve: ServeConfig, args: argparse.Namespace) -> dict[str, Sec
     given = from_args(SecurityConfig, args, exclude=SERVE_OWNED)
     roles = ("coordinator", "engine", "frontend", "client")
     if not serve.tls_auto:
-        return dict.fromkeys(roles, given)
+        # Client certificates stay required between the services: the public port is
+        # the only one that may take clients without one.
+        internal = dataclasses.replace(given, require_client_cert=True)
+        return {**dict.fromkeys(roles, internal), "frontend": given}
     if given.tls:
         raise ValueError(
             "--tls-auto makes its own certificates: drop --tls-cert/--tls-key/--tls-ca")
@@ -158,8 +162,13 @@ def security_plan(serve: ServeConfig, args: argparse.Namespace) -> dict[str, Sec
     from services.common.certs import write_local_pki
 
     directory = Path(serve.tls_dir or tempfile.mkdtemp(prefix="corestream-tls-"))
-    configs = write_local_pki(directory, roles)
-    log.info("--tls-auto: mTLS everywhere; CA and certificates in %s", directory)
+    configs = {role: dataclasses.replace(c, reflection=given.reflection)
+               for role, c in write_local_pki(directory, roles).items()}
+    configs["frontend"] = dataclasses.replace(
+        configs["frontend"], require_client_cert=given.require_client_cert)
+    log.info("--tls-auto: TLS everywhere, client certificates required %s; CA and "
+             "certificates in %s", "everywhere" if given.require_client_cert else
+             "between the services", directory)
     return configs
 
 

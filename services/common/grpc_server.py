@@ -153,16 +153,19 @@ class AioHealth:
         await self._servicer.enter_graceful_shutdown()
 
 
-def _register(server: Any, servicer: Any, service_names: Sequence[str]) -> None:
+def _register(server: Any, servicer: Any, service_names: Sequence[str],
+              with_reflection: bool) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
+    if with_reflection:
+        names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, server)
 
 
-def add_health_and_reflection(server: grpc.Server, service_names: Sequence[str]) -> Health:
-    """Register health and reflection on a threaded server; readiness starts NOT_SERVING."""
+def add_health_and_reflection(server: grpc.Server, service_names: Sequence[str],
+                              with_reflection: bool = True) -> Health:
+    """Register health (and reflection) on a threaded server; readiness starts NOT_SERVING."""
     servicer = health.HealthServicer(experimental_non_blocking=True)
-    _register(server, servicer, service_names)
+    _register(server, servicer, service_names, with_reflection)
     h = Health(servicer, service_names)
     h.set_live(True)
     h.set_ready(False)
@@ -171,11 +174,11 @@ def add_health_and_reflection(server: grpc.Server, service_names: Sequence[str])
 
 
 async def add_aio_health_and_reflection(
-    server: grpc.aio.Server, service_names: Sequence[str]
+    server: grpc.aio.Server, service_names: Sequence[str], with_reflection: bool = True
 ) -> AioHealth:
-    """Register health and reflection on an asyncio server; readiness starts NOT_SERVING."""
+    """Register health (and reflection) on an asyncio server; readiness starts NOT_SERVING."""
     servicer = health.aio.HealthServicer()
-    _register(server, servicer, service_names)
+    _register(server, servicer, service_names, with_reflection)
     h = AioHealth(servicer, service_names)
     await h.set_live(True)
     await h.set_ready(False)
@@ -189,7 +192,8 @@ async def add_aio_health_and_reflection(
 def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials:
     cert, key, ca = security.read()
     return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        [(key, cert)], root_certificates=ca,
+        require_client_auth=ca is not None and security.require_client_cert)
 
 
 def channel_credentials(security: SecurityConfig) -> grpc.ChannelCredentials:

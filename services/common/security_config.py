@@ -26,6 +26,16 @@ class SecurityConfig:
         "PEM CA bundle: with it the server requires client certificates signed by it (mTLS) "
         "and outgoing connections use TLS and verify the peer against it.", default=""
     )
+    require_client_cert: bool = doc(
+        "With --tls-ca, require a client certificate signed by it on this service's port. "
+        "Turn it off on a frontend whose public clients have none: its port still serves "
+        "TLS (pair it with --api-key-file), and it still presents its certificate and "
+        "verifies the engines' when it dials them.", default=True
+    )
+    reflection: bool = doc(
+        "Serve gRPC server reflection (grpcurl needs no proto files); turn it off to keep "
+        "the API's shape from callers on an open network.", default=True
+    )
     health_host: str = doc(
         "Interface of the plaintext health port (see --health-port).", default="0.0.0.0"
     )

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     )
     servicer = CoordinatorServicer(config, registry)
     pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
+    health = add_health_and_reflection(server, [SERVICE_NAME], security.reflection)
     try:
         port = bind(server, f"{config.host}:{config.port}", security)
     except OSError as exc:

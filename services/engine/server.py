@@ -276,7 +276,8 @@ class EngineServer:
         )
         engine_core_service_pb2_grpc.add_EngineCoreServiceServicer_to_server(
             EngineCoreServicer(core, runner), self.server)
-        self.health: Health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.health: Health = add_health_and_reflection(self.server, [SERVICE_NAME],
+                                                        security.reflection)
         self.port = bind(self.server, f"{host}:{port}", security)
         self.address = f"{host}:{self.port}"
         core.add_state_listener(self._on_state)

@@ -324,7 +324,7 @@ class FrontendServer:
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             admin.AdminServicer(self.balancer), server)
         self._health = await add_aio_health_and_reflection(
-            server, [SERVICE_NAME, admin.SERVICE_NAME])
+            server, [SERVICE_NAME, admin.SERVICE_NAME], self._security.reflection)
         address = f"{self._config.host}:{self._config.port}"
         self.port = bind(server, address, self._security)
         await server.start()

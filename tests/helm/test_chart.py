@@ -20,6 +20,7 @@ from tests.helm.chart import (
     golden_path,
     helm,
     pod_spec,
+    render,
     render_text,
 )
 
@@ -292,3 +293,13 @@ def test_servicemonitor_scrapes_every_metrics_port(rendered: Any) -> None:
         ports = {p["name"]: p for p in service["spec"]["ports"]}
         assert ports[endpoint["port"]]["targetPort"] == "metrics"
     assert rendered("default") and not by_kind(rendered("default"), "ServiceMonitor")
+
+
+def test_public_port_without_client_certificates_and_no_reflection(helm_binary: None) -> None:
+    objs = render(CASES["gpu-mtls-dp2"], [
+        'security.tls.requireClientCertOnFrontend=false', 'security.reflection=false'])
+    args = {c["name"]: c["args"] for c in service_containers(tuple(objs))}
+    assert "--no-require-client-cert" in args["frontend"]
+    # Between the services client certificates stay required.
+    assert "--no-require-client-cert" not in args["engine"] + args["coordinator"]
+    assert all("--no-reflection" in a for a in args.values())

@@ -296,3 +296,36 @@ def test_admin_cli_speaks_mtls_and_keys(cluster: Cluster, tls_dir: Path,
     assert "PERMISSION_DENIED" in capsys.readouterr().err
     assert main([*base, "--api-key-file", str(tls_dir / "admin-keys")]) == 1  # plaintext
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_public_tls_without_client_certificates_and_without_reflection(
+        tmp_path: Path) -> None:
+    """--no-require-client-cert: TLS for clients that have no certificate (a public
+    port); --no-reflection: the API's shape is not served."""
+    pki = write_local_pki(tmp_path, ("server",))["server"]
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "coordinator", "--host", "127.0.0.1",
+         "--port", str(port), "--tls-cert", pki.tls_cert, "--tls-key", pki.tls_key,
+         "--tls-ca", pki.tls_ca, "--no-require-client-cert", "--no-reflection"], cwd=REPO)
+    address = f"127.0.0.1:{port}"
+    try:
+        server_only = grpc.ssl_channel_credentials(Path(pki.tls_ca).read_bytes())
+        with grpc.secure_channel(address, server_only) as ch:
+            grpc.channel_ready_future(ch).result(timeout=60)
+            coord_grpc.CoordinatorServiceStub(ch).ListEngines(
+                coord_pb.ListEnginesRequest(), timeout=10)  # no certificate needed
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            with pytest.raises(grpc.RpcError) as info:
+                list(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                    iter([ask]), timeout=10))
+            assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        with make_channel(address, PLAINTEXT) as ch:  # still TLS only
+            with pytest.raises(grpc.RpcError) as info:
+                coord_grpc.CoordinatorServiceStub(ch).ListEngines(
+                    coord_pb.ListEnginesRequest(), timeout=10)
+            assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        proc.terminate()
+        proc.wait(30)

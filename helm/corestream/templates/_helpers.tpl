@@ -125,6 +125,12 @@ bind to the pod IP only; the frontend binds to listenHost so that kubectl port-f
 {{- if .root.Values.bindPodIP }}
 - --health-host=$(POD_IP)
 {{- end }}
+{{- if and (eq .component "frontend") (not .root.Values.security.tls.requireClientCertOnFrontend) }}
+- --no-require-client-cert
+{{- end }}
+{{- end }}
+{{- if not .root.Values.security.reflection }}
+- --no-reflection
 {{- end }}
 {{- end -}}
 
