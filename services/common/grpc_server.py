@@ -189,6 +189,13 @@ async def add_aio_health_and_reflection(
 # ---- binding and dialing, plaintext or (m)TLS by SecurityConfig -----------------
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` for gRPC, with an IPv6 literal in brackets (`[::1]:50051`)."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
 def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials:
     cert, key, ca = security.read()
     return grpc.ssl_server_credentials(
@@ -250,7 +257,7 @@ def start_health_port(health_: Health, security: SecurityConfig) -> grpc.Server 
         futures.ThreadPoolExecutor(_HEALTH_PORT_WORKERS, thread_name_prefix="health"),
         options=server_options(_HEALTH_MAX_MESSAGE_BYTES))
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
-    bind(server, f"{security.health_host}:{security.health_port}", SecurityConfig())
+    bind(server, host_port(security.health_host, security.health_port), SecurityConfig())
     server.start()
     return server
 
@@ -263,6 +270,6 @@ async def start_aio_health_port(
         return None
     server = grpc.aio.server(options=server_options(_HEALTH_MAX_MESSAGE_BYTES))
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
-    bind(server, f"{security.health_host}:{security.health_port}", SecurityConfig())
+    bind(server, host_port(security.health_host, security.health_port), SecurityConfig())
     await server.start()
     return server

@@ -14,6 +14,7 @@ from services.common.grpc_server import (
     INTERNAL_MAX_MESSAGE_BYTES,
     add_health_and_reflection,
     bind,
+    host_port,
     server_options,
     start_health_port,
 )
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME], security.reflection)
     try:
-        port = bind(server, f"{config.host}:{config.port}", security)
+        port = bind(server, host_port(config.host, config.port), security)
     except OSError as exc:
         log.error("%s", exc)
         return 1

@@ -63,4 +63,4 @@ class DataParallelConfig:
     @property
     def master_host_port(self) -> tuple[str, int]:
         host, _, port = self.data_parallel_master.rpartition(":")
-        return host, int(port)
+        return host.strip("[]"), int(port)  # the rendezvous store wants a bare IPv6 host

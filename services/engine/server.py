@@ -35,6 +35,7 @@ from services.common.grpc_server import (
     Health,
     add_health_and_reflection,
     bind,
+    host_port,
     server_options,
     start_health_port,
 )
@@ -278,8 +279,8 @@ class EngineServer:
             EngineCoreServicer(core, runner), self.server)
         self.health: Health = add_health_and_reflection(self.server, [SERVICE_NAME],
                                                         security.reflection)
-        self.port = bind(self.server, f"{host}:{port}", security)
-        self.address = f"{host}:{self.port}"
+        self.port = bind(self.server, host_port(host, port), security)
+        self.address = host_port(host, self.port)
         core.add_state_listener(self._on_state)
 
     def _on_state(self, state: EngineState) -> None:

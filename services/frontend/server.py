@@ -26,6 +26,7 @@ from services.common.grpc_server import (
     AioHealth,
     add_aio_health_and_reflection,
     bind,
+    host_port,
     server_options,
     start_aio_health_port,
 )
@@ -325,7 +326,7 @@ class FrontendServer:
             admin.AdminServicer(self.balancer), server)
         self._health = await add_aio_health_and_reflection(
             server, [SERVICE_NAME, admin.SERVICE_NAME], self._security.reflection)
-        address = f"{self._config.host}:{self._config.port}"
+        address = host_port(self._config.host, self._config.port)
         self.port = bind(server, address, self._security)
         await server.start()
         self._server = server
