@@ -40,6 +40,7 @@ from corestream.engine.v1 import engine_core_service_pb2_grpc as engine_pb2_grpc
 from services.common.backoff import Backoff
 from services.common.grpc_server import make_aio_channel
 from services.common.security_config import PLAINTEXT, SecurityConfig
+from services.common.tasks import cancel_and_wait
 from services.frontend.errors import RequestError, unavailable
 
 log = logging.getLogger(__name__)
@@ -129,11 +130,8 @@ class EngineClient:
         self._task = asyncio.create_task(self._run(), name=f"engine-session-{self.address}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self._set_connected(False)
         self._fail_all("the frontend closed its session to the engine")
         if self._channel is not None:

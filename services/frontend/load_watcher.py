@@ -11,7 +11,6 @@ engines and the ones missing from them stay.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -23,6 +22,7 @@ from corestream.coordinator.v1 import coordinator_service_pb2_grpc as coordinato
 from services.common.backoff import Backoff
 from services.common.grpc_server import make_aio_channel
 from services.common.security_config import PLAINTEXT, SecurityConfig
+from services.common.tasks import cancel_and_wait
 from services.frontend.balancer import Balancer, EngineLoadInfo
 
 log = logging.getLogger(__name__)
@@ -56,11 +56,8 @@ class LoadWatcher:
         self._task = asyncio.create_task(self._run(), name="watch-load")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _run(self) -> None:
         backoff = Backoff()
