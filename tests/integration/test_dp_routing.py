@@ -301,6 +301,9 @@ def test_frozen_engine_is_dropped_after_its_lease_and_rejoins(
     try:
         wait_until(lambda: {e.engine_index for e in list_engines(dp)} == {0, 1},
                    "the frozen engine to leave the snapshots", dp, timeout_s=30)
+        # The frontend learns it from the next snapshot it watches, a moment later.
+        wait_until(lambda: model_info(channel).num_engines == 2,
+                   "the frontend to stop routing to the frozen engine", dp, timeout_s=30)
         burst(channel, 4)  # routed around it
     finally:
         os.kill(frozen, signal.SIGCONT)
