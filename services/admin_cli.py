@@ -21,17 +21,27 @@ from services.common.config import from_args
 from services.common.grpc_server import make_channel
 from services.common.security_config import SecurityConfig
 
-COMMANDS = ("reset-prefix-cache", "stats", "pause", "resume", "profile-start", "profile-stop")
+# action -> (AdminService method, its request message)
+COMMANDS: dict[str, tuple[str, type[Any]]] = {
+    "reset-prefix-cache": ("ResetPrefixCache", admin_pb2.ResetPrefixCacheRequest),
+    "stats": ("GetEngineStats", admin_pb2.GetEngineStatsRequest),
+    "pause": ("PauseScheduling", admin_pb2.PauseSchedulingRequest),
+    "resume": ("ResumeScheduling", admin_pb2.ResumeSchedulingRequest),
+    "profile-start": ("StartProfile", admin_pb2.StartProfileRequest),
+    "profile-stop": ("StopProfile", admin_pb2.StopProfileRequest),
+}
 PAUSE_MODES = {"abort": admin_pb2.PAUSE_MODE_ABORT, "wait": admin_pb2.PAUSE_MODE_WAIT,
                "keep": admin_pb2.PAUSE_MODE_KEEP}
 
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+# SecurityConfig fields that only mean something to a server.
+_SERVER_ONLY = ("health_host", "health_port", "require_client_cert", "reflection")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", required=True, metavar="HOST:PORT",
                         help="The frontend's address.")
-    parser.add_argument("action", choices=COMMANDS)
+    parser.add_argument("action", choices=tuple(COMMANDS))
     parser.add_argument("--mode", choices=tuple(PAUSE_MODES), default="wait",
                         help="For pause: abort all requests, let running ones finish "
                         "(wait, the default), or freeze them (keep).")
@@ -42,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Send the first key in FILE as 'authorization: Bearer' (the "
                         "frontend's --admin-api-key-file, when it has one).")
     # --tls-cert/--tls-key/--tls-ca: the client certificate for an mTLS frontend.
-    add_config_arguments(parser, SecurityConfig, exclude=("health_host", "health_port"))
+    add_config_arguments(parser, SecurityConfig, exclude=_SERVER_ONLY)
 
 
 def _result_to_dict(r: admin_pb2.EngineResult) -> dict[str, Any]:
@@ -56,30 +66,16 @@ def _result_to_dict(r: admin_pb2.EngineResult) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine = {} if args.engine is None else {"engine_index": args.engine}
-    security = from_args(SecurityConfig, args, exclude=("health_host", "health_port"))
+    security = from_args(SecurityConfig, args, exclude=_SERVER_ONLY)
     with make_channel(args.address, security) as plain:
         channel = with_api_key(plain, args.api_key_file) if args.api_key_file else plain
         stub = admin_pb2_grpc.AdminServiceStub(channel)
+        method, request_class = COMMANDS[args.action]
+        fields: dict[str, Any] = {} if args.engine is None else {"engine_index": args.engine}
+        if args.action == "pause":
+            fields["mode"] = PAUSE_MODES[args.mode]
         try:
-            if args.action == "reset-prefix-cache":
-                reply = stub.ResetPrefixCache(admin_pb2.ResetPrefixCacheRequest(**engine),
-                                              timeout=args.timeout)
-            elif args.action == "stats":
-                reply = stub.GetEngineStats(admin_pb2.GetEngineStatsRequest(**engine),
-                                            timeout=args.timeout)
-            elif args.action == "pause":
-                reply = stub.PauseScheduling(admin_pb2.PauseSchedulingRequest(
-                    mode=PAUSE_MODES[args.mode], **engine), timeout=args.timeout)
-            elif args.action == "resume":
-                reply = stub.ResumeScheduling(admin_pb2.ResumeSchedulingRequest(**engine),
-                                              timeout=args.timeout)
-            elif args.action == "profile-start":
-                reply = stub.StartProfile(admin_pb2.StartProfileRequest(**engine),
-                                          timeout=args.timeout)
-            else:
-                reply = stub.StopProfile(admin_pb2.StopProfileRequest(**engine),
-                                         timeout=args.timeout)
+            reply = getattr(stub, method)(request_class(**fields), timeout=args.timeout)
         except grpc.RpcError as e:
             print(f"corestream admin {args.action}: {e.code().name}: {e.details()}",
                   file=sys.stderr)
