@@ -8,20 +8,10 @@ model's experts are split over the ranks, so the ranks form one process group
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.config import doc
 from services.engine.wave import DEFAULT_CHECK_INTERVAL
-
-# Architectures whose experts are split over the data-parallel ranks.
-MOE_ARCHITECTURES = frozenset({
-    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-})
-
-
-def is_moe(architectures: Sequence[str]) -> bool:
-    return any(a in MOE_ARCHITECTURES for a in architectures)
 
 
 @dataclass(frozen=True)

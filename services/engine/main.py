@@ -29,7 +29,7 @@ from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
 from services.engine.config import EngineConfig
-from services.engine.dp_config import DataParallelConfig, is_moe
+from services.engine.dp_config import DataParallelConfig
 from services.engine.engine_core import EngineCore
 from services.engine.fault_injection import ENV_VAR as FAULT_INJECT_ENV
 from services.engine.fault_injection import maybe_inject
@@ -63,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: torch loads only in the process that runs a model.
     from services.engine.worker.model_runner import ModelRunner
 
-    expert_parallel = dp.data_parallel_size > 1 and is_moe(
-        load_model_info(resolve_model(runner_config.model)).architectures)
+    expert_parallel = dp.data_parallel_size > 1 and splits_experts(runner_config)
     if expert_parallel:
         join_expert_parallel_group(config, runner_config, dp)
     runner = ModelRunner(runner_config)
@@ -138,6 +137,15 @@ def run(args: argparse.Namespace) -> int:
         os._exit(EXIT_DEAD)
     logger.info("%s stopped", core.name)
     return 0
+
+
+def splits_experts(runner_config: RunnerConfig) -> bool:
+    """Whether the checkpoint is an MoE model, whose experts the DP ranks split."""
+    from services.engine.models.loader import model_class
+    from services.engine.models.moe import SparseMoeForCausalLM
+
+    architectures = load_model_info(resolve_model(runner_config.model)).architectures
+    return issubclass(model_class(list(architectures)), SparseMoeForCausalLM)
 
 
 def join_expert_parallel_group(config: EngineConfig, runner_config: RunnerConfig,
