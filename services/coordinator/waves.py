@@ -30,7 +30,6 @@ class WaveHub:
         # group -> engine index -> that subscriber's queue (None ends its stream)
         self._subscribers: dict[str, dict[int, queue.Queue[WaveStart | None]]] = {}
         self._latest: dict[str, WaveStart] = {}
-        self.num_relayed = 0
 
     def announce(self, group: str, start: WaveStart) -> int:
         """Relay `start` to the group's other subscribers; returns how many got it."""
@@ -40,7 +39,6 @@ class WaveHub:
                 self._latest[group] = start
             targets = [q for index, q in self._subscribers.get(group, {}).items()
                        if index != start.started_by]
-            self.num_relayed += len(targets)
         for q in targets:
             q.put(start)
         return len(targets)

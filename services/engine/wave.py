@@ -18,7 +18,7 @@ and the all-reduce.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_CHECK_INTERVAL = 32
 
@@ -31,7 +31,7 @@ class WaveState:
     running: bool = False
     steps: int = 0
     """Steps taken in the running wave."""
-    num_dummy_steps: int = field(default=0)
+    num_dummy_steps: int = 0
     """Steps (over all waves) this rank ran without work of its own."""
 
     def __post_init__(self) -> None:
