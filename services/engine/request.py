@@ -82,7 +82,7 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to feed the model: a (rest of a) prompt, or the last sampled token.
         Tokens of batches in flight are not counted: they are being computed."""
-        return self.num_tokens - self.num_computed_tokens - self.num_inflight_tokens
+        return self.num_tokens - self.num_scheduled_end
 
     @property
     def num_scheduled_end(self) -> int:
