@@ -101,17 +101,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request: generate_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         request_id = await _start(request, context)
-        try:
-            async with (self._telemetry(request_id, context) as telemetry,
-                        asyncio.timeout(self._config.request_timeout_s)):
-                prepared = await self._prepare(request_id, request, context, telemetry)
-                async for chunk in self._runner.run(prepared, telemetry):
-                    telemetry.on_chunk(chunk)
-                    yield chunk
-        except RequestError as e:
-            await context.abort_with_status(to_status(e))
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message())
+        async for chunk in self._chunks(request_id, request, context):
+            yield chunk
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -120,29 +111,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         response = generate_pb2.GenerateResponse(request_id=request_id)
         completions: dict[int, generate_pb2.Completion] = {}
         texts: dict[int, list[str]] = {}
-        try:
-            async with (self._telemetry(request_id, context) as telemetry,
-                        asyncio.timeout(self._config.request_timeout_s)):
-                prepared = await self._prepare(request_id, request, context, telemetry)
-                async for chunk in self._runner.run(prepared, telemetry):
-                    telemetry.on_chunk(chunk)
-                    completion = completions.setdefault(
-                        chunk.index, generate_pb2.Completion(index=chunk.index))
-                    texts.setdefault(chunk.index, []).append(chunk.text)
-                    completion.token_ids.extend(chunk.token_ids)
-                    completion.logprobs.extend(chunk.logprobs)
-                    response.prompt_logprobs.extend(chunk.prompt_logprobs)
-                    if chunk.finish_reason:
-                        completion.finish_reason = chunk.finish_reason
-                        stop = chunk.WhichOneof("matched_stop")
-                        if stop is not None:
-                            setattr(completion, stop, getattr(chunk, stop))
-                    if chunk.HasField("usage"):
-                        response.usage.CopyFrom(chunk.usage)
-        except RequestError as e:
-            await context.abort_with_status(to_status(e))
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message())
+        async for chunk in self._chunks(request_id, request, context):
+            completion = completions.setdefault(
+                chunk.index, generate_pb2.Completion(index=chunk.index))
+            texts.setdefault(chunk.index, []).append(chunk.text)
+            completion.token_ids.extend(chunk.token_ids)
+            completion.logprobs.extend(chunk.logprobs)
+            response.prompt_logprobs.extend(chunk.prompt_logprobs)
+            if chunk.finish_reason:
+                completion.finish_reason = chunk.finish_reason
+                stop = chunk.WhichOneof("matched_stop")
+                if stop is not None:
+                    setattr(completion, stop, getattr(chunk, stop))
+            if chunk.HasField("usage"):
+                response.usage.CopyFrom(chunk.usage)
         for index in sorted(completions):
             completions[index].text = "".join(texts[index])
             response.completions.append(completions[index])
@@ -197,6 +179,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if aborted:
             log.info("aborted %d request(s) on request", len(aborted))
         return generate_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def _chunks(
+        self, request_id: str, request: GenerateRequestLike, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
+        """One request's chunks as the engines produce them, for both Generate RPCs;
+        a failure or the server's time limit ends the call with its status."""
+        try:
+            async with (self._telemetry(request_id, context) as telemetry,
+                        asyncio.timeout(self._config.request_timeout_s)):
+                prepared = await self._prepare(request_id, request, context, telemetry)
+                async for chunk in self._runner.run(prepared, telemetry):
+                    telemetry.on_chunk(chunk)
+                    yield chunk
+        except RequestError as e:
+            await context.abort_with_status(to_status(e))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message())
 
     def _telemetry(self, request_id: str, context: grpc.aio.ServicerContext) -> RequestTelemetry:
         return RequestTelemetry(self._observability.tracing, self._metrics, request_id,
