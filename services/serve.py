@@ -15,8 +15,8 @@ dies, even by SIGKILL (PR_SET_PDEATHSIG), and then drains as on any SIGTERM.
 
 With --tls-auto, serve writes a throwaway CA and one certificate per process and
 every link (the public port too, unless --no-require-client-cert) is mTLS; the
-`client` certificate is for serve's own readiness checks and for the user's calls. Otherwise the --tls-* flags,
-if given, go to every child as they are.
+`client` certificate is for serve's own readiness checks and for the user's calls.
+Otherwise the --tls-* flags, if given, go to every child as they are.
 """
 
 from __future__ import annotations

@@ -28,8 +28,6 @@ from services.coordinator.metrics import CoordinatorCollector
 from services.coordinator.registry import EngineRegistry
 from services.coordinator.server import SERVICE_NAME, CoordinatorServicer
 
-CONFIG_CLASSES = (CoordinatorConfig, SecurityConfig, ObservabilityConfig)
-
 log = logging.getLogger("services.coordinator")
 
 

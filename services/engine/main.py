@@ -20,7 +20,7 @@ import sys
 
 from corestream.coordinator.v1 import coordinator_service_pb2 as coordinator_pb
 
-from services.common.config import add_arguments, from_args
+from services.common.config import from_args
 from services.common.logs import setup_logging
 from services.common.model_info import load_model_info
 from services.common.observability import Observability
@@ -42,8 +42,6 @@ from services.engine.worker.config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
-CONFIG_CLASSES = (EngineConfig, RunnerConfig, DataParallelConfig, SecurityConfig,
-                  ObservabilityConfig)
 STOP_GRACE_S = 2.0
 # Beyond the drain timeout, how long the loop may take to finish its last step.
 JOIN_MARGIN_S = 10.0
@@ -172,10 +170,10 @@ def join_expert_parallel_group(config: EngineConfig, runner_config: RunnerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="corestream engine")
-    for cls in CONFIG_CLASSES:
-        add_arguments(parser, cls)
-    return run(parser.parse_args(argv))
+    # `python -m services.engine.main` takes the flags of `corestream engine`.
+    from services.cli import main as cli_main
+
+    return cli_main(["engine", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

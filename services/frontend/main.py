@@ -20,8 +20,6 @@ from services.frontend.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
-CONFIG_CLASSES = (FrontendConfig, SecurityConfig, ObservabilityConfig)
-
 
 def run(args: argparse.Namespace) -> int:
     config = from_args(FrontendConfig, args)
