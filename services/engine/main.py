@@ -20,7 +20,7 @@ import sys
 
 from corestream.coordinator.v1 import coordinator_service_pb2 as coordinator_pb
 
-from services.common.config import from_args
+from services.common.config import add_arguments, from_args
 from services.common.logs import setup_logging
 from services.common.model_info import load_model_info
 from services.common.observability import Observability
@@ -170,10 +170,13 @@ def join_expert_parallel_group(config: EngineConfig, runner_config: RunnerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    # `python -m services.engine.main` takes the flags of `corestream engine`.
-    from services.cli import main as cli_main
-
-    return cli_main(["engine", *(sys.argv[1:] if argv is None else argv)])
+    # `python -m services.engine.main`: the flags of `corestream engine` (services.cli's
+    # SERVICES lists the same classes; the engine may not import the CLI).
+    parser = argparse.ArgumentParser(prog="corestream engine")
+    for cls in (EngineConfig, RunnerConfig, DataParallelConfig, SecurityConfig,
+                ObservabilityConfig):
+        add_arguments(parser, cls)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
