@@ -64,7 +64,8 @@ def run_engine(model: Path, workload: list[BenchRequest], args: argparse.Namespa
     from services.engine.worker.config import RunnerConfig
     from services.engine.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=args.kv_cache_memory))
+    runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=args.kv_cache_memory,
+                                      device=args.device))
     runner.warmup()
     core = EngineCore(EngineConfig(max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens), runner)
@@ -173,23 +174,29 @@ def run_cluster(model: Path, workload: list[BenchRequest], args: argparse.Namesp
 # ---- the reference: transformers generate in padded batches -----------------------------
 
 
-def run_hf(model: Path, workload: list[BenchRequest], batch_size: int) -> Result:
+def run_hf(model: Path, workload: list[BenchRequest], batch_size: int, device: str) -> Result:
     import torch
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    device = "cuda" if device == "auto" and torch.cuda.is_available() else device
+    device = "cpu" if device == "auto" else device
+    hf = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval().to(device)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
 
     def generate(batch: list[BenchRequest]) -> None:
         width = max(len(r.prompt) for r in batch)
         # Left padding, as generation needs the prompts to end together.
-        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in batch],
+                           device=device)
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch],
+                            device=device)
         new = max(r.max_tokens for r in batch)
         with torch.inference_mode():
             hf.generate(input_ids=ids, attention_mask=mask, do_sample=False,
                         max_new_tokens=new, min_new_tokens=new)
+        if device != "cpu":
+            torch.cuda.synchronize()
 
     generate(warmup_workload()[:4])
     start = time.perf_counter()
@@ -211,6 +218,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="2147483648")
+    parser.add_argument("--device", default="auto",
+                        help="where the engine in process and transformers run (auto: CUDA "
+                        "when present); the cluster always picks its own")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-cluster", action="store_true")
@@ -224,7 +234,7 @@ def main() -> None:
     results: list[Result] = []
     if not args.skip_hf:
         hf_workload = workload[: args.hf_requests] if args.hf_requests else workload
-        results.append(run_hf(model, hf_workload, args.hf_batch_size))
+        results.append(run_hf(model, hf_workload, args.hf_batch_size, args.device))
         print(f"  {results[-1].name}: {results[-1].seconds:.1f}s", flush=True)
     if not args.skip_engine:
         results.append(run_engine(model, workload, args))

@@ -14,9 +14,10 @@ from services.engine.worker.model_runner import ModelRunner
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make_runner(folder: Path, dtype: str = "float32", max_model_len: int = 128) -> ModelRunner:
+def make_runner(folder: Path, dtype: str = "float32", max_model_len: int = 128,
+                device: str = "cpu") -> ModelRunner:
     config = RunnerConfig(
-        model=str(folder), dtype=dtype, device="cpu", block_size=4, kv_cache_memory=4 << 20,
+        model=str(folder), dtype=dtype, device=device, block_size=4, kv_cache_memory=4 << 20,
         max_model_len=max_model_len,
     )
     return ModelRunner(config)
