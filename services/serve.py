@@ -56,6 +56,7 @@ from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
 from services.engine.dp_config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig
+from services.engine.worker.cpu_threads import usable_cpus
 from services.frontend.config import FrontendConfig
 from services.serve_config import SERVE_OWNED, ServeConfig
 
@@ -183,6 +184,11 @@ def plan(
     coordinator_addr = f"{HOST}:{coordinator_port}"
     coordinator = from_args(CoordinatorConfig, args, exclude=SERVE_OWNED)
     runner = from_args(RunnerConfig, args, exclude=SERVE_OWNED)
+    if serve.engines > 1 and runner.num_threads == 0 and runner.device != "cuda":
+        # Engines on one machine share its CPUs: each gets its own share of threads, or
+        # their operators would keep waiting on threads the others displaced.
+        runner = dataclasses.replace(runner,
+                                     num_threads=max(1, usable_cpus() // serve.engines))
     frontend = from_args(FrontendConfig, args, exclude=SERVE_OWNED)
     engine = from_args(EngineConfig, args, exclude=SERVE_OWNED)
     observability = to_argv(from_args(ObservabilityConfig, args, exclude=SERVE_OWNED))

@@ -31,6 +31,11 @@ class RunnerConfig:
         "Longest sequence (prompt + output) in tokens; 0 takes the checkpoint's.", default=0
     )
     seed: int = doc("Seed of the generator that requests without their own seed use.", default=0)
+    num_threads: int = doc(
+        "Threads of the model's CPU operators (torch's intra-op pool); 0 = one per CPU this "
+        "process may use: its CPU affinity, capped by a cgroup CPU quota such as a "
+        "Kubernetes CPU limit. serve --engines N gives each engine its share.", default=0
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -43,6 +48,9 @@ class RunnerConfig:
             KVCacheMemory.parse(self.kv_cache_memory)
         except ValueError as exc:
             raise ValueError(f"kv_cache_memory {exc}") from None
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0 = one per usable CPU), got "
+                             f"{self.num_threads}")
         if self.max_model_len < 0:
             raise ValueError(
                 f"max_model_len must be >= 0 (0 = the checkpoint's), got {self.max_model_len}"

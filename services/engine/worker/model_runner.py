@@ -34,6 +34,7 @@ from services.engine.scheduler.output import (
     SchedulerOutput,
 )
 from services.engine.worker.config import RunnerConfig
+from services.engine.worker.cpu_threads import resolve_num_threads
 from services.engine.worker.kv_cache_memory import available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.profiler import Profiler
@@ -97,6 +98,9 @@ class ModelRunner:
             info = dataclasses.replace(info, max_model_len=config.max_model_len)
         self._model_info = info
         self._device = pick_device(config.device)
+        if self._device.type == "cpu":
+            # The intra-op pool is per process: this sets it for every runner in it.
+            torch.set_num_threads(resolve_num_threads(config.num_threads))
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
         with torch.inference_mode():
             self.model = load_model(path, self._dtype, self._device, info.max_model_len)
@@ -104,8 +108,9 @@ class ModelRunner:
         self.sampler = Sampler(self._device, config.seed)
         self._profiler: Profiler | None = None
         logger.info(
-            "model runner ready: %s on %s (%s), %d KV blocks of %d tokens",
-            info.name, self.device, self.dtype, self.num_blocks, self.block_size,
+            "model runner ready: %s on %s (%s, %d CPU threads), %d KV blocks of %d tokens",
+            info.name, self.device, self.dtype, torch.get_num_threads(), self.num_blocks,
+            self.block_size,
         )
 
     def execute_dummy(self) -> None:

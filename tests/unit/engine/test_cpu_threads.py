@@ -1,0 +1,89 @@
+"""CPU threads of the model's operators: the cgroup quota, the flag, and serve's shares."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.cli import build_parser
+from services.engine.worker.config import RunnerConfig
+from services.engine.worker.cpu_threads import cgroup_cpu_quota, resolve_num_threads, usable_cpus
+
+AFFINITY = len(os.sched_getaffinity(0))
+
+
+def cgroup_v2(root: Path, cpu_max: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cpu.max").write_text(cpu_max + "\n")
+    return root
+
+
+def cgroup_v1(root: Path, quota_us: int, period_us: int = 100000) -> Path:
+    (root / "cpu").mkdir(parents=True)
+    (root / "cpu" / "cpu.cfs_quota_us").write_text(f"{quota_us}\n")
+    (root / "cpu" / "cpu.cfs_period_us").write_text(f"{period_us}\n")
+    return root
+
+
+def test_quota_is_read_from_cgroup_v2_and_v1(tmp_path: Path) -> None:
+    assert cgroup_cpu_quota(cgroup_v2(tmp_path / "a", "max 100000")) is None
+    assert cgroup_cpu_quota(cgroup_v2(tmp_path / "b", "250000 100000")) == 2.5
+    assert cgroup_cpu_quota(cgroup_v1(tmp_path / "c", -1)) is None
+    assert cgroup_cpu_quota(cgroup_v1(tmp_path / "d", 50000, 100000)) == 0.5
+    assert cgroup_cpu_quota(tmp_path / "none") is None
+
+
+def test_usable_cpus_are_the_affinity_capped_by_the_quota(tmp_path: Path) -> None:
+    assert usable_cpus(tmp_path / "none") == AFFINITY
+    # A limit of half a CPU still runs one thread; a fractional limit rounds down.
+    assert usable_cpus(cgroup_v1(tmp_path / "half", 50000)) == 1
+    assert usable_cpus(cgroup_v2(tmp_path / "many", "6400000 100000")) == AFFINITY
+    if AFFINITY >= 2:
+        assert usable_cpus(cgroup_v2(tmp_path / "one-and-a-half", "150000 100000")) == 1
+
+
+def test_flag_is_validated_and_resolved() -> None:
+    with pytest.raises(ValueError, match="num_threads must be >= 0"):
+        RunnerConfig(num_threads=-1)
+    assert resolve_num_threads(3) == 3
+    assert resolve_num_threads(0) == usable_cpus()
+
+
+def test_runner_sets_the_intra_op_pool(tmp_path: Path) -> None:
+    from services.engine.worker.model_runner import ModelRunner
+
+    before = torch.get_num_threads()
+    try:
+        ModelRunner(RunnerConfig(model="", num_threads=1, kv_cache_memory="1MiB",
+                                 max_model_len=64, device="cpu"))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def engine_threads(argv: list[str]) -> list[str | None]:
+    from services.serve import plan
+
+    args = build_parser().parse_args(["serve", *argv])
+    _, children, _, _ = plan(args, "unused-model-path")
+    found = []
+    for child in children:
+        if child.name.startswith("engine-"):
+            flags = child.argv
+            found.append(flags[flags.index("--num-threads") + 1]
+                         if "--num-threads" in flags else None)
+    return found
+
+
+def test_serve_gives_each_engine_its_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("services.serve.usable_cpus", lambda: 8)
+    assert engine_threads([]) == [None]  # one engine: all of them, its own default
+    assert engine_threads(["--engines", "2"]) == ["4", "4"]
+    assert engine_threads(["--engines", "3"]) == ["2", "2", "2"]
+    assert engine_threads(["--engines", "16"]) == ["1"] * 16
+    # An explicit count, or engines on GPUs, are left alone.
+    assert engine_threads(["--engines", "2", "--num-threads", "3"]) == ["3", "3"]
+    assert engine_threads(["--engines", "2", "--device", "cuda"]) == [None, None]
