@@ -1,9 +1,10 @@
 """Choosing between the compiled kernels and the torch implementations.
 
 The entry points (`write_kv_cache`, `paged_attention`) run Triton when their tensors
-are on CUDA and triton can be imported; on CPU, `paged_attention` runs its decodes
-through a C++ kernel built on first use (`kernels.cpu_paged_attention`) and falls back
-to torch, after one warning, if that build fails. Everything else runs torch.
+are on CUDA and triton can be imported; on CPU, `paged_attention` runs its decodes, and
+`rms_norm`, `add_rms_norm`, `silu_and_mul` and `rotate_and_store_kv` run entirely,
+through C++ kernels built on first use (`kernels.cpu_extension`), and fall back to
+torch, after one warning, if that build fails. Everything else runs torch.
 
 `CORESTREAM_KERNELS` (read once, at import) or `set_backend` picks the policy:
 - `auto`: as above;
@@ -55,7 +56,9 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 def use_cpu_kernel(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and _backend != "torch"
+    # is_cpu, not device.type: this runs several times per layer, and building the
+    # device object costs more than the check.
+    return tensor.is_cpu and _backend != "torch"
 
 
 def cpu_kernel_required() -> bool:

@@ -1,6 +1,6 @@
 // Decode attention read straight from the block-paged KV cache, on CPU.
 //
-// Built on first use by kernels/cpu_paged_attention.py (torch.utils.cpp_extension), with
+// Built on first use by kernels/cpu_extension.py (torch.utils.cpp_extension), with
 // -O3 -march=native -fopenmp. There are no intrinsics: the loops over head_dim and over
 // a block's tokens are plain `omp simd` loops that the compiler vectorizes for the build
 // machine, and common head sizes are compile-time constants so those loops unroll fully.
@@ -33,6 +33,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -41,40 +43,8 @@ constexpr int64_t kLanes = 32;
 // Query heads; sizes the per-head softmax state kept on the stack.
 constexpr int64_t kMaxHeads = 256;
 
-inline float to_float(float x) { return x; }
-
-inline float to_float(c10::BFloat16 x) {
-  // bf16 is the top half of an fp32; spelled out so that it vectorizes.
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-// e^x for x <= 0, to about 2e-7 relative error, in a form the compiler vectorizes (libm's
-// expf is a scalar call). x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to
-// degree 6 (truncation error below 1.2e-7), 2^n written straight into the exponent bits.
-// Inputs below -87 return about 1.6e-38 instead of underflowing the exponent field.
-#pragma omp declare simd notinbranch
-inline float exp_nonpositive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693145751953125f;  // ln 2 split so that n * kLn2Hi is exact
-  constexpr float kLn2Lo = 1.428606820309417e-06f;
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * kLog2e);
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using corestream_cpu::exp_approx;
+using corestream_cpu::to_float;
 
 // q . k over dim elements. With dim known at compile time the sum is kept in kLanes
 // independent partial sums: one running sum would make every multiply-add wait on the
@@ -203,7 +173,7 @@ void attend_one(
       float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
       for (int64_t t = 0; t < n; ++t) {
-        sh[t] = exp_nonpositive(sh[t] - new_max);
+        sh[t] = exp_approx(sh[t] - new_max);
         block_sum += sh[t];
       }
       if (new_max > running_max[h]) {
@@ -368,6 +338,7 @@ void paged_decode(
 
 }  // namespace
 
+// The other files of the extension add their ops with TORCH_LIBRARY_FRAGMENT.
 TORCH_LIBRARY(corestream_cpu, m) {
   m.def(
       "paged_decode(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
+import kernels.cpu_extension as cpu_extension
 import kernels.cpu_paged_attention as cpu_module
 from kernels.backend import set_backend
 from kernels.cpu_paged_attention import DecodeFn
@@ -127,25 +129,12 @@ def test_dispatch_matches_torch_path(cpu_kernel: DecodeFn, kernels_backend: None
     torch.testing.assert_close(kernel_out, b.reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture
-def unbuilt(monkeypatch: pytest.MonkeyPatch, kernels_backend: None) -> pytest.MonkeyPatch:
-    """The module as before its first use, with a build that always fails."""
-    monkeypatch.setattr(cpu_module, "_kernel", None)
-    monkeypatch.setattr(cpu_module, "_failed", False)
-
-    def failing_build() -> DecodeFn:
-        raise RuntimeError("Error building extension 'corestream_paged_attention_cpu'")
-
-    monkeypatch.setattr(cpu_module, "_build", failing_build)
-    return monkeypatch
-
-
 def test_failed_build_falls_back_to_torch(
     unbuilt: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     b = decode_batch([5, 30, 12, 1], heads=4, kv_heads=2, head_dim=16, block_size=4)
     set_backend("auto")
-    with caplog.at_level(logging.WARNING, logger=cpu_module.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_extension.__name__):
         first, second = call(b), call(b)
     set_backend("torch")
     torch_out = call(b)
@@ -162,10 +151,10 @@ def test_failed_build_raises_when_kernel_required(unbuilt: pytest.MonkeyPatch) -
 
 
 def test_torch_backend_never_builds(unbuilt: pytest.MonkeyPatch) -> None:
-    def no_build() -> DecodeFn:
+    def no_build() -> Any:
         raise AssertionError("the torch backend must not build the kernel")
 
-    unbuilt.setattr(cpu_module, "_build", no_build)
+    unbuilt.setattr(cpu_extension, "_build", no_build)
     set_backend("torch")
     b = decode_batch([5, 30], heads=4, kv_heads=2, head_dim=16, block_size=4)
     torch.testing.assert_close(call(b), b.reference, atol=1e-5, rtol=1e-5)

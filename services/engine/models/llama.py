@@ -8,6 +8,11 @@ The forward pass takes one flattened batch of every scheduled sequence
 (tokens `[T]`), writes each layer's new keys and values into that layer's cache
 and attends over the cache, so prompts, prompt chunks and decodes share one pass.
 
+The glue between the matmuls comes from `kernels` (one C++ op each on CPU): each
+residual add is deferred into the norm after it (`add_rms_norm`), so layers pass on
+(output, residual stream) pairs; the rotation of q and k and the KV-cache write are one
+call (`rotate_and_store_kv`); gate and up meet in `silu_and_mul`.
+
 NOTE: inside a decoder layer, submodules are called through `.forward`, not
 `__call__`: nn.Module's hook dispatch costs about as much as a small op, and a step
 makes some 70 such calls, which shows in a single-stream decode step.
@@ -18,14 +23,15 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.kv_cache import write_kv_cache
+from kernels.activation import silu_and_mul
 from kernels.paged_attention import paged_attention
+from kernels.rms_norm import add_rms_norm, rms_norm
+from kernels.rotary import rotate_and_store_kv
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
-from services.engine.models.rotary_embedding import RotaryEmbedding, apply_rotary
+from services.engine.models.rotary_embedding import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -35,9 +41,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 and cast back before the scale, as the reference does.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); x and residual may be overwritten."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -74,12 +84,11 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = qk.split_with_sizes([heads, kv_heads], dim=1)
             qk = torch.cat([self.q_norm.forward(q), self.k_norm.forward(k)], dim=1)
-        # q and k heads rotate together: one set of ops per layer instead of two.
-        q, k = apply_rotary(qk, cos, sin).split_with_sizes([heads, kv_heads], dim=1)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # two selects: cheaper than unbind
+        # q and k heads rotate together, and the keys go to the cache in the same pass.
+        qk = rotate_and_store_kv(qk, v, cos, sin, key_cache, value_cache, meta.slot_mapping)
         out = paged_attention(
-            q,
+            qk[:, :heads],
             key_cache,
             value_cache,
             meta.block_tables,
@@ -103,8 +112,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -118,14 +126,25 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, kv_cache, meta)
-        x = x + attn
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it) for the previous
+        layer's pair, or for (embeddings, None) in the first layer.
+
+        Each residual add is deferred into the next norm (`forward_with_residual`), so an
+        add and a norm are one op where the C++ kernels run.
+        """
+        if residual is None:
+            residual, x = x, self.input_layernorm.forward(x)
+        else:
+            x, residual = self.input_layernorm.forward_with_residual(x, residual)
+        x = self.self_attn.forward(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
+        return self.mlp.forward(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -151,10 +170,12 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         cos, sin = self.rotary_emb.cos_sin(positions)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer.forward(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.norm.forward(x)
+        return self.norm.forward_with_residual(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

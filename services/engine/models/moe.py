@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.activation import silu_and_mul
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig, MoEConfig
 from services.engine.models.llama import LlamaForCausalLM, LlamaMLP
@@ -68,8 +69,7 @@ class StackedExperts(nn.Module):
             slots = order[start : start + count]
             start += count
             tokens = slots // top_k
-            gate, up = F.linear(x[tokens], self.w13[local]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[local])
+            y = F.linear(silu_and_mul(F.linear(x[tokens], self.w13[local])), self.w2[local])
             out.index_add_(0, tokens, (y * flat_weights[slots, None]).to(x.dtype))
         return out
 

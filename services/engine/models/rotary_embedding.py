@@ -121,19 +121,11 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[T, 1, head_dim]` (float32) for `positions` `[T]`, laid out for
-        `apply_rotary`: cos is `[cos, cos]` and sin is `[-sin, sin]` over the two halves.
+        `kernels.rotary`: cos is `[cos, cos]` and sin is `[-sin, sin]` over the two halves.
 
-        Built once per step, so that each layer's rotation is a few whole-tensor ops.
+        Built once per step, so that each layer's rotation is one op on CPU (the C++
+        kernel) and a few whole-tensor ops elsewhere.
         """
         cos, sin = self._table(positions.device)[:, positions]
         return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x `[T, heads, head_dim]`, whose first and second halves are the pairs, by
-    cos and sin from `RotaryEmbedding.cos_sin`; computed in float32, as the reference does.
-    """
-    x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
-    # x * cos + rotate_half(x) * sin, with rotate_half's minus sign carried by sin.
-    return (x32 * cos + torch.cat([second, first], dim=-1) * sin).to(x.dtype)

@@ -1,0 +1,132 @@
+"""The model runner's step in process: the C++ CPU kernels against the torch path.
+
+    .venv/bin/python benchmarks/decode_step.py [--rounds 5] [--threads 2]
+
+On the benchmark checkpoint, through `ModelRunner.execute` (no scheduler, no gRPC):
+- decode, batch 1: one sequence after a 128-token prompt, one token per step (latency);
+- decode, batch 128: 128 sequences after 64-token prompts, one token each per step;
+- prefill: one chunk of 2048 prompt tokens.
+Each round runs every workload on both backends (`kernels.backend`: "cpp", then
+"torch") back to back, so that a loaded machine slows both alike; the script prints
+each side's median step and the ratio cpp/torch. Prefills of the decode workloads
+are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# Runnable as a script from anywhere: the repository root is the import root.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+
+import torch  # noqa: E402
+
+from benchmarks.workload import VOCAB, bench_checkpoint  # noqa: E402
+from kernels.backend import set_backend  # noqa: E402
+from services.common.sampling import SamplingParams  # noqa: E402
+from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
+from services.engine.worker.config import RunnerConfig  # noqa: E402
+from services.engine.worker.model_runner import ModelRunner  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+BACKENDS = ("cpp", "torch")
+
+
+class Sequences:
+    """`num_seqs` sequences with random prompts, each with its own blocks for
+    `capacity` tokens; `prefill` then `decode` steps drive them through the runner."""
+
+    def __init__(self, runner: ModelRunner, num_seqs: int, prompt_len: int, capacity: int,
+                 tag: str) -> None:
+        self.runner = runner
+        gen = torch.Generator().manual_seed(0)
+        self.prompts = {
+            f"{tag}{i}": torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist()
+            for i in range(num_seqs)
+        }
+        per_seq = -(-capacity // runner.block_size)
+        self.blocks = {rid: list(range(i * per_seq, (i + 1) * per_seq))
+                       for i, rid in enumerate(self.prompts)}
+        self.outputs: dict[str, list[int]] = {rid: [] for rid in self.prompts}
+
+    def _request(self, rid: str, tokens: list[int], start: int) -> ScheduledRequest:
+        num_blocks = -(-(start + len(tokens)) // self.runner.block_size)
+        return ScheduledRequest(rid, tokens, start, self.blocks[rid][:num_blocks], True, GREEDY,
+                                self.prompts[rid], list(self.outputs[rid]))
+
+    def _run(self, requests: list[ScheduledRequest]) -> None:
+        for rid, token in self.runner.execute(SchedulerOutput(requests)).sampled.items():
+            self.outputs[rid].append(token)
+
+    def prefill(self) -> None:
+        self._run([self._request(rid, p, 0) for rid, p in self.prompts.items()])
+
+    def decode(self) -> None:
+        self._run([self._request(rid, [out[-1]], len(self.prompts[rid]) + len(out) - 1)
+                   for rid, out in self.outputs.items()])
+
+    def finish(self) -> None:
+        self.runner.execute(SchedulerOutput([], finished_request_ids=frozenset(self.prompts)))
+
+
+def decode_times(runner: ModelRunner, num_seqs: int, prompt_len: int, steps: int,
+                 tag: str) -> list[float]:
+    seqs = Sequences(runner, num_seqs, prompt_len, prompt_len + steps + 1, tag)
+    seqs.prefill()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        seqs.decode()
+        times.append(time.perf_counter() - start)
+    seqs.finish()
+    return times
+
+
+def prefill_times(runner: ModelRunner, tokens: int, tag: str) -> list[float]:
+    seqs = Sequences(runner, 1, tokens, tokens, tag)
+    start = time.perf_counter()
+    seqs.prefill()
+    elapsed = time.perf_counter() - start
+    seqs.finish()
+    return [elapsed]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per round")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="the runner's num_threads (0: one per usable CPU)")
+    parser.add_argument("--workloads", default="decode1,decode128,prefill2048")
+    args = parser.parse_args()
+    runner = ModelRunner(RunnerConfig(model=str(bench_checkpoint()), kv_cache_memory=1 << 30,
+                                      max_model_len=2048, num_threads=args.threads))
+    workloads: dict[str, Callable[[str], list[float]]] = {
+        "decode1": lambda tag: decode_times(runner, 1, 128, args.steps, tag),
+        "decode128": lambda tag: decode_times(runner, 128, 64, args.steps, tag),
+        "prefill2048": lambda tag: prefill_times(runner, 2048, tag),
+    }
+    chosen = args.workloads.split(",")
+    samples = {(w, b): [] for w in chosen for b in BACKENDS}
+    for backend in BACKENDS:  # builds the kernels and warms both paths up
+        set_backend(backend)
+        runner.warmup()
+    for r in range(args.rounds):
+        for w in chosen:
+            for backend in BACKENDS:
+                set_backend(backend)
+                samples[w, backend] += workloads[w](f"{w}-{backend}-{r}-")
+    print(f"threads {torch.get_num_threads()}, {args.rounds} rounds")
+    for w in chosen:
+        cpp, ref = (statistics.median(samples[w, b]) * 1000 for b in BACKENDS)
+        print(f"{w:12s} cpp {cpp:8.2f} ms  torch {ref:8.2f} ms  cpp/torch {cpp / ref:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The C++ kernels for CPU (`csrc/*.cpp`), compiled into one extension on first use.
+
+The extension registers its ops under `torch.ops.corestream_cpu`: the decode attention
+(`paged_decode`, see `kernels.cpu_paged_attention`) and the small per-layer ops
+(`rms_norm`, `add_rms_norm`, `silu_and_mul`, `rotary_store_kv`, see `kernels.rms_norm`,
+`kernels.activation` and `kernels.rotary`). It is compiled with torch.utils.cpp_extension
+the first time a CPU op needs it (or on `load()`), never at import, and the build is
+cached on disk under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). If it
+cannot be built (no compiler, no ninja, a compile error) every op runs its torch code;
+the failure is logged once per process, or raised under `CORESTREAM_KERNELS=cpp`
+(`kernels.backend`). Threads come from torch's intra-op pool (`torch.set_num_threads`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.backend import cpu_kernel_required, use_cpu_kernel
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp")
+
+DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes every op of the extension supports; others take the torch path."""
+
+_lock = threading.Lock()
+_ops: Any = None  # torch.ops.corestream_cpu once built
+_failed = False
+
+
+def cpu_ops(tensor: torch.Tensor) -> Any:
+    """`torch.ops.corestream_cpu` if the C++ kernels may run on `tensor` (a CPU tensor,
+    backend not "torch") and the extension builds; else None."""
+    if not use_cpu_kernel(tensor):
+        return None
+    return _ops if _ops is not None else load()
+
+
+def load() -> Any:
+    """Build or load the extension once per process: its op namespace, or None."""
+    global _ops, _failed
+    if _ops is not None or (_failed and not cpu_kernel_required()):
+        return _ops
+    with _lock:
+        if _ops is None and (not _failed or cpu_kernel_required()):
+            try:
+                _ops = _build()
+            except Exception as exc:  # any failure to build means: serve with torch
+                if cpu_kernel_required():
+                    raise
+                _failed = True
+                summary = str(exc).strip().splitlines()
+                logger.warning(
+                    "CPU kernels unavailable, using the torch path: %s",
+                    summary[0] if summary else type(exc).__name__,
+                )
+                logger.debug("CPU kernel build failure", exc_info=True)
+        return _ops
+
+
+def _build() -> Any:
+    from torch.utils import cpp_extension
+
+    start = time.perf_counter()
+    # Loaded as a plain library: its static initializers register the ops.
+    cpp_extension.load(
+        name=_extension_name(),
+        sources=[str(_CSRC / source) for source in _SOURCES],
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        # NOTE: links libgomp.so.1 by soname; torch has already loaded its own copy under
+        # that soname, so the kernels' parallel regions share torch's OpenMP pool.
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+    logger.info("CPU kernels ready in %.1fs", time.perf_counter() - start)
+    return torch.ops.corestream_cpu
+
+
+def _extension_name() -> str:
+    # NOTE: torch keys its on-disk build cache by name, sources and flags, not by CPU, and
+    # -march=native code from one CPU can die with SIGILL on another (a shared home
+    # directory, a copied container layer): the CPU's identity goes into the name. So do
+    # the headers, whose changes torch's cache would not notice.
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = "\n".join(
+            next((line for line in lines if line.startswith(key)), "")
+            for key in ("model name", "flags")
+        )
+    except OSError:
+        cpu = f"{platform.machine()} {platform.processor()}"
+    digest = hashlib.sha256(cpu.encode())
+    for path in sorted(_CSRC.glob("*.[ch]*")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return f"corestream_cpu_{digest.hexdigest()[:12]}"

@@ -1,0 +1,271 @@
+// The small per-layer ops of a decoder on CPU: RMSNorm (alone, and fused with the
+// residual add before it), SiLU-and-mul, and rotary embedding fused with the KV-cache
+// write.
+//
+// In a single-stream decode these ops touch a few KiB each, so what torch spends on them
+// is dispatch: its RMSNorm alone is six ops on CPU (pow, mean, add, rsqrt, mul, cast).
+// Each op here is one call that reads its input once. The arithmetic follows the torch
+// code in kernels/ (itself transformers' order): norms and rotations in float32, and in
+// bfloat16 a rounding to bfloat16 wherever torch would store an intermediate tensor, so
+// results match torch's to the last bit or within one rounding.
+//
+// Rows go to torch's intra-op threads in ranges of at least kGrainElements elements, so
+// a decode's single row never leaves the calling thread.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cpu_math.h"
+
+namespace {
+
+using corestream_cpu::exp_approx;
+using corestream_cpu::from_float;
+using corestream_cpu::round_to;
+using corestream_cpu::to_float;
+
+constexpr int64_t kGrainElements = 16384;
+
+int64_t grain_rows(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
+
+// Calls f with a value of the C++ type of `dtype` (float or c10::BFloat16).
+template <typename F>
+void dispatch_dtype(at::ScalarType dtype, const char* op, F&& f) {
+  if (dtype == at::kFloat) {
+    f(float{});
+  } else if (dtype == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, op, " supports float32 and bfloat16, not ", dtype);
+  }
+}
+
+// out = weight * T(x / rms(x)) over one row of n elements, as transformers' LlamaRMSNorm:
+// the normalized row is cast to T before the scale.
+template <typename T>
+inline void normalize_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) {
+    const float v = to_float(x[d]);
+    sum += v * v;
+  }
+  const float inv_rms = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) {
+    out[d] = from_float<T>(to_float(weight[d]) * round_to<T>(to_float(x[d]) * inv_rms));
+  }
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+  TORCH_CHECK(x.stride(-1) == 1, op, ": the normalized (last) dim must be contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous(),
+              op, ": weight must be a contiguous [", x.size(-1), "], got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight dtype ",
+              weight.scalar_type(), " differs from the input's ", x.scalar_type());
+}
+
+// x: [N, H] or [N, M, H] with any strides but a contiguous last dim (e.g. the q heads of
+// a fused projection); returns a contiguous tensor of the same shape.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "rms_norm: x must be 2-D or 3-D, got ", x.sizes());
+  check_norm_args(x, weight, "rms_norm");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t n = x.size(-1);
+  const int64_t inner = x.dim() == 3 ? x.size(1) : 1;
+  const int64_t outer_stride = x.stride(0);
+  const int64_t inner_stride = x.dim() == 3 ? x.stride(1) : 0;
+  const int64_t rows = x.size(0) * inner;
+  dispatch_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = x.const_data_ptr<T>();
+    const T* w = weight.const_data_ptr<T>();
+    T* dst = out.mutable_data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row = src + (r / inner) * outer_stride + (r % inner) * inner_stride;
+        normalize_row(dst + r * n, row, w, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// In place, both [N, H] with contiguous rows: residual = T(residual + x), then
+// x = rms_norm(residual). The add is rounded to T before the norm reads it, as in
+// transformers, where the residual stream is a tensor of the model's dtype.
+void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                  double eps) {
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(),
+              "add_rms_norm: x and residual must be the same [N, H], got ", x.sizes(), " and ",
+              residual.sizes());
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "add_rms_norm: residual dtype ",
+              residual.scalar_type(), " differs from x's ", x.scalar_type());
+  TORCH_CHECK(residual.stride(-1) == 1, "add_rms_norm: residual rows must be contiguous");
+  check_norm_args(x, weight, "add_rms_norm");
+  const int64_t n = x.size(1);
+  const int64_t x_stride = x.stride(0);
+  const int64_t r_stride = residual.stride(0);
+  dispatch_dtype(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    T* xs = x.mutable_data_ptr<T>();
+    T* rs = residual.mutable_data_ptr<T>();
+    const T* w = weight.const_data_ptr<T>();
+    at::parallel_for(0, x.size(0), grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* xr = xs + r * x_stride;
+        T* rr = rs + r * r_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < n; ++d) rr[d] = from_float<T>(to_float(rr[d]) + to_float(xr[d]));
+        normalize_row(xr, rr, w, n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+// x: [N, 2I], gate then up, contiguous rows; returns [N, I] = silu(gate) * up, with
+// silu's output rounded to T as torch stores it before the product.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be [N, 2 * I], got ", x.sizes());
+  TORCH_CHECK(x.stride(1) == 1, "silu_and_mul: rows must be contiguous");
+  const int64_t half = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), half}, x.options());
+  dispatch_dtype(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = x.const_data_ptr<T>();
+    T* dst = out.mutable_data_ptr<T>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, x.size(0), grain_rows(2 * half), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* gate = src + r * stride;
+        const T* up = gate + half;
+        T* o = dst + r * half;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          const float g = to_float(gate[d]);
+          const float silu = round_to<T>(g / (1.0f + exp_approx(-g)));
+          o[d] = from_float<T>(silu * to_float(up[d]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotates q and k heads in place and stores keys and values in the paged cache.
+// qk: [T, Hq + Hkv, D], q heads then k heads, any token and head strides, contiguous D;
+// value: [T, Hkv, D], likewise. cos, sin: [T, D] float32, contiguous, laid out as
+// kernels/rotary.py builds them: cos = [cos, cos], sin = [-sin, sin] over the two halves,
+// so that x' = x * cos + swap_halves(x) * sin.
+// key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous, qk's dtype;
+// slot_mapping: [T] int64, the cache slot of each token.
+void rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const at::Tensor& cos,
+                     const at::Tensor& sin, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(qk.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4,
+              "rotary_store_kv: qk and value [T, heads, D], caches 4-D");
+  const int64_t tokens = qk.size(0);
+  const int64_t dim = qk.size(2);
+  const int64_t kv_heads = key_cache.size(2);
+  const int64_t q_heads = qk.size(1) - kv_heads;
+  TORCH_CHECK(dim % 2 == 0, "rotary_store_kv: head_dim must be even, got ", dim);
+  TORCH_CHECK(q_heads >= 0 && key_cache.size(3) == dim,
+              "rotary_store_kv: qk ", qk.sizes(), " does not end in the cache's ", kv_heads,
+              " kv heads of size ", key_cache.size(3));
+  TORCH_CHECK(value.size(0) == tokens && value.size(1) == kv_heads && value.size(2) == dim,
+              "rotary_store_kv: value must be [", tokens, ", ", kv_heads, ", ", dim, "], got ",
+              value.sizes());
+  TORCH_CHECK(qk.stride(2) == 1 && value.stride(2) == 1,
+              "rotary_store_kv: head_dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes(),
+              "rotary_store_kv: caches must be contiguous and alike");
+  TORCH_CHECK(qk.scalar_type() == value.scalar_type() &&
+                  key_cache.scalar_type() == qk.scalar_type() &&
+                  value_cache.scalar_type() == qk.scalar_type(),
+              "rotary_store_kv: qk, value and caches must share a dtype");
+  for (const at::Tensor* table : {&cos, &sin}) {
+    TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() &&
+                    table->numel() == tokens * dim,
+                "rotary_store_kv: cos and sin must be contiguous float32 [", tokens, ", ", dim,
+                "]");
+  }
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == tokens,
+              "rotary_store_kv: slot_mapping must be contiguous int64 [", tokens, "]");
+  // Checked before anything is written, so a bad slot leaves qk and the caches as they were.
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "rotary_store_kv: slot_mapping[", t,
+                "] = ", slots[t], " outside the cache's ", num_slots, " slots");
+  }
+  const int64_t half = dim / 2;
+  dispatch_dtype(qk.scalar_type(), "rotary_store_kv", [&](auto tag) {
+    using T = decltype(tag);
+    T* qk_data = qk.mutable_data_ptr<T>();
+    const T* v_data = value.const_data_ptr<T>();
+    T* k_cache = key_cache.mutable_data_ptr<T>();
+    T* v_cache = value_cache.mutable_data_ptr<T>();
+    const float* cos_data = cos.const_data_ptr<float>();
+    const float* sin_data = sin.const_data_ptr<float>();
+    const int64_t row_elements = (q_heads + 2 * kv_heads) * dim;
+    at::parallel_for(0, tokens, grain_rows(row_elements), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t slot = slots[t];
+        const float* c = cos_data + t * dim;
+        const float* s = sin_data + t * dim;
+        T* cached_keys = k_cache + slot * kv_heads * dim;
+        for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
+          T* x = qk_data + t * qk.stride(0) + h * qk.stride(1);
+          // Keys are also stored in the cache; queries only rotate in place.
+          T* key_out = h >= q_heads ? cached_keys + (h - q_heads) * dim : x;
+#pragma omp simd
+          for (int64_t d = 0; d < half; ++d) {
+            const float first = to_float(x[d]);
+            const float second = to_float(x[d + half]);
+            const T new_first = from_float<T>(first * c[d] + second * s[d]);
+            const T new_second = from_float<T>(second * c[d + half] + first * s[d + half]);
+            x[d] = new_first;
+            x[d + half] = new_second;
+            key_out[d] = new_first;
+            key_out[d + half] = new_second;
+          }
+        }
+        T* cached_values = v_cache + slot * kv_heads * dim;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const T* v = v_data + t * value.stride(0) + h * value.stride(1);
+          std::copy(v, v + dim, cached_values + h * dim);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def(
+      "rotary_store_kv(Tensor(a!) qk, Tensor value, Tensor cos, Tensor sin, "
+      "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_store_kv", &rotary_store_kv);
+}
