@@ -83,6 +83,7 @@ class RequestTelemetry:
         self._client_headers = {k: str(metadata[k]) for k in tr.TRACE_HEADERS if k in metadata}
         self._start = time.monotonic()
         self._engine = ""
+        self._itl: Histogram | None = None  # labelled on first use: labels() is not cheap
         self._first_token = 0.0
         self._last_output: dict[int, float] = {}
         self._finish_reasons: dict[int, str] = {}
@@ -173,7 +174,9 @@ class RequestTelemetry:
                 self._metrics.ttft.labels(*labels).observe(now - self._start)
             last = self._last_output.get(chunk.index)
             if last is not None:
-                self._metrics.itl.labels(*labels).observe(now - last)
+                if self._itl is None:
+                    self._itl = self._metrics.itl.labels(*labels)
+                self._itl.observe(now - last)
             self._last_output[chunk.index] = now
         if self._tracing.include_content and chunk.text:
             self._completions.setdefault(chunk.index, []).append(chunk.text)
