@@ -34,7 +34,8 @@ class RunnerConfig:
     num_threads: int = doc(
         "Threads of the model's CPU operators (torch's intra-op pool); 0 = one per CPU this "
         "process may use: its CPU affinity, capped by a cgroup CPU quota such as a "
-        "Kubernetes CPU limit. serve --engines N gives each engine its share.", default=0
+        "Kubernetes CPU limit (or OMP_NUM_THREADS when set). serve --engines N gives each "
+        "engine its share.", default=0
     )
 
     def __post_init__(self) -> None:

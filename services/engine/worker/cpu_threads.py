@@ -43,6 +43,9 @@ def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT) -> float | None:
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
-def resolve_num_threads(requested: int) -> int:
-    """`requested` threads, or with 0 one per usable CPU."""
-    return requested if requested > 0 else usable_cpus()
+def resolve_num_threads(requested: int) -> int | None:
+    """`requested` threads; with 0 one per usable CPU, or None (leave torch's pool as it
+    is) when the operator chose with OMP_NUM_THREADS."""
+    if requested > 0:
+        return requested
+    return None if os.environ.get("OMP_NUM_THREADS") else usable_cpus()

@@ -98,9 +98,10 @@ class ModelRunner:
             info = dataclasses.replace(info, max_model_len=config.max_model_len)
         self._model_info = info
         self._device = pick_device(config.device)
-        if self._device.type == "cpu":
+        num_threads = resolve_num_threads(config.num_threads)
+        if self._device.type == "cpu" and num_threads is not None:
             # The intra-op pool is per process: this sets it for every runner in it.
-            torch.set_num_threads(resolve_num_threads(config.num_threads))
+            torch.set_num_threads(num_threads)
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
         with torch.inference_mode():
             self.model = load_model(path, self._dtype, self._device, info.max_model_len)

@@ -45,11 +45,16 @@ def test_usable_cpus_are_the_affinity_capped_by_the_quota(tmp_path: Path) -> Non
         assert usable_cpus(cgroup_v2(tmp_path / "one-and-a-half", "150000 100000")) == 1
 
 
-def test_flag_is_validated_and_resolved() -> None:
+def test_flag_is_validated_and_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="num_threads must be >= 0"):
         RunnerConfig(num_threads=-1)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert resolve_num_threads(3) == 3
     assert resolve_num_threads(0) == usable_cpus()
+    # The operator's OMP_NUM_THREADS stands unless the flag says otherwise.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert resolve_num_threads(0) is None
+    assert resolve_num_threads(2) == 2
 
 
 def test_runner_sets_the_intra_op_pool(tmp_path: Path) -> None:
