@@ -184,7 +184,8 @@ def plan(
     coordinator_addr = f"{HOST}:{coordinator_port}"
     coordinator = from_args(CoordinatorConfig, args, exclude=SERVE_OWNED)
     runner = from_args(RunnerConfig, args, exclude=SERVE_OWNED)
-    if serve.engines > 1 and runner.num_threads == 0 and runner.device != "cuda":
+    if (serve.engines > 1 and runner.num_threads == 0 and runner.device != "cuda"
+            and not os.environ.get("OMP_NUM_THREADS")):
         # Engines on one machine share its CPUs: each gets its own share of threads, or
         # their operators would keep waiting on threads the others displaced.
         runner = dataclasses.replace(runner,

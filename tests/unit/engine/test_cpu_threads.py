@@ -85,6 +85,7 @@ def engine_threads(argv: list[str]) -> list[str | None]:
 
 def test_serve_gives_each_engine_its_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("services.serve.usable_cpus", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert engine_threads([]) == [None]  # one engine: all of them, its own default
     assert engine_threads(["--engines", "2"]) == ["4", "4"]
     assert engine_threads(["--engines", "3"]) == ["2", "2", "2"]
@@ -92,3 +93,5 @@ def test_serve_gives_each_engine_its_share_of_the_cpus(monkeypatch: pytest.Monke
     # An explicit count, or engines on GPUs, are left alone.
     assert engine_threads(["--engines", "2", "--num-threads", "3"]) == ["3", "3"]
     assert engine_threads(["--engines", "2", "--device", "cuda"]) == [None, None]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's choice, inherited
+    assert engine_threads(["--engines", "2"]) == [None, None]
