@@ -72,6 +72,12 @@ helm: $(HELM)
 helm-golden: $(VENV)/.dev-installed $(HELM)
 	$(PY) -m tests.helm.chart
 
+# llama.cpp (pinned llama-cpp-python sdist) built under benchmarks/.cache/, with the benchmark
+# checkpoint as f32 GGUF: the side-by-side reference of benchmarks/latency.py. Not in `test`.
+.PHONY: llama-cpp
+llama-cpp: $(VENV)/.dev-installed
+	$(PY) benchmarks/llama_cpp.py --build
+
 check: lint check-protos buf
 
 clean:
