@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--device", default="auto", help="where the engine in process runs")
     parser.add_argument("--skip-cluster", action="store_true")
     args = parser.parse_args()
 
