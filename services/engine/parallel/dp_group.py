@@ -51,6 +51,18 @@ class DPGroup:
         self._gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         self._nccl = nccl
 
+    def close(self) -> None:
+        """Wait until every rank is leaving, then close the group's connections.
+
+        NOTE: a rank that simply exits while a peer's gloo threads still hold the
+        connection open sometimes takes that peer down with SIGABRT ("terminate called
+        without an active exception") as its interpreter shuts down; every rank must
+        call this, as with any collective.
+        """
+        self._gloo.barrier().wait()
+        del self._gloo
+        del self._store
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """`[world_size, *tensor.shape]`: every rank's `tensor`, in rank order.
 
@@ -118,8 +130,10 @@ def current_dp_group() -> DPGroup | None:
 
 
 def leave_dp_group() -> None:
-    """Forget the current group (its sockets close with the last reference)."""
+    """Leave the current group in step with the other ranks and close its connections."""
     global _current
+    if _current is not None:
+        _current.close()
     _current = None
 
 

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from services.engine.models.loader import load_model
 from services.engine.models.moe import SparseMoeBlock
-from services.engine.parallel.dp_group import init_dp_group
+from services.engine.parallel.dp_group import init_dp_group, leave_dp_group
 from services.engine.parallel.dummy_batch import dummy_forward
 from tests.integration.cluster import free_port
 from tests.unit.engine.runner_driver import generate, make_runner, random_prompts
@@ -92,6 +92,7 @@ def block_worker(
     else:
         assert one_idle.shape == (0, 64)
     assert both_idle.shape == (0, 64)
+    leave_dp_group()
 
 
 def test_block_on_two_ranks_equals_one_process_even_with_an_idle_rank(
@@ -146,6 +147,7 @@ def model_worker(rank: int, port: int, folder: Path, want: dict[str, list[int]])
         dummy_forward(runner.model, runner.kv_caches)
     assert steps <= STEPS
     assert got == {rid: want[rid] for rid in REQUESTS[rank]}
+    leave_dp_group()
 
 
 def test_model_on_two_ranks_gives_the_single_engine_tokens(checkpoint: Path) -> None:
