@@ -178,8 +178,9 @@ def run_hf(model: Path, workload: list[BenchRequest], batch_size: int, device: s
     import torch
     from transformers import LlamaForCausalLM
 
-    device = "cuda" if device == "auto" and torch.cuda.is_available() else device
-    device = "cpu" if device == "auto" else device
+    from services.engine.worker.model_runner import pick_device
+
+    device = str(pick_device(device))  # the engine's reading of "auto"
     hf = LlamaForCausalLM.from_pretrained(model, dtype=torch.float32).eval().to(device)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0

@@ -56,7 +56,7 @@ from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
 from services.engine.dp_config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig
-from services.engine.worker.cpu_threads import usable_cpus
+from services.engine.worker.cpu_threads import threads_set_by_environment, usable_cpus
 from services.frontend.config import FrontendConfig
 from services.serve_config import SERVE_OWNED, ServeConfig
 
@@ -185,7 +185,7 @@ def plan(
     coordinator = from_args(CoordinatorConfig, args, exclude=SERVE_OWNED)
     runner = from_args(RunnerConfig, args, exclude=SERVE_OWNED)
     if (serve.engines > 1 and runner.num_threads == 0 and runner.device != "cuda"
-            and not os.environ.get("OMP_NUM_THREADS")):
+            and not threads_set_by_environment()):
         # Engines on one machine share its CPUs: each gets its own share of threads, or
         # their operators would keep waiting on threads the others displaced.
         runner = dataclasses.replace(runner,

@@ -43,9 +43,14 @@ def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT) -> float | None:
     return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
+def threads_set_by_environment() -> bool:
+    """Whether the operator chose the thread count with OMP_NUM_THREADS, which then stands."""
+    return bool(os.environ.get("OMP_NUM_THREADS"))
+
+
 def resolve_num_threads(requested: int) -> int | None:
     """`requested` threads; with 0 one per usable CPU, or None (leave torch's pool as it
     is) when the operator chose with OMP_NUM_THREADS."""
     if requested > 0:
         return requested
-    return None if os.environ.get("OMP_NUM_THREADS") else usable_cpus()
+    return None if threads_set_by_environment() else usable_cpus()
