@@ -106,9 +106,32 @@ def load_model(
             f"missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}"
         )
     model.tie_weights()
+    if device.type == "cpu" and dtype == torch.float32:
+        transpose_linear_storage(model)
     logger.info("loaded %s (%s) from %s onto %s as %s", cls.__name__,
                 ", ".join(hf_config.get("architectures", [])), folder, device, dtype)
     return model.eval()
+
+
+def transpose_linear_storage(model: torch.nn.Module) -> None:
+    """Store each float32 `nn.Linear` weight `[out, in]` column-major, i.e. as a
+    contiguous `[in, out]` matrix seen through a transpose.
+
+    NOTE: on CPU, MKL's float32 GEMM is up to 2-3x slower for 8-64 rows when the weight
+    comes transposed, which is how `F.linear` hands over a row-major weight; with this
+    layout it gets an untransposed one. Those row counts are decode batches. The values
+    do not change, and neither does the module's interface. A weight shared with
+    another module (tied embeddings) stays row-major, as the embedding lookup wants.
+    bfloat16 runs through oneDNN, which gains nothing from this.
+    """
+    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
+              for p in m.parameters(recurse=False)}
+    for module in model.modules():
+        weight = module.weight if isinstance(module, torch.nn.Linear) else None
+        if weight is None or id(weight) in shared or weight.dtype != torch.float32:
+            continue
+        module.weight = torch.nn.Parameter(weight.detach().t().contiguous().t(),
+                                           requires_grad=weight.requires_grad)
 
 
 def note_attention_window(config: DecoderConfig, max_model_len: int) -> None:

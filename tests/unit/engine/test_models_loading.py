@@ -148,3 +148,29 @@ def test_rope_frequencies_match_transformers(case: str, head_dim: int) -> None:
     got, got_factor = inverse_frequencies(head_dim, 10000.0, scaling, 128)
     torch.testing.assert_close(got, want.float())
     assert got_factor == pytest.approx(want_factor)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_float32_linear_weights_are_stored_column_major_on_cpu(tied: bool, tmp_path: Path) -> None:
+    hf = make_checkpoint(tmp_path, "llama", tie_word_embeddings=tied)
+    model = make_runner(tmp_path, device="cpu").model
+    linears = {name: m.weight for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    assert "model.layers.0.self_attn.qkv_proj" in linears
+    for name, weight in linears.items():
+        if tied and name == "lm_head":
+            # Shared with the embedding table, whose row lookups want rows.
+            assert weight is model.model.embed_tokens.weight
+            assert weight.is_contiguous()
+        else:
+            assert weight.t().is_contiguous() and not weight.is_contiguous(), name
+    # Same values, only stored the other way round.
+    down = hf.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(linears["model.layers.1.mlp.down_proj"], down)
+
+
+def test_bfloat16_linear_weights_stay_row_major(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
+    model = make_runner(tmp_path, device="cpu", dtype="auto").model
+    assert all(m.weight.is_contiguous() for m in model.modules()
+               if isinstance(m, torch.nn.Linear))
