@@ -3,12 +3,14 @@
 The extension registers its ops under `torch.ops.corestream_cpu`: the decode attention
 (`paged_decode`, see `kernels.cpu_paged_attention`) and the small per-layer ops
 (`rms_norm`, `add_rms_norm`, `silu_and_mul`, `rotary_store_kv`, see `kernels.rms_norm`,
-`kernels.activation` and `kernels.rotary`). It is compiled with torch.utils.cpp_extension
-the first time a CPU op needs it (or on `load()`), never at import, and the build is
-cached on disk under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions). If it
-cannot be built (no compiler, no ninja, a compile error) every op runs its torch code;
-the failure is logged once per process, or raised under `CORESTREAM_KERNELS=cpp`
-(`kernels.backend`). Threads come from torch's intra-op pool (`torch.set_num_threads`).
+`kernels.activation` and `kernels.rotary`), and all of them in a row for every layer of a
+decode-only step (`decode_layers`, see `kernels.decoder_layers`). It is compiled with
+torch.utils.cpp_extension the first time a CPU op needs it (or on `load()`), never at
+import, and the build is cached on disk under TORCH_EXTENSIONS_DIR (default
+~/.cache/torch_extensions). If it cannot be built (no compiler, no ninja, a compile error)
+every op runs its torch code; the failure is logged once per process, or raised under
+`CORESTREAM_KERNELS=cpp` (`kernels.backend`). Threads come from torch's intra-op pool
+(`torch.set_num_threads`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kernels.backend import cpu_kernel_required, use_cpu_kernel
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp")
+_SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "decoder_cpu.cpp")
 
 DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes every op of the extension supports; others take the torch path."""

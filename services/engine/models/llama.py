@@ -13,6 +13,10 @@ residual add is deferred into the norm after it (`add_rms_norm`), so layers pass
 (output, residual stream) pairs; the rotation of q and k and the KV-cache write are one
 call (`rotate_and_store_kv`); gate and up meet in `silu_and_mul`.
 
+On CPU, a step in which every sequence decodes one token skips the Python layers: one C++
+op runs them all (`kernels.decoder_layers`), with the same ops in the same order, so the
+outputs are the same bits; prefills, and mixture-of-experts layers, run the code below.
+
 NOTE: inside a decoder layer, submodules are called through `.forward`, not
 `__call__`: nn.Module's hook dispatch costs about as much as a small op, and a step
 makes some 70 such calls, which shows in a single-stream decode step.
@@ -26,6 +30,7 @@ import torch
 from torch import nn
 
 from kernels.activation import silu_and_mul
+from kernels.decoder_layers import DecodeLayersFn, cpu_decode_layers, flat_weights
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import rotate_and_store_kv
@@ -146,6 +151,28 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.forward_with_residual(x, residual)
         return self.mlp.forward(x), residual
 
+    def decode_tensors(self) -> dict[str, torch.Tensor | None] | None:
+        """This layer's tensors by `kernels.decoder_layers.LAYER_TENSORS` name, for the C++
+        decode path; None if the layer is not a plain Llama-family one (e.g. its MLP is a
+        mixture of experts)."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return None
+        return {
+            "input_norm": self.input_layernorm.weight,
+            "qkv_weight": attn.qkv_proj.weight,
+            "qkv_bias": attn.qkv_proj.bias,
+            "q_norm": attn.q_norm.weight if attn.qk_norm else None,
+            "k_norm": attn.k_norm.weight if attn.qk_norm else None,
+            "o_weight": attn.o_proj.weight,
+            "o_bias": attn.o_proj.bias,
+            "post_norm": self.post_attention_layernorm.weight,
+            "gate_up_weight": mlp.gate_up_proj.weight,
+            "gate_up_bias": mlp.gate_up_proj.bias,
+            "down_weight": mlp.down_proj.weight,
+            "down_bias": mlp.down_proj.bias,
+        }
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
@@ -155,6 +182,8 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._windows = [config.layer_window(i) or 0 for i in range(config.num_hidden_layers)]
+        self._flat_weights: list[torch.Tensor] | None = None
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -170,12 +199,39 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         cos, sin = self.rotary_emb.cos_sin(positions)
-        x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        one_token_each = input_ids.shape[0] == meta.num_seqs
+        if one_token_each and (decode_layers := self._cpu_decode_layers(x)) is not None:
+            attn = self.layers[0].self_attn
+            # The op leaves the residual stream in x and returns the last MLP's output.
+            residual = x
+            x = decode_layers(
+                x, self._flat_weights, kv_caches, cos, sin, meta.slot_mapping,
+                meta.block_tables, meta.seq_lens, attn.num_heads, attn.num_kv_heads,
+                attn.head_dim, attn.scale, self._windows, self.norm.eps,
+            )
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
         if residual is None:  # no layers
             return self.norm.forward(x)
         return self.norm.forward_with_residual(x, residual)[0]
+
+    def _cpu_decode_layers(self, x: torch.Tensor) -> DecodeLayersFn | None:
+        """`kernels.decoder_layers.cpu_decode_layers` for embeddings x of a decode-only
+        step; None where it does not apply, or where the layers are not all plain
+        Llama-family ones."""
+        if self._flat_weights is None:
+            # Gathered on first use, once the loader has put the checkpoint's tensors in
+            # place (and laid them out); nothing replaces them after that.
+            tensors = [layer.decode_tensors() for layer in self.layers]
+            usable = [t for t in tensors if t is not None]
+            self._flat_weights = flat_weights(usable) if len(usable) == len(tensors) else []
+        if not self._flat_weights:
+            return None
+        attn = self.layers[0].self_attn
+        return cpu_decode_layers(x, attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,64 @@
+"""Every decoder layer of a decode-only step as one C++ call on CPU (`csrc/decoder_cpu.cpp`).
+
+A Llama-family layer in a decode step is four small matmuls and five small ops; run from
+Python, the module calls and op dispatch between them cost about as much as the ops of a
+single-stream step. The C++ op runs the same ops in the same order (the Python layers in
+`services.engine.models.llama` are its reference, and give the same bits), and the model
+calls it only where it applies: CPU tensors of a dtype the extension supports, one token
+per sequence, plain Llama-family layers (not mixture-of-experts ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kernels.cpu_extension import DTYPES, cpu_ops
+from kernels.cpu_paged_attention import _MAX_HEAD_DIM, _MAX_HEADS
+
+LAYER_TENSORS = (
+    "input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias",
+    "post_norm", "gate_up_weight", "gate_up_bias", "down_weight", "down_bias",
+)
+"""The tensors each layer hands over, in this order (the C++ op's `Slot`); a bias or norm
+the layer lacks goes as `ABSENT`."""
+
+ABSENT = torch.empty(0)
+
+# decode_layers(hidden, weights, kv_caches, cos, sin, slot_mapping, block_tables, seq_lens,
+#               num_heads, num_kv_heads, head_dim, scale, windows, eps) -> mlp_output
+DecodeLayersFn = Callable[..., torch.Tensor]
+
+
+def cpu_decode_layers(
+    hidden: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> DecodeLayersFn | None:
+    """The C++ `decode_layers` if it applies to a step with these embeddings `[B, hidden]`
+    (B sequences of one token each) and builds; else None.
+
+    It writes the residual stream before the last layer's MLP into `hidden` and returns
+    that MLP's output: the (output, residual) pair of the Python layers.
+    """
+    supported = (
+        hidden.dtype in DTYPES
+        and hidden.dim() == 2
+        and hidden.is_contiguous()
+        and head_dim <= _MAX_HEAD_DIM
+        and num_heads <= _MAX_HEADS
+        and num_heads % num_kv_heads == 0
+    )
+    if not supported:
+        return None
+    ops = cpu_ops(hidden)
+    return None if ops is None else ops.decode_layers
+
+
+def flat_weights(layers: Sequence[dict[str, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """The `weights` argument: each layer's `LAYER_TENSORS` in order, ABSENT for None."""
+    flat = []
+    for tensors in layers:
+        for name in LAYER_TENSORS:
+            tensor = tensors.get(name)
+            flat.append(ABSENT if tensor is None else tensor)
+    return flat

@@ -1,0 +1,126 @@
+"""The C++ decode path (`decode_layers`: every layer of a decode-only step in one call)
+against the Python layers it replaces, on real checkpoints of each dense family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kernels.decoder_layers import LAYER_TENSORS, flat_weights
+from services.common.sampling import SamplingParams
+from services.engine.models.llama import LlamaModel
+from services.engine.scheduler.output import ScheduledRequest
+from services.engine.worker.model_runner import ModelRunner
+from tests.unit.engine.hf_checkpoints import VOCAB, make_checkpoint
+from tests.unit.engine.runner_driver import all_logits, make_runner, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0)
+CPU_DECODE_LAYERS = LlamaModel._cpu_decode_layers
+
+# Each family switches on a different part of the op: plain Llama; Mistral's sliding
+# window (shorter than the contexts below); Qwen2's q/k/v bias and a window in some
+# layers only; Qwen3's per-head q/k norms.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"sliding_window": 12},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1},
+    "qwen3": {},
+}
+
+
+class DecodeCalls:
+    """Counts the steps that went through the C++ op, so that no comparison below can
+    pass by running the Python layers twice."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
+        self.count = 0
+
+        def wrapped(model: LlamaModel, x: torch.Tensor) -> Any:
+            op = CPU_DECODE_LAYERS(model, x) if enabled else None
+            if op is None:
+                return None
+
+            def counted(*args: Any) -> torch.Tensor:
+                self.count += 1
+                return op(*args)
+
+            return counted
+
+        monkeypatch.setattr(LlamaModel, "_cpu_decode_layers", wrapped)
+
+
+def decode_logits(runner: ModelRunner, prompts: dict[str, list[int]], steps: int,
+                  tag: str) -> list[torch.Tensor]:
+    """Logits of a prefill, then of `steps` greedy decode steps of every prompt at once."""
+    per_request = runner.model_info.max_model_len // runner.block_size
+    blocks = {rid: list(range(i * per_request, (i + 1) * per_request))
+              for i, rid in enumerate(prompts)}
+    known = {rid: list(p) for rid, p in prompts.items()}
+
+    def request(rid: str, start: int) -> ScheduledRequest:
+        end = len(known[rid])
+        return ScheduledRequest(f"{tag}{rid}", known[rid][start:], start,
+                                blocks[rid][: -(-end // runner.block_size)], True, GREEDY,
+                                prompts[rid], known[rid][len(prompts[rid]):])
+
+    history = []
+    scheduled = [request(rid, 0) for rid in prompts]
+    for _ in range(steps + 1):
+        logits = all_logits(runner, scheduled)
+        history.append(logits)
+        # Each request's last row predicts its next token.
+        ends = torch.tensor([len(r.token_ids) for r in scheduled]).cumsum(0) - 1
+        for r, token in zip(scheduled, logits[ends].argmax(-1).tolist(), strict=True):
+            known[r.request_id.removeprefix(tag)].append(token)
+        scheduled = [request(rid, len(known[rid]) - 1) for rid in prompts]
+    return history
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decode_layers_give_the_python_layers_bits(
+    cpu_ops: Any, family: str, dtype: torch.dtype, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    make_checkpoint(tmp_path, family, dtype=dtype, **FAMILIES[family])
+    runner = make_runner(tmp_path, dtype="auto")
+    # Contexts of different lengths, past the window, across block boundaries.
+    prompts = random_prompts({"a": 3, "b": 17, "c": 30}, VOCAB)
+    steps = 6
+
+    python = DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, steps, "py-")
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    got = decode_logits(runner, prompts, steps, "cpp-")
+
+    assert python.count == 0
+    assert fused.count == steps  # every decode step, never the prefill
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+
+
+def test_mixture_of_experts_layers_keep_the_python_path(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_checkpoint(tmp_path, "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    runner = make_runner(tmp_path)
+    assert all(layer.decode_tensors() is None for layer in runner.model.model.layers)
+    calls = DecodeCalls(monkeypatch, enabled=True)
+    decode_logits(runner, random_prompts({"a": 5}, VOCAB), 2, "moe-")
+    assert calls.count == 0
+
+
+def test_a_wrong_weight_count_is_refused_with_the_expected_one(cpu_ops: Any) -> None:
+    hidden = torch.zeros(1, 8)
+    one_layer = flat_weights([{"input_norm": torch.ones(8)}])
+    assert len(one_layer) == len(LAYER_TENSORS)
+    cache = torch.zeros(2, 1, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="12 weights per layer for 2 layers, got 12"):
+        cpu_ops.decode_layers(
+            hidden, one_layer, [cache, cache], torch.ones(1, 8), torch.zeros(1, 8),
+            torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), 1, 1, 8, 1.0, [0, 0], 1e-6,
+        )
