@@ -24,7 +24,7 @@ class RunnerConfig:
     block_size: int = doc("Tokens per KV-cache block.", default=16)
     kv_cache_memory: str = doc(
         f"Memory for the KV cache: {EXAMPLES}; a fraction is of the device memory free "
-        "after loading the weights (on CPU: MemAvailable).",
+        "after loading the weights (on CPU: MemAvailable, capped by the memory cgroup's limit).",
         default="256MiB",
     )
     max_model_len: int = doc(

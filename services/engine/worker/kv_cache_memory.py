@@ -2,7 +2,8 @@
 
 `--kv-cache-memory` accepts `268435456`, `256MiB`, `2GiB`, `1.5GB` (bytes), or a
 float in (0, 1] such as `0.5`: that share of the device memory still free once
-the weights are loaded (on CPU, of the host's MemAvailable). A bare integer is
+the weights are loaded (on CPU, of the host's MemAvailable, or of what the process's
+memory cgroup still allows where that is less: a pod's memory limit). A bare integer is
 always bytes, so `1` is one byte and `1.0` is all free memory. No torch here:
 the runner supplies the free-memory probe for its device.
 """
@@ -61,9 +62,53 @@ class KVCacheMemory:
         return int(free_memory() * self.fraction)
 
 
-def available_host_memory(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """MemAvailable in bytes: what the host can still give without swapping."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def available_host_memory(
+    meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path = CGROUP_ROOT
+) -> int:
+    """Bytes this process can still allocate: the host's MemAvailable, capped by the room
+    left under its memory cgroup's limit.
+
+    NOTE: in a container MemAvailable is the node's; a fraction of it can exceed the
+    pod's memory limit many times over, and the kernel's OOM killer ends the engine.
+    """
+    available = None
     for line in meminfo.read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
-    raise RuntimeError(f"no MemAvailable in {meminfo}")
+            available = int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
+    if available is None:
+        raise RuntimeError(f"no MemAvailable in {meminfo}")
+    room = cgroup_memory_room(cgroup_root)
+    return available if room is None else min(available, room)
+
+
+def cgroup_memory_room(cgroup_root: Path = CGROUP_ROOT) -> int | None:
+    """Bytes left under the memory cgroup's limit (v2 `memory.max`, v1
+    `memory.limit_in_bytes`), or None when there is no limit.
+
+    Usage counts like the kernel's working set, which the limit is enforced on after
+    reclaim: the page cache the kernel could drop first (inactive file pages) is free.
+    """
+    v2 = cgroup_root / "memory.max"
+    if v2.is_file():
+        files = (v2, cgroup_root / "memory.current", cgroup_root / "memory.stat")
+        inactive_key = "inactive_file"
+    else:
+        v1 = cgroup_root / "memory"
+        files = (v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes",
+                 v1 / "memory.stat")
+        inactive_key = "total_inactive_file"
+    try:
+        limit_text, usage_text, stat = (f.read_text() for f in files)
+    except OSError:
+        return None
+    limit_text = limit_text.strip()
+    # v1 writes "no limit" as a page-rounded 2^63 - 1.
+    if limit_text == "max" or int(limit_text) >= 1 << 62:
+        return None
+    inactive = next((int(line.split()[1]) for line in stat.splitlines()
+                     if line.split(" ", 1)[0] == inactive_key), 0)
+    working_set = max(0, int(usage_text) - inactive)
+    return max(0, int(limit_text) - working_set)

@@ -71,3 +71,32 @@ def test_host_memory_comes_from_meminfo(tmp_path: Path) -> None:
     meminfo.write_text("MemTotal:       16000 kB\nMemAvailable:    2048 kB\n")
     assert available_host_memory(meminfo) == 2048 * 1024
     assert available_host_memory() > 0
+
+
+def test_host_memory_is_capped_by_the_cgroup_v2_limit(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:  16777216 kB\n")  # 16 GiB on the node
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text(f"{4 << 30}\n")  # a 4 GiB pod limit
+    (cgroup / "memory.current").write_text(f"{(1 << 30) + (256 << 20)}\n")
+    # 256 MiB of the usage is page cache the kernel drops before it kills.
+    (cgroup / "memory.stat").write_text(f"anon {1 << 30}\ninactive_file {256 << 20}\n")
+    assert available_host_memory(meminfo, cgroup) == 3 << 30
+    (cgroup / "memory.max").write_text("max\n")
+    assert available_host_memory(meminfo, cgroup) == 16 << 30
+
+
+def test_host_memory_is_capped_by_the_cgroup_v1_limit(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:  16777216 kB\n")
+    memory = tmp_path / "cgroup" / "memory"
+    memory.mkdir(parents=True)
+    (memory / "memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    (memory / "memory.usage_in_bytes").write_text(f"{3 << 30}\n")  # over: room 0, not < 0
+    (memory / "memory.stat").write_text("total_inactive_file 0\n")
+    assert available_host_memory(meminfo, tmp_path / "cgroup") == 0
+    (memory / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
+    assert available_host_memory(meminfo, tmp_path / "cgroup") == 16 << 30
+    # No cgroup files at all (not Linux cgroups): MemAvailable alone.
+    assert available_host_memory(meminfo, tmp_path / "none") == 16 << 30
