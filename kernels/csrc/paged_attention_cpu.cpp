@@ -1,21 +1,28 @@
 // Decode attention read straight from the block-paged KV cache, on CPU.
 //
 // Built on first use by kernels/cpu_extension.py (torch.utils.cpp_extension), with
-// -O3 -march=native -fopenmp. There are no intrinsics: the loops over head_dim and over
-// a block's tokens are plain `omp simd` loops that the compiler vectorizes for the build
-// machine, and common head sizes are compile-time constants so those loops unroll fully.
+// -O3 -march=native -fopenmp. Two implementations of one work item:
+// - attend_one_avx512 (paged_attention_avx512.h), where the build targets AVX-512 (F,
+//   BW, VL): tiles of 16 tokens, each query head's 16 scores summed in one go
+//   (avx512_math.h), bf16 scores by the CPU's bf16 dot products where it has them, the
+//   next tile prefetched while this one runs. (A dot product per (token, head) that ends
+//   in its own horizontal sum, a serial chain of shuffles and adds per score, held the
+//   portable code to about half the memory bandwidth: benchmarks/decode_attention.py.)
+// - attend_one, portable: plain `omp simd` loops that the compiler vectorizes for the
+//   build machine, common head sizes compile-time constants so those loops unroll fully.
+//   It serves other machines, and head sizes the AVX-512 code has no instance for.
 //
 // One work item is one sequence (or, in small batches, one (sequence, kv head)): each
 // GQA group of query heads shares every K and V row it loads, so each cached token is
 // read from memory exactly once, and in address order within a block. Within an item
-// the softmax is streamed block by block (running max, running sum, rescaled
-// accumulator), so nothing is gathered and the scratch space does not grow with the
-// context. Sequences differ in length, so items are handed out dynamically to torch's
-// intra-op threads rather than in fixed contiguous ranges.
+// the softmax is streamed block by block or tile by tile (running max, running sum,
+// rescaled accumulator), so nothing is gathered and the scratch space does not grow with
+// the context. Sequences differ in length, so items are handed out dynamically to
+// torch's intra-op threads rather than in fixed contiguous ranges.
 //
 // With a sliding window W the query (at position seq_len - 1) sees only the last W
-// cached tokens: the walk starts at the block holding position seq_len - W and skips
-// that block's earlier tokens, so a long context costs no more than W tokens.
+// cached tokens: the walk starts at position seq_len - W, inside its block, so a long
+// context costs no more than W tokens.
 //
 // Registered as the torch op corestream_cpu::paged_decode; the light headers (no
 // torch/extension.h, no pybind11) keep the first-use build short.
@@ -34,17 +41,23 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "paged_attention_avx512.h"
+#include "paged_attention_cpu.h"
 
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
 // Partial sums per dot product: two AVX-512 registers' worth, four AVX2 ones.
 constexpr int64_t kLanes = 32;
-// Query heads; sizes the per-head softmax state kept on the stack.
-constexpr int64_t kMaxHeads = 256;
 
+using corestream_cpu::DecodeShape;
 using corestream_cpu::exp_approx;
+using corestream_cpu::kMaxHeads;
 using corestream_cpu::to_float;
+#ifdef CORESTREAM_AVX512
+using corestream_cpu::paged_avx512::attend_one_avx512;
+namespace vec = corestream_cpu::avx512;
+#endif
 
 // q . k over dim elements. With dim known at compile time the sum is kept in kLanes
 // independent partial sums: one running sum would make every multiply-add wait on the
@@ -96,13 +109,6 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict p,
     }
   }
 }
-
-struct DecodeShape {
-  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  int64_t q_seq_stride, q_head_stride, o_seq_stride, o_head_stride;
-  int64_t window;  // sliding window in tokens; 0 = none
-  float scale;
-};
 
 // Attention of one sequence's query heads for kv heads [kv_begin, kv_end) over its cached
 // tokens. q, out: the first of those query heads, rows q_head_stride / o_head_stride
@@ -203,7 +209,10 @@ void attend_one(
   }
 }
 
-template <typename T, int kDim>
+
+// kAttend is attend_one or attend_one_avx512, instantiated for T; each worker gives it
+// scratch_per_head floats per query head of an item.
+template <typename T, auto kAttend>
 void decode_impl(
     const DecodeShape& s,
     const T* query,
@@ -212,7 +221,8 @@ void decode_impl(
     const T* value_cache,
     const int32_t* block_tables,
     const int32_t* seq_lens,
-    int64_t num_cache_blocks) {
+    int64_t num_cache_blocks,
+    int64_t scratch_per_head) {
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t threads = at::get_num_threads();
   // Whole sequences read each block front to back; with too few sequences to keep every
@@ -221,7 +231,7 @@ void decode_impl(
   const int64_t items_per_seq = s.num_kv_heads / kv_per_item;
   const int64_t num_items = s.num_seqs * items_per_seq;
   const int64_t num_workers = std::min(threads, num_items);
-  const int64_t scratch_floats = kv_per_item * group * (2 * s.head_dim + s.block_size);
+  const int64_t scratch_floats = kv_per_item * group * scratch_per_head;
   std::atomic<int64_t> next_item{0};
 
   // One chunk per worker; each worker then pulls items until none are left, so a
@@ -242,7 +252,7 @@ void decode_impl(
                       "block id ", table[b], " out of range for ", num_cache_blocks, " blocks");
         }
         const int64_t head = kv_begin * group;
-        attend_one<T, kDim>(
+        kAttend(
             s,
             query + seq * s.q_seq_stride + head * s.q_head_stride,
             out + seq * s.o_seq_stride + head * s.o_head_stride,
@@ -267,13 +277,47 @@ void decode_dispatch(const DecodeShape& s, const at::Tensor& out, const at::Tens
   const T* k = key_cache.const_data_ptr<T>();
   const T* v = value_cache.const_data_ptr<T>();
   const int64_t blocks = key_cache.size(0);
+#ifdef CORESTREAM_AVX512
+  // Head sizes up to 128 in steps of 16, and 256; others take the portable code.
+  const int64_t chunks = (s.head_dim + vec::kLanes - 1) / vec::kLanes;
+  const int64_t avx512_scratch = (2 * chunks + 1) * vec::kLanes;
+  switch (chunks) {
+    case 1:
+      return decode_impl<T, attend_one_avx512<T, 1>>(s, q, o, k, v, tables, lens, blocks,
+                                                     avx512_scratch);
+    case 2:
+      return decode_impl<T, attend_one_avx512<T, 2>>(s, q, o, k, v, tables, lens, blocks,
+                                                     avx512_scratch);
+    case 3:
+      return decode_impl<T, attend_one_avx512<T, 3>>(s, q, o, k, v, tables, lens, blocks,
+                                                     avx512_scratch);
+    case 4:
+      return decode_impl<T, attend_one_avx512<T, 4>>(s, q, o, k, v, tables, lens, blocks,
+                                                     avx512_scratch);
+    case 5:
+      return decode_impl<T, attend_one_avx512<T, 5>>(s, q, o, k, v, tables, lens, blocks,
+                                                     avx512_scratch);
+    case 6:
+      return decode_impl<T, attend_one_avx512<T, 6>>(s, q, o, k, v, tables, lens, blocks,
+                                                     avx512_scratch);
+    case 8:
+      return decode_impl<T, attend_one_avx512<T, 8>>(s, q, o, k, v, tables, lens, blocks,
+                                                     avx512_scratch);
+    case 16:
+      return decode_impl<T, attend_one_avx512<T, 16>>(s, q, o, k, v, tables, lens, blocks,
+                                                      avx512_scratch);
+    default:
+      break;
+  }
+#endif
+  const int64_t scratch = 2 * s.head_dim + s.block_size;
   switch (s.head_dim) {
     case 64:
-      return decode_impl<T, 64>(s, q, o, k, v, tables, lens, blocks);
+      return decode_impl<T, attend_one<T, 64>>(s, q, o, k, v, tables, lens, blocks, scratch);
     case 128:
-      return decode_impl<T, 128>(s, q, o, k, v, tables, lens, blocks);
+      return decode_impl<T, attend_one<T, 128>>(s, q, o, k, v, tables, lens, blocks, scratch);
     default:
-      return decode_impl<T, 0>(s, q, o, k, v, tables, lens, blocks);
+      return decode_impl<T, attend_one<T, 0>>(s, q, o, k, v, tables, lens, blocks, scratch);
   }
 }
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import platform
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,3 +168,77 @@ def test_unsupported_dtype_takes_torch_path(unbuilt: pytest.MonkeyPatch) -> None
     b = decode_batch([5, 30], heads=4, kv_heads=2, head_dim=16, block_size=4,
                      dtype=torch.float16)
     assert cpu_module.cpu_decode_kernel(b.query, b.key_cache) is None
+
+
+# Lengths around the kernel's 16-token tiles: one short of a tile, exactly one, one over,
+# two, and a tile boundary inside or across cache blocks.
+TILE_LENGTHS = [15, 16, 17, 1, 31, 32, 33, 50, 7, 64, 100, 47]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 80, 96, 144, 256])
+@pytest.mark.parametrize("kv_heads", [8, 4, 2, 1])
+def test_head_sizes_and_groups_match_dense_reference(
+    cpu_kernel: DecodeFn, threads: None, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    # 8 query heads in groups of 1, 2, 4 and 8; head sizes that fill whole vectors (16,
+    # 256), end in a partial one (80, 96) or take the portable code (144).
+    torch.set_num_threads(2)
+    b = decode_batch(TILE_LENGTHS, heads=8, kv_heads=kv_heads, head_dim=head_dim,
+                     block_size=16, dtype=dtype, fill=float("nan"))
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(run_kernel(cpu_kernel, b).float(), b.reference, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_seqs", [3, 12])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+@pytest.mark.parametrize("window", [0, 9, 16, 40])
+def test_tiles_across_blocks_match_dense_reference(
+    cpu_kernel: DecodeFn, threads: None, block_size: int, window: int, num_seqs: int
+) -> None:
+    # Tiles of 16 tokens straddle blocks of 1 and 5 tokens, fill a 16-token block, and
+    # halve a 32-token one; windows start tiles mid-block. Two threads: 3 sequences split
+    # into one item per kv head, 12 run whole.
+    torch.set_num_threads(2)
+    b = decode_batch(TILE_LENGTHS[:num_seqs], heads=8, kv_heads=2, head_dim=64,
+                     block_size=block_size, fill=float("nan"), sliding_window=window or None)
+    torch.testing.assert_close(run_kernel(cpu_kernel, b), b.reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_heads_per_item_match_dense_reference(
+    cpu_kernel: DecodeFn, threads: None, dtype: torch.dtype
+) -> None:
+    # 32 query heads over 4 kv heads at head_dim 128: a whole-sequence item holds more
+    # heads than one pass of the value accumulation takes.
+    torch.set_num_threads(1)
+    b = decode_batch([70, 5, 33, 16], heads=32, kv_heads=4, head_dim=128, block_size=16,
+                     dtype=dtype)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(run_kernel(cpu_kernel, b).float(), b.reference, atol=tol, rtol=tol)
+
+
+def test_peaked_scores_match_torch_path(cpu_kernel: DecodeFn, kernels_backend: None) -> None:
+    # Queries 30x larger: scores spread over hundreds, so the running max jumps between
+    # tiles and most weights underflow to zero.
+    b = decode_batch([100, 37, 64], heads=8, kv_heads=2, head_dim=64, block_size=16)
+    b.query.mul_(30.0)
+    set_backend("torch")
+    expected = call(b)
+    torch.testing.assert_close(run_kernel(cpu_kernel, b), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 compiler flags")
+@pytest.mark.parametrize("flags", [["-march=x86-64-v3"], ["-mno-avx512bf16"]])
+def test_builds_for_other_cpus_match_dense_reference(
+    cpu_kernel: DecodeFn, flags: list[str]
+) -> None:
+    # The portable loops (an AVX2 build) and AVX-512 without bf16 dot products, which this
+    # machine's own build never runs; each in a child process (cpu_variant_check). The
+    # fixture only skips where there is no compiler.
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.cpu_variant_check", *flags],
+                          cwd=root, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
