@@ -12,9 +12,13 @@ with a second busy process. One thread per CPU that is really this process's avo
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import os
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -54,3 +58,41 @@ def resolve_num_threads(requested: int) -> int | None:
     if requested > 0:
         return requested
     return None if threads_set_by_environment() else usable_cpus()
+
+
+# OpenMP runtimes that torch builds link: GNU's (Linux wheels), LLVM's and Intel's.
+_OPENMP_LIBRARIES = ("libgomp", "libomp", "libiomp5")
+_OMP_PAUSE_SOFT = 1
+
+
+def release_openmp_pool(maps: Path = Path("/proc/self/maps")) -> bool:
+    """Free the calling thread's OpenMP worker threads (OpenMP 5's
+    `omp_pause_resource_all`); whether a runtime was found that did so.
+
+    NOTE: libgomp keeps one pool of workers per thread that has run a parallel region,
+    and once it manages more threads than there are CPUs it spins only ~100 times at a
+    barrier before sleeping. The engine loads and warms its model on one thread and
+    steps it on another (the busy loop), so without this its step's parallel regions
+    ran throttled: on 2 CPUs a decode step made 105 futex sleeps instead of none, and
+    took 4.9 ms instead of 3.9. Any later parallel region on the calling thread simply
+    starts a new pool.
+    """
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return False
+    # Each line: address, perms, offset, device, inode, and the mapped file's path if any.
+    paths = {fields[5] for line in lines
+             if len(fields := line.split(maxsplit=5)) == 6 and fields[5].startswith("/")}
+    for path in sorted(paths):
+        if not Path(path).name.startswith(_OPENMP_LIBRARIES):
+            continue
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        if pause(_OMP_PAUSE_SOFT) == 0:
+            return True
+        logger.debug("%s: omp_pause_resource_all failed", path)
+    return False

@@ -34,7 +34,7 @@ from services.engine.scheduler.output import (
     SchedulerOutput,
 )
 from services.engine.worker.config import RunnerConfig
-from services.engine.worker.cpu_threads import resolve_num_threads
+from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_threads
 from services.engine.worker.kv_cache_memory import available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.profiler import Profiler
@@ -193,7 +193,12 @@ class ModelRunner:
         return available_host_memory()
 
     def warmup(self) -> None:
-        """One small prefill and one decode, so first-request latency excludes lazy setup."""
+        """One small prefill and one decode, so first-request latency excludes lazy setup.
+
+        On CPU it ends by releasing the calling thread's OpenMP workers
+        (`cpu_threads.release_openmp_pool`): the engine loads and warms the model on one
+        thread and then steps it on its busy loop's, and two pools would throttle both.
+        """
         num_tokens = min(8, self.model_info.max_model_len - 1)
         blocks = list(range(-(-(num_tokens + 1) // self.block_size)))
         greedy = SamplingParams(temperature=0.0)
@@ -207,6 +212,8 @@ class ModelRunner:
 
         step(prompt, 0)
         step([0], num_tokens)
+        if self._device.type == "cpu":
+            release_openmp_pool()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:

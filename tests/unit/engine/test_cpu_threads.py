@@ -1,8 +1,10 @@
-"""CPU threads of the model's operators: the cgroup quota, the flag, and serve's shares."""
+"""CPU threads of the model's operators: the cgroup quota, the flag, serve's shares, and
+the OpenMP pool the loading thread leaves behind."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,12 @@ import torch
 
 from services.cli import build_parser
 from services.engine.worker.config import RunnerConfig
-from services.engine.worker.cpu_threads import cgroup_cpu_quota, resolve_num_threads, usable_cpus
+from services.engine.worker.cpu_threads import (
+    cgroup_cpu_quota,
+    release_openmp_pool,
+    resolve_num_threads,
+    usable_cpus,
+)
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -95,3 +102,34 @@ def test_serve_gives_each_engine_its_share_of_the_cpus(monkeypatch: pytest.Monke
     assert engine_threads(["--engines", "2", "--device", "cuda"]) == [None, None]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the operator's choice, inherited
     assert engine_threads(["--engines", "2"]) == [None, None]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_release_openmp_pool_ends_this_threads_workers() -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        release_openmp_pool()  # whatever pool earlier tests left on this thread
+        big = torch.randn(1024, 1024)
+        _ = big @ big  # a parallel region: this thread now keeps 2 OpenMP workers
+        with_pool = _threads()
+        assert release_openmp_pool()
+        # The workers exit on their own schedule after the call returns.
+        deadline = time.monotonic() + 5
+        while _threads() > with_pool - 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _threads() == with_pool - 2
+        _ = big @ big  # and the next parallel region starts a new pool
+        assert _threads() == with_pool
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_release_openmp_pool_without_a_runtime_does_nothing(tmp_path: Path) -> None:
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n7f10-7f20 rw-p 0 0 0\n")
+    assert not release_openmp_pool(maps)
+    assert not release_openmp_pool(tmp_path / "missing")
