@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -281,33 +282,22 @@ void decode_dispatch(const DecodeShape& s, const at::Tensor& out, const at::Tens
   // Head sizes up to 128 in steps of 16, and 256; others take the portable code.
   const int64_t chunks = (s.head_dim + vec::kLanes - 1) / vec::kLanes;
   const int64_t avx512_scratch = (2 * chunks + 1) * vec::kLanes;
+  auto run = [&](auto chunk_count) {
+    constexpr int kChunks = decltype(chunk_count)::value;
+    decode_impl<T, attend_one_avx512<T, kChunks>>(s, q, o, k, v, tables, lens, blocks,
+                                                  avx512_scratch);
+  };
+  using std::integral_constant;
   switch (chunks) {
-    case 1:
-      return decode_impl<T, attend_one_avx512<T, 1>>(s, q, o, k, v, tables, lens, blocks,
-                                                     avx512_scratch);
-    case 2:
-      return decode_impl<T, attend_one_avx512<T, 2>>(s, q, o, k, v, tables, lens, blocks,
-                                                     avx512_scratch);
-    case 3:
-      return decode_impl<T, attend_one_avx512<T, 3>>(s, q, o, k, v, tables, lens, blocks,
-                                                     avx512_scratch);
-    case 4:
-      return decode_impl<T, attend_one_avx512<T, 4>>(s, q, o, k, v, tables, lens, blocks,
-                                                     avx512_scratch);
-    case 5:
-      return decode_impl<T, attend_one_avx512<T, 5>>(s, q, o, k, v, tables, lens, blocks,
-                                                     avx512_scratch);
-    case 6:
-      return decode_impl<T, attend_one_avx512<T, 6>>(s, q, o, k, v, tables, lens, blocks,
-                                                     avx512_scratch);
-    case 8:
-      return decode_impl<T, attend_one_avx512<T, 8>>(s, q, o, k, v, tables, lens, blocks,
-                                                     avx512_scratch);
-    case 16:
-      return decode_impl<T, attend_one_avx512<T, 16>>(s, q, o, k, v, tables, lens, blocks,
-                                                      avx512_scratch);
-    default:
-      break;
+    case 1: return run(integral_constant<int, 1>{});
+    case 2: return run(integral_constant<int, 2>{});
+    case 3: return run(integral_constant<int, 3>{});
+    case 4: return run(integral_constant<int, 4>{});
+    case 5: return run(integral_constant<int, 5>{});
+    case 6: return run(integral_constant<int, 6>{});
+    case 8: return run(integral_constant<int, 8>{});
+    case 16: return run(integral_constant<int, 16>{});
+    default: break;
   }
 #endif
   const int64_t scratch = 2 * s.head_dim + s.block_size;
