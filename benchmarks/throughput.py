@@ -5,7 +5,9 @@
 
 Workload: 128 requests, prompts 16-512 random token ids, outputs 16-256 tokens, greedy,
 ignore_eos, seeded; a warm-up on other prompts first. Prints output and total tokens
-per second for each system and the ratios to transformers.
+per second for each system and the ratios to transformers, and a ceiling no float32
+engine can pass on this machine: the workload's matmul FLOPs (attention left out) over
+the best float32 matmul rate measured here, on 2048-row chunks.
 """
 
 from __future__ import annotations
@@ -171,6 +173,47 @@ def run_cluster(model: Path, workload: list[BenchRequest], args: argparse.Namesp
     return Result("corestream cluster (gRPC)", seconds, generated, prompt_tokens(workload), steps)
 
 
+# ---- the ceiling: the workload's matmuls at this machine's best float32 rate -----------
+
+
+def matmul_ceiling(model: Path, workload: list[BenchRequest], device: str) -> tuple[float, float]:
+    """(best float32 matmul GFLOP/s measured on the model's layer shapes at 2048 rows,
+    the most output tokens/s the workload allows at that rate)."""
+    import json
+
+    import torch
+
+    from services.engine.worker.model_runner import pick_device
+
+    dev = pick_device(device)
+    config = json.loads((model / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
+    shapes = [(hidden, qkv), (config["num_attention_heads"] * head_dim, hidden),
+              (hidden, 2 * inter), (inter, hidden)]
+    layer_macs = sum(k * n for k, n in shapes)
+    rows = 2048
+    inputs = [(torch.randn(rows, k, device=dev), torch.randn(k, n, device=dev))
+              for k, n in shapes]
+    best = float("inf")
+    for _ in range(5):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for a, w in inputs:
+            torch.mm(a, w)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    rate = 2 * rows * layer_macs / best
+    outputs = sum(r.max_tokens for r in workload)
+    tokens = prompt_tokens(workload) + outputs
+    flops = 2 * (tokens * layer_macs * config["num_hidden_layers"]
+                 + outputs * hidden * config["vocab_size"])  # logits of sampled rows only
+    return rate / 1e9, outputs / (flops / rate)
+
+
 # ---- the reference: transformers generate in padded batches -----------------------------
 
 
@@ -249,6 +292,10 @@ def main() -> None:
     for r in results:
         ratio = f"{r.output_tps / reference.output_tps:.1f}x" if reference else "-"
         print(f"{r.name:<44} {r.output_tps:>13.1f} {r.total_tps:>12.1f} {ratio:>9}")
+    gflops, ceiling = matmul_ceiling(model, workload, args.device)
+    ratio = f"{ceiling / reference.output_tps:.1f}x" if reference else "-"
+    print(f"{'ceiling: matmuls alone at ' + f'{gflops:.0f} GFLOP/s':<44} {ceiling:>13.1f} "
+          f"{'':>12} {ratio:>9}")
 
 
 if __name__ == "__main__":
