@@ -1,6 +1,7 @@
 """What the cluster adds to each token: inter-token latency and CPU time per token by process.
 
     .venv/bin/python benchmarks/cluster_cost.py [--requests 5] [--streams 1] [--fixed-logits]
+                                                [--threads]
 
 Runs `corestream serve` on the benchmark checkpoint (or, with --fixed-logits, on a model
 that costs nothing, so that only the serving path is left), sends `--requests` greedy
@@ -54,6 +55,26 @@ def context_switches(pid: int) -> int:
     return total
 
 
+def thread_stats(pid: int) -> dict[str, tuple[float, int, int]]:
+    """{"<name>:<tid>": (CPU seconds, voluntary, involuntary context switches)} of every
+    live thread of a process."""
+    stats = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            status = dict(line.split(":", 1) for line in
+                          (task / "status").read_text().splitlines() if ":" in line)
+        except OSError:
+            continue  # the thread exited meanwhile
+        stats[f"{name}:{task.name}"] = (
+            (int(fields[11]) + int(fields[12])) / _TICKS,
+            int(status["voluntary_ctxt_switches"]),
+            int(status["nonvoluntary_ctxt_switches"]),
+        )
+    return stats
+
+
 def own_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -102,6 +123,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1, help="concurrent streams")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--threads", action="store_true",
+                        help="also the engine's busiest threads: CPU and context switches "
+                        "per token each (a thread that sleeps and wakes per op shows here)")
     parser.add_argument("--fixed-logits", action="store_true",
                         help="a model that costs nothing: only the serving path is left")
     args = parser.parse_args()
@@ -124,6 +148,7 @@ def main() -> None:
             run(stub, prompts[args.requests:], args.streams, 8)  # warm-up
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             switches_before = {name: context_switches(pid) for name, pid in pids.items()}
+            threads_before = thread_stats(pids["engine"])
             client_before, wall_before = own_cpu_seconds(), time.perf_counter()
             gaps = run(stub, prompts[:args.requests], args.streams, args.output_tokens)
             wall = time.perf_counter() - wall_before
@@ -131,6 +156,7 @@ def main() -> None:
             switches = {name: context_switches(pid) - switches_before[name]
                         for name, pid in pids.items()}
             cpu["client"] = own_cpu_seconds() - client_before
+            threads_after = thread_stats(pids["engine"])
     finally:
         cluster.stop()
 
@@ -146,6 +172,15 @@ def main() -> None:
     print("context switches per token: " + ", ".join(
         f"{name} {switches[name] / tokens:.1f}"
         for name in ("engine", "frontend", "coordinator") if name in switches))
+    if args.threads:
+        deltas = {thread: [after - before for after, before in
+                           zip(stats, threads_before.get(thread, (0.0, 0, 0)), strict=True)]
+                  for thread, stats in threads_after.items()}
+        print("engine threads, per token (CPU ms, voluntary / involuntary switches):")
+        for thread, (cpu_s, voluntary, involuntary) in sorted(
+                deltas.items(), key=lambda kv: -kv[1][0])[:6]:
+            print(f"  {thread:<24} {cpu_s / tokens * 1000:6.2f} ms "
+                  f"{voluntary / tokens:6.1f} / {involuntary / tokens:.1f}")
 
 
 if __name__ == "__main__":
