@@ -27,17 +27,18 @@ def _split(full_method: str) -> tuple[str, str]:
 
 
 def _code(context: Any, error: BaseException | None) -> str:
-    if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        return grpc.StatusCode.CANCELLED.name
     code = context.code()
     if isinstance(code, int):  # the asyncio context reports the raw value
         code = _CODES.get(code)
-    if code is None and _cancelled(context):
+    if code is not None:
+        # A code the handler set stands even if its task is cancelled afterwards: the
+        # asyncio context's abort sends the status before it raises, so the client may
+        # already have it when a server stop cancels the handler.
+        return str(code.name)
+    if isinstance(error, asyncio.CancelledError | GeneratorExit) or _cancelled(context):
         # The client went away; a handler that noticed may still have returned normally.
         return grpc.StatusCode.CANCELLED.name
-    if code is None:
-        code = grpc.StatusCode.OK if error is None else grpc.StatusCode.UNKNOWN
-    return str(code.name)
+    return grpc.StatusCode.OK.name if error is None else grpc.StatusCode.UNKNOWN.name
 
 
 def _cancelled(context: Any) -> bool:
