@@ -18,9 +18,9 @@ import math
 import os
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from services.engine.worker.cgroup import CGROUP_ROOT, cgroup_cpu_quota
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+logger = logging.getLogger(__name__)
 
 
 def usable_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:
@@ -30,21 +30,6 @@ def usable_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:
     if quota is not None:
         cpus = min(cpus, max(1, math.floor(quota)))
     return cpus
-
-
-def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT) -> float | None:
-    """The CPU quota in CPUs (a Kubernetes CPU limit), or None when there is none."""
-    v2 = cgroup_root / "cpu.max"  # "max 100000" or "<quota> <period>"
-    if v2.is_file():
-        quota, _, period = v2.read_text().strip().partition(" ")
-        return None if quota == "max" else int(quota) / int(period or 100000)
-    v1 = cgroup_root / "cpu"
-    try:
-        quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
-        period_us = int((v1 / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
-        return None
-    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
 
 
 def threads_set_by_environment() -> bool:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.engine.worker.cgroup import CGROUP_ROOT, cgroup_memory_room
+
 _UNITS = {
     "": 1, "b": 1,
     "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
@@ -62,9 +64,6 @@ class KVCacheMemory:
         return int(free_memory() * self.fraction)
 
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
 def available_host_memory(
     meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path = CGROUP_ROOT
 ) -> int:
@@ -74,41 +73,10 @@ def available_host_memory(
     NOTE: in a container MemAvailable is the node's; a fraction of it can exceed the
     pod's memory limit many times over, and the kernel's OOM killer ends the engine.
     """
-    available = None
-    for line in meminfo.read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
-    if available is None:
+    kib = next((line.split()[1] for line in meminfo.read_text().splitlines()
+                if line.startswith("MemAvailable:")), None)
+    if kib is None:
         raise RuntimeError(f"no MemAvailable in {meminfo}")
+    available = int(kib) * 1024  # the kernel reports kB (KiB)
     room = cgroup_memory_room(cgroup_root)
     return available if room is None else min(available, room)
-
-
-def cgroup_memory_room(cgroup_root: Path = CGROUP_ROOT) -> int | None:
-    """Bytes left under the memory cgroup's limit (v2 `memory.max`, v1
-    `memory.limit_in_bytes`), or None when there is no limit.
-
-    Usage counts like the kernel's working set, which the limit is enforced on after
-    reclaim: the page cache the kernel could drop first (inactive file pages) is free.
-    """
-    v2 = cgroup_root / "memory.max"
-    if v2.is_file():
-        files = (v2, cgroup_root / "memory.current", cgroup_root / "memory.stat")
-        inactive_key = "inactive_file"
-    else:
-        v1 = cgroup_root / "memory"
-        files = (v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes",
-                 v1 / "memory.stat")
-        inactive_key = "total_inactive_file"
-    try:
-        limit_text, usage_text, stat = (f.read_text() for f in files)
-    except OSError:
-        return None
-    limit_text = limit_text.strip()
-    # v1 writes "no limit" as a page-rounded 2^63 - 1.
-    if limit_text == "max" or int(limit_text) >= 1 << 62:
-        return None
-    inactive = next((int(line.split()[1]) for line in stat.splitlines()
-                     if line.split(" ", 1)[0] == inactive_key), 0)
-    working_set = max(0, int(usage_text) - inactive)
-    return max(0, int(limit_text) - working_set)

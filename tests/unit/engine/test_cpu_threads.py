@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from services.cli import build_parser
+from services.engine.worker.cgroup import cgroup_cpu_quota
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import (
-    cgroup_cpu_quota,
     release_openmp_pool,
     resolve_num_threads,
     usable_cpus,
