@@ -37,15 +37,23 @@ DecodeFn = Callable[
 ]
 
 
+def decode_shape_supported(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether `paged_decode` takes attention of this dtype and head layout."""
+    return (
+        dtype in DTYPES
+        and head_dim <= _MAX_HEAD_DIM
+        and num_heads % num_kv_heads == 0
+        and num_heads <= _MAX_HEADS
+    )
+
+
 def cpu_decode_kernel(query: torch.Tensor, key_cache: torch.Tensor) -> DecodeFn | None:
     """The kernel's `paged_decode` if it applies to these tensors and builds, else None."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
     supported = (
-        query.dtype in DTYPES
+        decode_shape_supported(query.dtype, query.shape[1], key_cache.shape[2], query.shape[2])
         and key_cache.dtype == query.dtype
-        and head_dim <= _MAX_HEAD_DIM
-        and num_heads % key_cache.shape[2] == 0
-        and num_heads <= _MAX_HEADS
         and key_cache.is_contiguous()
         and query.stride(-1) == 1
     )

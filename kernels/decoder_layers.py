@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kernels.cpu_extension import DTYPES, cpu_ops
-from kernels.cpu_paged_attention import _MAX_HEAD_DIM, _MAX_HEADS
+from kernels.cpu_extension import cpu_ops
+from kernels.cpu_paged_attention import decode_shape_supported
 
 LAYER_TENSORS = (
     "input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias",
@@ -41,12 +41,9 @@ def cpu_decode_layers(
     that MLP's output: the (output, residual) pair of the Python layers.
     """
     supported = (
-        hidden.dtype in DTYPES
+        decode_shape_supported(hidden.dtype, num_heads, num_kv_heads, head_dim)
         and hidden.dim() == 2
         and hidden.is_contiguous()
-        and head_dim <= _MAX_HEAD_DIM
-        and num_heads <= _MAX_HEADS
-        and num_heads % num_kv_heads == 0
     )
     if not supported:
         return None
