@@ -44,15 +44,8 @@ def cpu_seconds(pid: int) -> float:
 def context_switches(pid: int) -> int:
     """Voluntary and involuntary context switches of every thread of a process so far
     (threads that already exited are not counted)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            for line in (task / "status").read_text().splitlines():
-                if "ctxt_switches:" in line:
-                    total += int(line.split()[1])
-        except OSError:
-            continue  # the thread exited meanwhile
-    return total
+    return sum(voluntary + involuntary for _, voluntary, involuntary in
+               thread_stats(pid).values())
 
 
 def thread_stats(pid: int) -> dict[str, tuple[float, int, int]]:
