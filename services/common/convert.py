@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from corestream.common.v1 import common_pb2
 
+from services.common.constraints import ConstraintKind, OutputConstraint
 from services.common.sampling import SamplingParams
 
 
@@ -36,7 +37,21 @@ def sampling_from_proto(pb: common_pb2.SamplingParams) -> SamplingParams:
         n=pb.n if pb.HasField("n") else d.n,
         logprobs=pb.logprobs if pb.HasField("logprobs") else d.logprobs,
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else d.prompt_logprobs,
+        constraint=constraint_from_proto(pb),
     )
+
+
+def constraint_from_proto(pb: common_pb2.SamplingParams) -> OutputConstraint | None:
+    """The oneof `constraint`; json_object = false constrains nothing."""
+    which = pb.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not pb.json_object):
+        return None
+    kind = ConstraintKind(which)
+    if kind is ConstraintKind.CHOICE:
+        return OutputConstraint(kind, choices=tuple(pb.choice.choices))
+    if kind is ConstraintKind.JSON_OBJECT:
+        return OutputConstraint(kind)
+    return OutputConstraint(kind, spec=getattr(pb, which))
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -64,4 +79,15 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         pb.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         pb.prompt_logprobs = p.prompt_logprobs
+    if p.constraint is not None:
+        _constraint_to_proto(p.constraint, pb)
     return pb
+
+
+def _constraint_to_proto(c: OutputConstraint, pb: common_pb2.SamplingParams) -> None:
+    if c.kind is ConstraintKind.CHOICE:
+        pb.choice.choices.extend(c.choices)
+    elif c.kind is ConstraintKind.JSON_OBJECT:
+        pb.json_object = True
+    else:
+        setattr(pb, c.kind.value, c.spec)

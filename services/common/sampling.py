@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.constraints import OutputConstraint
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -43,6 +45,8 @@ class SamplingParams:
     """Report each generated token's logprob plus this many top alternatives; None: none."""
     prompt_logprobs: int | None = None
     """Report each prompt token's logprob plus this many top alternatives; None: none."""
+    constraint: OutputConstraint | None = None
+    """Structured output: the output follows this constraint; None: free text."""
 
     @property
     def greedy(self) -> bool:

@@ -42,6 +42,17 @@ class EngineConfig:
         "once with RESOURCE_EXHAUSTED (a retry hint goes to the client), so the queue, and "
         "the memory and latency behind it, stay bounded.", default=1024
     )
+    grammar_compile_timeout_s: float = doc(
+        "Seconds an output constraint may take to compile; past it the request fails with "
+        "INVALID_ARGUMENT and no tokens (the others are unaffected).", default=30.0
+    )
+    grammar_compile_workers: int = doc(
+        "Threads that compile output constraints off the busy loop.", default=2
+    )
+    grammar_cache_size: int = doc(
+        "Compiled output constraints kept for reuse (least recently used dropped first).",
+        default=256
+    )
     log_level: str = doc("Log level: debug, info, warning, error.", default="info")
     shutdown_timeout: float = doc(
         "Seconds that in-flight requests get to finish after SIGTERM before they are aborted "
@@ -79,6 +90,14 @@ class EngineConfig:
             )
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not (0 < self.grammar_compile_timeout_s < math.inf):
+            raise ValueError("grammar_compile_timeout_s must be a finite number > 0, "
+                             f"got {self.grammar_compile_timeout_s}")
+        for name, low, high in (("grammar_compile_workers", 1, 64),
+                                ("grammar_cache_size", 1, 1 << 20)):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
         for name in ("shutdown_timeout", "watchdog_timeout"):
             value = getattr(self, name)
             if not (0 <= value < math.inf):

@@ -31,6 +31,7 @@ scheduler alone and lets the Sessions end their streams instead.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import faulthandler
 import json
@@ -55,6 +56,8 @@ from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
 from services.engine.session_router import EngineState, SessionRouter, StepOutputs, UtilityReply
+from services.engine.structured.compiler import Compiled, GrammarCompiler
+from services.engine.structured.step_mask import StepMasks
 from services.engine.watchdog import Watchdog
 from services.engine.wave import WaveState
 
@@ -74,12 +77,26 @@ class InputType(enum.Enum):
     SHUTDOWN = enum.auto()
     UTILITY = enum.auto()
     START_WAVE = enum.auto()
+    GRAMMAR_READY = enum.auto()
 
 
 class PauseMode(enum.Enum):
     ABORT = "abort"
     WAIT = "wait"
     KEEP = "keep"
+
+
+@dataclass(slots=True)
+class _Compiling:
+    """A constrained request whose grammar is compiling: it waits here, outside the
+    scheduler, so it holds back nobody."""
+
+    request: Request
+    future: Future[Compiled]
+    deadline: float
+    """time.monotonic() past which the compile has failed."""
+    started: float
+    """time.time() when it started, for the trace."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +177,10 @@ class EngineCore:
         if config.max_concurrent_batches > 1:
             self._batch_queue = deque()
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-execute")
+        # Structured output: started on the first constrained request.
+        self._grammars: GrammarCompiler | None = None
+        self._masks: StepMasks | None = None
+        self._compiling: dict[str, _Compiling] = {}
 
     # ---- called from other threads ---------------------------------------------
 
@@ -269,21 +290,27 @@ class EngineCore:
             self._stop()
 
     def _process_input_queue(self) -> None:
-        idle = self._state is EngineState.RUNNING and not self._can_step()
+        # Waiting for grammars to compile is idle too, also while draining.
+        idle = ((self._state is EngineState.RUNNING or bool(self._compiling))
+                and not self._can_step())
         if idle and self._watchdog is not None:
             self._watchdog.pause()  # idle is not stuck
         # Waiting on an executing batch is not idle: the watchdog keeps watching.
         block = idle or self._awaiting_batch
         self._awaiting_batch = False
+        # A compile's deadline must end the wait even when no input comes.
+        timeout = self._compile_wait() if block else None
         while True:
             try:
-                kind, payload = self.input_queue.get(block=block)
+                kind, payload = self.input_queue.get(block=block, timeout=timeout)
             except queue.Empty:
-                return
+                break
             if block:
                 self._feed_watchdog()
             block = False
             self._handle_input(kind, payload)
+        if self._compiling:
+            self._expire_compiles()
 
     def _can_step(self) -> bool:
         if self._wave is not None and self._wave.running:
@@ -302,8 +329,10 @@ class EngineCore:
     def _handle_input(self, kind: InputType, payload: Any) -> None:
         if kind is InputType.ADD:
             self._add(payload)
+        elif kind is InputType.GRAMMAR_READY:
+            self._grammar_ready(payload)
         elif kind is InputType.ABORT:
-            self._emit(self.scheduler.abort_requests(payload))
+            self._emit(self._abort_compiles(payload) + self.scheduler.abort_requests(payload))
         elif kind is InputType.UTILITY:
             self._run_utility(payload)
         elif kind is InputType.START_WAVE and self._wave is not None:
@@ -320,12 +349,19 @@ class EngineCore:
         if self._state is not EngineState.RUNNING:
             self._reject([request], UNAVAILABLE, self._not_running_message())
             return
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+        num_waiting = len(self.scheduler.waiting) + len(self._compiling)
+        if num_waiting >= self.config.max_waiting_requests:
             self._reject([request], RESOURCE_EXHAUSTED, (
-                f"{self.name} is overloaded: {len(self.scheduler.waiting)} requests are "
+                f"{self.name} is overloaded: {num_waiting} requests are "
                 f"waiting (max_waiting_requests {self.config.max_waiting_requests}); "
                 "retry later"))
             return
+        if request.sampling.constraint is not None and request.grammar is None:
+            self._start_compile(request)
+            return
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
         try:
             self.scheduler.add_request(request)
             self.observer.on_added(request)
@@ -347,6 +383,7 @@ class EngineCore:
         if out.is_empty:
             time.sleep(0.001)  # work exists but none fits yet; do not spin hot
             return
+        out = self._with_grammar_mask(out)
         self.observer.on_scheduled(out)
         self._update(out, self.runner.execute(out))
 
@@ -359,6 +396,7 @@ class EngineCore:
         if len(batches) < self.config.max_concurrent_batches:
             out = self.scheduler.schedule()
             if not out.is_empty:
+                out = self._with_grammar_mask(out)
                 self.observer.on_scheduled(out)
                 future = self._executor.submit(self.runner.execute, out)
                 future.add_done_callback(lambda _: self.wakeup())
@@ -386,11 +424,110 @@ class EngineCore:
             self.runner.execute_dummy()
         else:
             assert out is not None
+            out = self._with_grammar_mask(out)
             self.observer.on_scheduled(out)
             self._update(out, self.runner.execute(out))
         if wave.stepped(dummy) and wave.agreed(
                 self.runner.any_rank_has_work(self.scheduler.has_work())):
             logger.info("%s: wave %d ended; idle until new work", self.name, wave.wave - 1)
+
+    # ---- structured output (on the loop thread) ---------------------------------
+
+    def _start_compile(self, request: Request) -> None:
+        constraint = request.sampling.constraint
+        assert constraint is not None
+        rid = request.request_id
+        if rid in self._compiling or rid in self.scheduler.requests:
+            self._reject([request], INVALID_ARGUMENT, f"request id {rid!r} is already in use")
+            return
+        try:
+            # Fail what can never run now, not after its compile.
+            self.scheduler.check_admissible(request)
+        except RequestRejected as exc:
+            self._reject([request], INVALID_ARGUMENT, str(exc))
+            return
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.runner.model_info,
+                                             self.config.grammar_compile_workers,
+                                             self.config.grammar_cache_size)
+        future = self._grammars.compile(constraint)
+        self._compiling[rid] = _Compiling(
+            request, future, time.monotonic() + self.config.grammar_compile_timeout_s,
+            time.time())
+        # The loop may be blocked on input: the result comes to it as an input item.
+        future.add_done_callback(
+            lambda _: self.input_queue.put((InputType.GRAMMAR_READY, rid)))
+
+    def _grammar_ready(self, request_id: str) -> None:
+        pending = self._compiling.pop(request_id, None)
+        if pending is None:
+            return  # aborted or timed out meanwhile
+        request = pending.request
+        try:
+            compiled = pending.future.result()
+        except Exception as exc:
+            self._reject([request], INVALID_ARGUMENT, str(exc))
+            return
+        request.grammar = compiled.grammar
+        request.grammar_compile = (pending.started, time.time())
+        self.observer.on_grammar_compiled(compiled.seconds, compiled.cached)
+        # Added even while draining: it was accepted before the drain began.
+        self._enqueue(request)
+
+    def _compile_wait(self) -> float | None:
+        if not self._compiling:
+            return None
+        first = min(p.deadline for p in self._compiling.values())
+        if self._state is EngineState.DRAINING:
+            first = min(first, self._drain_deadline)
+        return max(first - time.monotonic(), 0.0)
+
+    def _expire_compiles(self) -> None:
+        now = time.monotonic()
+        expired = [p for p in self._compiling.values() if p.deadline <= now]
+        for pending in expired:
+            del self._compiling[pending.request.request_id]
+            pending.future.cancel()
+            constraint = pending.request.sampling.constraint
+            assert constraint is not None
+            self._reject([pending.request], INVALID_ARGUMENT, (
+                f"{constraint.field}: compiling it took longer than this engine's "
+                f"grammar_compile_timeout_s ({self.config.grammar_compile_timeout_s:g} s); "
+                "simplify the constraint"))
+
+    def _abort_compiles(self, request_ids: Iterable[str]) -> list[RequestUpdate]:
+        updates = []
+        for rid in request_ids:
+            pending = self._compiling.pop(rid, None)
+            if pending is not None:
+                pending.future.cancel()
+                updates.append(RequestUpdate(rid, pending.request.session_id,
+                                             finish_reason=FinishReason.ABORT))
+        return updates
+
+    def _finish_compiles(self, reason: FinishReason, error_code: int = 0,
+                         error_message: str = "") -> list[RequestUpdate]:
+        pending, self._compiling = list(self._compiling.values()), {}
+        for p in pending:
+            p.future.cancel()
+        return [RequestUpdate(p.request.request_id, p.request.session_id,
+                              finish_reason=reason, error_code=error_code,
+                              error_message=error_message) for p in pending]
+
+    def _with_grammar_mask(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Start building the token mask of `out`'s constrained rows (it is built while
+        the model runs; the runner waits for it before sampling)."""
+        if self._grammars is None:
+            return out  # no constrained request has ever come: nothing to look at
+        requests = self.scheduler.requests
+        if not any(requests[sr.request_id].grammar is not None
+                   for sr in out.requests if sr.sample):
+            return out
+        if self._masks is None:
+            self._masks = StepMasks(self._grammars.vocab_size,
+                                    on_mask=self.observer.on_grammar_mask)
+        mask = self._masks.start(out, lambda rid: requests[rid].grammar)
+        return dataclasses.replace(out, grammar_mask=mask)
 
     def _update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         # Aborts that arrived while the batch executed go out before its outputs.
@@ -472,7 +609,8 @@ class EngineCore:
             raise ValueError(f"unknown pause mode {raw!r} (choose {choices})") from None
         num_aborted = 0
         if mode is PauseMode.ABORT:
-            aborted = self.scheduler.finish_all(FinishReason.ABORT)
+            aborted = (self._finish_compiles(FinishReason.ABORT)
+                       + self.scheduler.finish_all(FinishReason.ABORT))
             num_aborted = len(aborted)
             self._emit(aborted)
         self._pause_mode = mode
@@ -503,9 +641,11 @@ class EngineCore:
         updates: list[RequestUpdate] = []
         while True:
             try:
-                updates += self.scheduler.abort_requests(self.aborts_queue.get_nowait())
+                request_ids = self.aborts_queue.get_nowait()
             except queue.Empty:
                 return updates
+            updates += self._abort_compiles(request_ids)
+            updates += self.scheduler.abort_requests(request_ids)
 
     def _publish_stats(self) -> None:
         self._stats = self.scheduler.stats()
@@ -513,7 +653,7 @@ class EngineCore:
     def _drain_over(self) -> bool:
         # A rank must not leave a running wave: the others' collectives need it.
         in_wave = self._wave is not None and self._wave.running
-        return ((not self.scheduler.has_work() and not in_wave)
+        return ((not self.scheduler.has_work() and not in_wave and not self._compiling)
                 or time.monotonic() >= self._drain_deadline)
 
     # ---- endings ---------------------------------------------------------------
@@ -524,9 +664,13 @@ class EngineCore:
         self._wait_for_batches()
         if self._batch_queue is not None:
             self._executor.shutdown(wait=False)
-        unfinished = self.scheduler.finish_all(
-            FinishReason.ERROR, UNAVAILABLE,
-            f"{self.name} is shutting down; the request did not finish within the drain timeout")
+        for pool in (self._grammars, self._masks):
+            if pool is not None:
+                pool.close()
+        message = (f"{self.name} is shutting down; the request did not finish within the "
+                   "drain timeout")
+        unfinished = (self._finish_compiles(FinishReason.ERROR, UNAVAILABLE, message)
+                      + self.scheduler.finish_all(FinishReason.ERROR, UNAVAILABLE, message))
         if unfinished:
             logger.warning("%s: aborted %d requests left after draining", self.name,
                            len(unfinished))
@@ -559,7 +703,8 @@ class EngineCore:
         logger.critical("%s is dead: %s\n%s", self.name, reason, self._describe_scheduler())
         if fail_requests:
             try:
-                self._emit(self.scheduler.finish_all(FinishReason.ERROR, UNAVAILABLE, message))
+                self._emit(self._finish_compiles(FinishReason.ERROR, UNAVAILABLE, message)
+                           + self.scheduler.finish_all(FinishReason.ERROR, UNAVAILABLE, message))
             except Exception:
                 logger.exception("could not fail the requests of a dead engine")
         self._reject_pending_adds(message)

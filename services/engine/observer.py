@@ -22,3 +22,10 @@ class EngineObserver:
 
     def on_updates(self, updates: Sequence[RequestUpdate]) -> None:
         """Outputs are going to the Sessions: new tokens, endings, rejections."""
+
+    def on_grammar_compiled(self, seconds: float, cached: bool) -> None:
+        """A request's output constraint compiled in `seconds` (or came from the cache)."""
+
+    def on_grammar_mask(self, seconds: float, rows: int) -> None:
+        """A step's token bitmask of `rows` constrained requests took `seconds` (called
+        on the mask thread)."""

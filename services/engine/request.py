@@ -11,6 +11,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.common.sampling import SamplingParams
 from services.engine.scheduler.output import PositionLogprobs
@@ -30,6 +31,21 @@ class FinishReason(enum.IntEnum):
     STOP_TOKEN = 3
     ABORT = 5
     ERROR = 6
+    STOP = 7
+    """The output constraint is complete."""
+
+
+class TokenGrammar(Protocol):
+    """A constrained request's grammar state (structured/grammar.py), as the
+    scheduler uses it: advanced by each sampled token."""
+
+    def accept(self, token: int) -> bool: ...
+
+    @property
+    def is_stopped(self) -> bool: ...
+
+    @property
+    def error(self) -> str: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -65,6 +81,11 @@ class Request:
     they stay valid across preemptions."""
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
     """Gathered over the prefill chunks until the first output carries them."""
+    grammar: TokenGrammar | None = None
+    """The compiled output constraint, set before the scheduler sees the request; it
+    has consumed every output token (a preemption keeps it: the tokens stay)."""
+    grammar_compile: tuple[float, float] | None = None
+    """Wall-clock start and end of the constraint's compile, for the trace."""
 
     @property
     def num_prompt_tokens(self) -> int:

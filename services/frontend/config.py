@@ -81,6 +81,10 @@ class FrontendConfig:
     max_stop_string_length: int = doc(
         "Longest sampling.stop string accepted, in characters.", default=MAX_STOP_STRING_CHARS
     )
+    max_constraint_chars: int = doc(
+        "Largest output constraint accepted (sampling.json_schema, regex, grammar, or the "
+        "choices together), in characters.", default=64 * 1024
+    )
     max_concurrent_streams: int = doc(
         "Most concurrent calls on one client connection (HTTP/2 streams). A gRPC client "
         "queues calls beyond it once it has the server's settings; calls it opens before "
@@ -114,6 +118,7 @@ class FrontendConfig:
         for name, low, high in (("max_tokens_limit", 0, 1 << 30), ("max_n", 1, 1024),
                                 ("max_stop_strings", 0, 1024),
                                 ("max_stop_string_length", 1, 1 << 16),
+                                ("max_constraint_chars", 1, 1 << 24),
                                 ("max_concurrent_streams", 1, 1 << 16)):
             value = getattr(self, name)
             if not low <= value <= high:

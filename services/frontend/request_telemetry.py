@@ -46,6 +46,7 @@ _FINISHED_REASON = {
     common_pb2.FINISH_REASON_EOS_TOKEN: "stop",
     common_pb2.FINISH_REASON_STOP_TOKEN: "stop",
     common_pb2.FINISH_REASON_STOP_STRING: "stop",
+    common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
 _LABELS = ("model_name", "engine")

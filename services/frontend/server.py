@@ -39,6 +39,7 @@ from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend import admin
 from services.frontend.balancer import Balancer
 from services.frontend.config import FrontendConfig
+from services.frontend.constraint_check import ConstraintChecker
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError, invalid_argument, to_status
 from services.frontend.load_watcher import LoadWatcher
@@ -88,6 +89,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             max_n=config.max_n, max_stop_strings=config.max_stop_strings,
             max_stop_string_chars=config.max_stop_string_length,
             max_tokens=config.max_tokens_limit)
+        self._constraints = ConstraintChecker(tokenizer, model, config.max_constraint_chars)
         self.draining = False
 
     @property
@@ -208,6 +210,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         """Validate (cheap checks first), tokenize and apply the length limits."""
         with telemetry.phase("validate"):
             sampling, token_ids = self._validate(request_id, request)
+            if sampling.constraint is not None:
+                await self._constraints.check(sampling.constraint)
         text = request.text if token_ids is None else None
         with telemetry.phase("tokenize"):
             if token_ids is None:

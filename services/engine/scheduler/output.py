@@ -12,7 +12,9 @@ this module is shared by plain-Python code.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.sampling import SamplingParams
 
@@ -45,10 +47,24 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarMask:
+    """The allowed next tokens of a step's constrained sampled requests, being built
+    on the mask thread (structured/step_mask.py) while the model runs."""
+
+    request_ids: tuple[str, ...]
+    """The requests in row order."""
+    bitmask: Future[Any]
+    """An int32 numpy array [len(request_ids), ceil(vocab / 32)]: bit t % 32 of word
+    t // 32 set means token t is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     requests: Sequence[ScheduledRequest]
     finished_request_ids: frozenset[str] = field(default_factory=frozenset)
     """Requests that ended since the last step; the runner drops any state it keeps."""
+    grammar_mask: GrammarMask | None = None
+    """Set by the engine core when any sampled request has an output constraint."""
 
     @property
     def num_tokens(self) -> int:

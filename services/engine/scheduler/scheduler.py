@@ -37,6 +37,10 @@ from services.engine.scheduler.policy import make_request_queue
 logger = logging.getLogger(__name__)
 
 
+# google.rpc.Code of a request the engine failed.
+INTERNAL = 13
+
+
 class RequestRejected(ValueError):
     """The request can never run on this engine (an INVALID_ARGUMENT for the client)."""
 
@@ -83,12 +87,13 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or raise RequestRejected naming the limit it breaks."""
-        self._check_admissible(request)
+        self.check_admissible(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def _check_admissible(self, request: Request) -> None:
+    def check_admissible(self, request: Request) -> None:
+        """RequestRejected naming the limit the request breaks, if it can never run."""
         n_prompt = request.num_prompt_tokens
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
@@ -280,6 +285,17 @@ class Scheduler:
                 prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
             logprobs = result.logprobs.get(sr.request_id)
             req.output_token_ids.append(token)
+            if req.grammar is not None and not req.grammar.accept(token):
+                # The mask allows only what the grammar accepts: this is a bug, and it
+                # must fail only this request.
+                self.running.remove(req)
+                self._finish(req, FinishReason.ERROR)
+                updates.append(RequestUpdate(
+                    req.request_id, req.session_id, finish_reason=FinishReason.ERROR,
+                    error_code=INTERNAL,
+                    error_message=f"the output constraint rejected sampled token {token}: "
+                                  f"{req.grammar.error}"))
+                continue
             reason = self._stop_reason(req, token)
             if reason is not None:
                 if reason is FinishReason.STOP_TOKEN:
@@ -296,6 +312,10 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling
+        # A complete constraint ends the request whatever else allows it to go on
+        # (ignore_eos, min_tokens): nothing more would be valid.
+        if req.grammar is not None and req.grammar.is_stopped:
+            return FinishReason.STOP
         # The sampler masks EOS and stop tokens until min_tokens exist; this only
         # guards against a runner that does not.
         if req.num_output_tokens > sp.min_tokens:

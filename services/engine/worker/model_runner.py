@@ -28,6 +28,7 @@ from services.engine.models.loader import load_model, torch_dtype
 from services.engine.parallel.dp_group import current_dp_group
 from services.engine.parallel.dummy_batch import dummy_forward
 from services.engine.scheduler.output import (
+    GrammarMask,
     PositionLogprobs,
     RunnerOutput,
     ScheduledRequest,
@@ -38,7 +39,7 @@ from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_
 from services.engine.worker.kv_cache_memory import available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.profiler import Profiler
-from services.engine.worker.sampler import Sampler
+from services.engine.worker.sampler import Sampler, TokenMask
 
 logger = logging.getLogger(__name__)
 
@@ -227,13 +228,26 @@ class ModelRunner:
         if not batch.sampled:
             return result
         logits = self.model.compute_logits(hidden[batch.sample_rows])
-        token_tensor = self.sampler(logits, batch.sampled)
+        mask = self._token_mask(out.grammar_mask, batch.sampled)
+        token_tensor = self.sampler(logits, batch.sampled, mask)
         tokens = token_tensor.tolist()
         result.sampled.update(
             (r.request_id, t) for r, t in zip(batch.sampled, tokens, strict=True)
         )
         result.logprobs.update(self._sampled_logprobs(logits, token_tensor, batch.sampled))
         return result
+
+    def _token_mask(self, grammar_mask: GrammarMask | None,
+                    sampled: list[ScheduledRequest]) -> TokenMask | None:
+        """The step's grammar bitmask (waited for only now: it was built while the model
+        ran) on the logits' device, addressed by sampled row."""
+        if grammar_mask is None:
+            return None
+        bitmask = grammar_mask.bitmask.result()
+        row_of = {r.request_id: i for i, r in enumerate(sampled)}
+        rows = [row_of[rid] for rid in grammar_mask.request_ids]
+        return TokenMask(self._to_device(np.array(rows, dtype=np.int64)),
+                         self._to_device(bitmask))
 
     def _sampled_logprobs(
         self, logits: torch.Tensor, tokens: torch.Tensor, requests: list[ScheduledRequest]

@@ -2,9 +2,12 @@
 
 Order, per row: logit bias, repetition penalty (prompt + output, HF's rule),
 presence and frequency penalties (output only), min_tokens masking of EOS and stop
-ids, then temperature, min_p, top_k and top_p, then a draw. Greedy rows take the
-argmax after the logit processors; if every row is greedy and none has a processor,
-the whole batch is one argmax.
+ids, then the output constraint's token mask, then temperature, min_p, top_k and
+top_p, then a draw. The mask comes after the processors, so it always wins: a
+constrained row whose processors left no allowed token (min_tokens against a
+grammar that must end) falls back to the mask alone. Greedy rows take the argmax
+after the logit processors; if every row is greedy and none has a processor or a
+mask, the whole batch is one argmax.
 
 Draws use the exponential race (argmax of p / q with q ~ Exp(1)), which samples
 from p exactly without `multinomial`'s host sync. A request with a seed draws its q
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -48,16 +52,22 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> torch.Tensor:
-        """Next token ids `[N]` (int64, on device) for float32 logits `[N, vocab]`."""
+    def __call__(self, logits: torch.Tensor, requests: Sequence[ScheduledRequest],
+                 mask: TokenMask | None = None) -> torch.Tensor:
+        """Next token ids `[N]` (int64, on device) for float32 logits `[N, vocab]`;
+        `mask` restricts the rows of constrained requests."""
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
         # One lazy pass decides the common case, an all-greedy batch without processors.
-        if all(r.sampling.greedy and not has_logit_processors(r) for r in requests):
+        if mask is None and all(
+                r.sampling.greedy and not has_logit_processors(r) for r in requests):
             return logits.argmax(dim=-1)
         params = [r.sampling for r in requests]
-        if any(has_logit_processors(r) for r in requests):
+        raw = logits
+        if mask is not None or any(has_logit_processors(r) for r in requests):
             logits = logits.clone()
             _apply_logit_processors(logits, requests)
+        if mask is not None:
+            _apply_mask(logits, raw, mask)
         greedy_tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
@@ -82,6 +92,38 @@ class Sampler:
                 gen.manual_seed(step_seed(seed, len(request.output_token_ids)))
                 q[i].exponential_(generator=gen)
         return (probs / q).argmax(dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenMask:
+    """Allowed tokens of some rows: `bitmask[i]` (int32 words, bit t % 32 of word t // 32)
+    restricts row `rows[i]` of the logits. Both on the logits' device."""
+
+    rows: torch.Tensor
+    bitmask: torch.Tensor
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The packed bitmask `[R, W]` unpacked to booleans `[R, vocab]` on its device."""
+    shifts = _BIT_SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[bitmask.device] = torch.arange(
+            32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def _apply_mask(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask) -> None:
+    """Disallowed tokens to -inf in place; a row left with none takes the raw logits
+    under the mask (the grammar wins over the processors). No host sync."""
+    allowed = allowed_tokens(mask.bitmask, logits.shape[1])
+    masked = logits[mask.rows].masked_fill_(~allowed, float("-inf"))
+    empty = masked.amax(dim=-1, keepdim=True) == float("-inf")
+    fallback = raw[mask.rows].masked_fill_(~allowed, float("-inf"))
+    logits[mask.rows] = torch.where(empty, fallback, masked)
 
 
 def _apply_logit_processors(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:

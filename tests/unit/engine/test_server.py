@@ -92,9 +92,15 @@ def tokens(outputs: list[pb.RequestOutput]) -> list[int]:
 @pytest.mark.timeout(60)
 def test_two_requests_stream_batched_outputs(channel: grpc.Channel) -> None:
     client = SessionClient(channel)
+    # Paused ("keep") while both arrive, so that they start in the same step however
+    # late the second add reaches the loop (on a loaded machine "a" could finish first).
+    client.send(pb.SessionRequest(utility=pb.UtilityCall(
+        call_id=1, method="pause", args_json='{"mode": "keep"}')))
     client.add("a", [1, 5, 9, 12], max_tokens=8)
     client.add("b", [1, 7, 3], max_tokens=8)
+    client.send(pb.SessionRequest(utility=pb.UtilityCall(call_id=2, method="resume")))
     outputs, messages = client.collect({"a", "b"})
+    messages = [m for m in messages if not m.HasField("utility_result")]
     client.close()
     for rid in "ab":
         assert outputs[rid][-1].finish_reason in (

@@ -1,0 +1,92 @@
+"""Grammars compiled off the busy loop, on a small worker pool, with an LRU cache.
+
+llguidance builds a grammar's lexer and parser in Rust without the GIL (about a
+millisecond for a typical schema, up to a second for a huge one), so the pool's
+threads compile while the loop steps. A compiled matcher is kept pristine in the
+cache, keyed by the constraint; each request gets its own deep copy, which is
+cheap. The tokenizer llguidance needs is built on the first compile, on a worker,
+from the model's tokenizer.json with the logits' vocabulary size.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+
+from services.common.constraints import (
+    ConstraintError,
+    OutputConstraint,
+    build_tokenizer,
+    compile_matcher,
+    llguidance_grammar,
+)
+from services.common.model_info import ModelInfo
+from services.engine.structured.grammar import Grammar
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    grammar: Grammar
+    seconds: float
+    """Time spent compiling (0 when the cache had it)."""
+    cached: bool
+
+
+class GrammarCompiler:
+    def __init__(self, model: ModelInfo, workers: int = 2, cache_size: int = 256) -> None:
+        self._model = model
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="engine-grammar")
+        self._cache: OrderedDict[OutputConstraint, llguidance.LLMatcher] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def compile(self, constraint: OutputConstraint) -> Future[Compiled]:
+        """The request's grammar, compiled on the pool (or copied from the cache); the
+        future fails with ConstraintError for a constraint that cannot be served."""
+        return self._pool.submit(self._compile, constraint)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, constraint: OutputConstraint) -> Compiled:
+        with self._lock:
+            pristine = self._cache.get(constraint)
+            if pristine is not None:
+                self._cache.move_to_end(constraint)
+        if pristine is not None:
+            return Compiled(Grammar(pristine.deep_copy()), 0.0, cached=True)
+        tokenizer = self._llg_tokenizer()
+        start = time.perf_counter()
+        try:
+            pristine = compile_matcher(llguidance_grammar(constraint), tokenizer)
+        except ConstraintError as exc:
+            raise ConstraintError(f"{constraint.field}: {exc}") from None
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._cache[constraint] = pristine
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return Compiled(Grammar(pristine.deep_copy()), seconds, cached=False)
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                path = Path(self._model.path) / "tokenizer.json"
+                if not path.is_file():
+                    raise ConstraintError(
+                        f"this engine's model has no tokenizer.json ({path}), which output "
+                        "constraints need")
+                self._tokenizer = build_tokenizer(
+                    path.read_text(), self._model.vocab_size, self._model.eos_token_ids)
+            return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model.vocab_size

@@ -1,0 +1,78 @@
+"""The frontend's check of output constraints, before a request is routed.
+
+Compiling is the only sure test that llguidance can serve a constraint with this
+model's tokenizer, so the frontend compiles each distinct constraint once (off the
+event loop) and remembers the verdict: a schema sent with every request of a
+workload is compiled on its first use only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+
+import llguidance
+
+from services.common.constraints import (
+    ConstraintError,
+    OutputConstraint,
+    build_tokenizer,
+    check_grammar,
+    llguidance_grammar,
+)
+from services.common.model_info import ModelInfo
+from services.frontend.errors import invalid_argument
+from services.frontend.tokenizer import TextTokenizer
+
+# Verdicts kept (each a constraint and an error message or None).
+VERDICT_CACHE_SIZE = 256
+
+
+class ConstraintChecker:
+    def __init__(self, tokenizer: TextTokenizer, model: ModelInfo, max_chars: int) -> None:
+        self._max_chars = max_chars
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_json = tokenizer.backend.to_str()
+        self._model = model
+        self._verdicts: OrderedDict[OutputConstraint, str | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        # Built once, on the first constrained request: a large vocabulary takes about
+        # a second, which servers that never see a constraint should not pay at start.
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = build_tokenizer(
+                    self._tokenizer_json, self._model.vocab_size, self._model.eos_token_ids)
+            return self._tokenizer
+
+    async def check(self, constraint: OutputConstraint) -> None:
+        """INVALID_ARGUMENT naming the field and llguidance's reason, unless the
+        constraint compiles."""
+        field = constraint.field
+        if constraint.size > self._max_chars:
+            raise invalid_argument(
+                field, f"{field} has {constraint.size} characters, at most {self._max_chars} "
+                "are allowed (this server's max_constraint_chars)")
+        with self._lock:
+            known = constraint in self._verdicts
+            error = self._verdicts.get(constraint)
+            if known:
+                self._verdicts.move_to_end(constraint)
+        if not known:
+            error = await asyncio.to_thread(self._compile, constraint)
+            with self._lock:
+                self._verdicts[constraint] = error
+                while len(self._verdicts) > VERDICT_CACHE_SIZE:
+                    self._verdicts.popitem(last=False)
+        if error is not None:
+            raise invalid_argument(field, f"{field} is not a constraint this server can "
+                                          f"follow: {error}")
+
+    def _compile(self, constraint: OutputConstraint) -> str | None:
+        try:
+            check_grammar(llguidance_grammar(constraint), self._llg_tokenizer())
+        except ConstraintError as exc:
+            return str(exc)
+        return None
