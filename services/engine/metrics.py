@@ -39,6 +39,11 @@ from services.engine.session_router import EngineState
 log = logging.getLogger(__name__)
 
 LABELS = ("model_name", "engine")
+# Compiles take ~1 ms typically, up to seconds for huge grammars; masks tens of µs a row.
+GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                           1.0, 2.5, 5.0, 10.0, 30.0)
+GRAMMAR_MASK_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                        0.01, 0.025, 0.05, 0.1)
 _NS = 1_000_000_000
 
 
@@ -123,9 +128,10 @@ class EngineMetrics(EngineObserver):
         def counter(name: str, doc: str) -> Any:
             return Counter(PREFIX + name, doc, LABELS, registry=registry).labels(*labels)
 
-        def histogram(name: str, doc: str) -> Any:
+        def histogram(name: str, doc: str,
+                      buckets: tuple[float, ...] = REQUEST_LATENCY_BUCKETS) -> Any:
             return Histogram(PREFIX + name, doc, LABELS, registry=registry,
-                             buckets=REQUEST_LATENCY_BUCKETS).labels(*labels)
+                             buckets=buckets).labels(*labels)
 
         self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -136,6 +142,16 @@ class EngineMetrics(EngineObserver):
                                       "Time from a request's first step to its first token.")
         self.decode_time = histogram("request_decode_time_seconds",
                                      "Time from a request's first token to its end.")
+        self.constrained_requests = counter(
+            "constrained_requests", "Requests with an output constraint (structured output).")
+        self.grammar_compile_time = histogram(
+            "grammar_compile_time_seconds",
+            "Time to compile an output constraint (cache hits are not observed).",
+            GRAMMAR_COMPILE_BUCKETS)
+        self.grammar_mask_time = histogram(
+            "grammar_mask_time_seconds",
+            "Time to build one step's token bitmask of the constrained requests.",
+            GRAMMAR_MASK_BUCKETS)
         self._tracing = tracing if tracing is not None and tracing.enabled else None
         self._finished: queue.SimpleQueue[_Finished | None] = queue.SimpleQueue()
         self._span_thread: threading.Thread | None = None
@@ -148,6 +164,8 @@ class EngineMetrics(EngineObserver):
 
     def on_added(self, request: Request) -> None:
         self._tracked[request.request_id] = _Tracked(request, time.time())
+        if request.sampling.constraint is not None:
+            self.constrained_requests.inc()
         self._unscheduled.add(request.request_id)
         self._awaiting_first_token.add(request.request_id)
 
@@ -193,6 +211,13 @@ class EngineMetrics(EngineObserver):
             self.decode_time.observe(now - t.first_token)
         if self._tracing is not None:
             self._finished.put(_Finished(t, u, now))
+
+    def on_grammar_compiled(self, seconds: float, cached: bool) -> None:
+        if not cached:
+            self.grammar_compile_time.observe(seconds)
+
+    def on_grammar_mask(self, seconds: float, rows: int) -> None:
+        self.grammar_mask_time.observe(seconds)
 
     def on_state(self, state: EngineState, death_reason: str = "") -> None:
         if state is EngineState.DEAD and death_reason.startswith("watchdog"):
@@ -247,14 +272,25 @@ class EngineMetrics(EngineObserver):
             attributes[tr.GEN_AI_TEMPERATURE] = sampling.temperature
         if u.error_message:
             attributes["error.type"] = u.error_message[:200]
+        # A constrained request reached the engine when its compile began.
+        arrived = request.grammar_compile[0] if request.grammar_compile else t.added
         span = tracer.start_span("engine.request", context=parent, kind=trace.SpanKind.SERVER,
-                                 attributes=attributes, start_time=_ns(t.added))
+                                 attributes=attributes, start_time=_ns(arrived))
         span.add_event("queued", timestamp=_ns(t.added))
         if t.scheduled:
             span.add_event("scheduled", timestamp=_ns(t.scheduled))
         if t.first_token:
             span.add_event("first_token", timestamp=_ns(t.first_token))
         inside = trace.set_span_in_context(span)
+        if request.grammar_compile is not None:
+            constraint = sampling.constraint
+            compile_start, compile_end = request.grammar_compile
+            child = tracer.start_span(
+                "engine.grammar_compile", context=inside, start_time=_ns(compile_start),
+                attributes={"corestream.constraint.kind":
+                            constraint.kind.value if constraint else "",
+                            "corestream.constraint.chars": constraint.size if constraint else 0})
+            child.end(end_time=_ns(compile_end))
         for name, start, end, extra in (
             ("engine.queue", t.added, scheduled, {}),
             ("engine.prefill", scheduled, first_token,

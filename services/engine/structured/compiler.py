@@ -38,11 +38,21 @@ class Compiled:
     cached: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _Pristine:
+    """A compiled matcher at the grammar's start, never advanced: copied per request."""
+
+    matcher: llguidance.LLMatcher
+    seconds: float
+
+
 class GrammarCompiler:
     def __init__(self, model: ModelInfo, workers: int = 2, cache_size: int = 256) -> None:
         self._model = model
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="engine-grammar")
-        self._cache: OrderedDict[OutputConstraint, llguidance.LLMatcher] = OrderedDict()
+        # Compiles done or under way, so that a burst of requests with one schema
+        # compiles it once; a failed compile is dropped (its requests fail).
+        self._cache: OrderedDict[OutputConstraint, Future[_Pristine]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
@@ -50,30 +60,37 @@ class GrammarCompiler:
     def compile(self, constraint: OutputConstraint) -> Future[Compiled]:
         """The request's grammar, compiled on the pool (or copied from the cache); the
         future fails with ConstraintError for a constraint that cannot be served."""
-        return self._pool.submit(self._compile, constraint)
+        with self._lock:
+            pristine = self._cache.get(constraint)
+            first = pristine is None
+            if pristine is None:
+                pristine = self._cache[constraint] = self._pool.submit(
+                    self._compile_pristine, constraint)
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(constraint)
+        # The pool's queue is FIFO: the compile this waits for started before it.
+        return self._pool.submit(self._copy, pristine, first)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, constraint: OutputConstraint) -> Compiled:
-        with self._lock:
-            pristine = self._cache.get(constraint)
-            if pristine is not None:
-                self._cache.move_to_end(constraint)
-        if pristine is not None:
-            return Compiled(Grammar(pristine.deep_copy()), 0.0, cached=True)
-        tokenizer = self._llg_tokenizer()
-        start = time.perf_counter()
+    def _copy(self, pristine: Future[_Pristine], first: bool) -> Compiled:
+        compiled = pristine.result()
+        return Compiled(Grammar(compiled.matcher.deep_copy()),
+                        compiled.seconds if first else 0.0, cached=not first)
+
+    def _compile_pristine(self, constraint: OutputConstraint) -> _Pristine:
         try:
-            pristine = compile_matcher(llguidance_grammar(constraint), tokenizer)
+            tokenizer = self._llg_tokenizer()
+            start = time.perf_counter()
+            matcher = compile_matcher(llguidance_grammar(constraint), tokenizer)
+            return _Pristine(matcher, time.perf_counter() - start)
         except ConstraintError as exc:
+            with self._lock:
+                self._cache.pop(constraint, None)
             raise ConstraintError(f"{constraint.field}: {exc}") from None
-        seconds = time.perf_counter() - start
-        with self._lock:
-            self._cache[constraint] = pristine
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return Compiled(Grammar(pristine.deep_copy()), seconds, cached=False)
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
