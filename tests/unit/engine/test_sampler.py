@@ -4,7 +4,7 @@ import torch
 
 from services.common.sampling import SamplingParams
 from services.engine.scheduler.output import ScheduledRequest
-from services.engine.worker.sampler import Sampler
+from services.engine.worker.sampler import Sampler, TokenMask, allowed_tokens
 
 VOCAB = 50
 EOS = 2
@@ -114,3 +114,65 @@ def test_penalties() -> None:
     assert sample(logits, [present]) == [4]
     prompt_only = request(temperature=0.0, presence_penalty=1.0, prompt=[3])
     assert sample(logits, [prompt_only]) == [3]
+
+
+# ---- output constraints: the token mask --------------------------------------------
+
+
+def bitmask_of(allowed: list[set[int]]) -> torch.Tensor:
+    """Packed int32 rows (bit t % 32 of word t // 32), as llguidance fills them."""
+    words = torch.zeros(len(allowed), (VOCAB + 31) // 32, dtype=torch.int64)
+    for row, tokens in enumerate(allowed):
+        for t in tokens:
+            words[row, t // 32] |= 1 << (t % 32)
+    # Two's complement into int32, as the bits of a C int32 array.
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def masked_sample(logits: torch.Tensor, requests: list[ScheduledRequest], rows: list[int],
+                  allowed: list[set[int]], seed: int = 0) -> list[int]:
+    mask = TokenMask(torch.tensor(rows), bitmask_of(allowed))
+    return Sampler(torch.device("cpu"), seed)(logits, requests, mask).tolist()
+
+
+def test_allowed_tokens_unpacks_every_bit_including_the_sign_bit() -> None:
+    allowed = [{0, 31, 32, 49}, {5}, set(range(VOCAB))]
+    unpacked = allowed_tokens(bitmask_of(allowed), VOCAB)
+    for row, tokens in enumerate(allowed):
+        assert set(unpacked[row].nonzero().flatten().tolist()) == tokens
+
+
+def test_masked_rows_sample_only_allowed_tokens_and_other_rows_are_untouched() -> None:
+    logits = random_logits(4, seed=5)
+    requests = [request("g", temperature=0.0), request("s", temperature=1.0, seed=3),
+                request("free", temperature=0.0), request("free_s", temperature=1.0, seed=8)]
+    unmasked = sample(logits, requests)
+    for trial in range(20):
+        allowed = [{trial % VOCAB, 31, 40}, {1, 2 + trial}]
+        got = masked_sample(logits, requests, [0, 1], allowed)
+        assert got[0] in allowed[0] and got[0] == max(allowed[0], key=lambda t: logits[0, t])
+        assert got[1] in allowed[1]
+        assert got[2:] == unmasked[2:]
+
+
+def test_the_mask_wins_over_logit_bias() -> None:
+    logits = random_logits(1, seed=1)
+    biased = request(temperature=0.0, logit_bias=((7, 1e9),))
+    assert sample(logits, [biased]) == [7]
+    assert masked_sample(logits, [biased], [0], [{3, 4}]) in ([3], [4])
+
+
+def test_a_mask_that_min_tokens_empties_falls_back_to_the_mask_alone() -> None:
+    # The grammar is complete and only EOS may follow, but min_tokens bans EOS: the
+    # grammar wins (the scheduler then ends the request as complete).
+    logits = random_logits(2, seed=2)
+    requests = [request(str(i), temperature=t, seed=1, min_tokens=5) for i, t in enumerate((0, 1))]
+    assert masked_sample(logits, requests, [0, 1], [{EOS}, {EOS}]) == [EOS, EOS]
+
+
+def test_masking_leaves_the_callers_logits_alone() -> None:
+    logits = random_logits(2, seed=4)
+    before = logits.clone()
+    masked_sample(logits, [request("a", temperature=0.0), request("b", temperature=0.0)],
+                  [1], [{0}])
+    assert torch.equal(logits, before)  # the runner's logprobs are of these raw logits
