@@ -331,3 +331,52 @@ def test_a_constraint_that_does_not_compile_fails_alone(runner: ModelRunner) -> 
         assert f"sampling.{field}" in last.error_message, last.error_message
         assert not tokens(outputs[f"bad{i}"])
     assert len(tokens(outputs["free"])) == 6
+
+
+class LockstepTinyRunner:
+    """The real tiny runner stepping in lockstep with another rank (see
+    test_engine_waves.py): every forward, real or dummy, meets the other rank's."""
+
+    def __init__(self, runner: ModelRunner, barrier: threading.Barrier, votes: list[bool],
+                 rank: int) -> None:
+        self.runner, self.barrier, self.votes, self.rank = runner, barrier, votes, rank
+        self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
+        self.model_info = runner.model_info
+
+    def execute(self, out: Any) -> Any:
+        self.barrier.wait(20)
+        return self.runner.execute(out)
+
+    def execute_dummy(self) -> None:
+        self.barrier.wait(20)
+
+    def any_rank_has_work(self, has_work: bool) -> bool:
+        self.votes[self.rank] = has_work
+        self.barrier.wait(20)
+        result = any(self.votes)
+        self.barrier.wait(20)
+        return result
+
+
+@pytest.mark.timeout(120)
+def test_constrained_outputs_are_exact_in_lockstep_waves(runner: ModelRunner) -> None:
+    baseline = seen(run(runner, exactness_requests(runner)))
+    barrier, votes = threading.Barrier(2), [False, False]
+    ranks = [LockstepTinyRunner(r, barrier, votes, i)
+             for i, r in enumerate((runner, tiny_runner_for_tests()))]
+    cores = [EngineCore(EngineConfig(engine_index=i), ranks[i]) for i in range(2)]  # type: ignore[arg-type]
+    for core in cores:
+        core.join_waves(check_interval=4,
+                        announce=lambda wave: [c.start_wave(wave) for c in cores])  # type: ignore[arg-type]
+    q = cores[0].sessions.open("s")
+    for core in cores:
+        core.start()
+    try:
+        requests = exactness_requests(runner)
+        for r in requests:
+            cores[0].add_request(r)
+        assert seen(collect(q, {r.request_id for r in requests}, timeout=60)[0]) == baseline
+    finally:
+        barrier.abort()
+        for core in cores:
+            core.shutdown()
