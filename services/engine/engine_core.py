@@ -21,6 +21,13 @@ Pausing stops scheduling, not the engine: it stays RUNNING and healthy, and new
 requests queue up until `resume` (modes: abort = abort everything first; wait =
 admit nothing new but let running requests finish; keep = freeze all requests).
 
+Structured output: a request with an output constraint first waits outside the
+scheduler while its grammar compiles on the compiler's pool (structured/), so it
+holds back nobody; the result comes back as a GRAMMAR_READY input item, and a
+compile past grammar_compile_timeout_s fails only that request. After each
+schedule() the token bitmask of the step's constrained rows starts building on the
+mask thread; the runner waits for it after the forward pass, before sampling.
+
 Lifecycle: STARTING -> RUNNING (start) -> DRAINING (shutdown) -> STOPPED, or DEAD
 when the loop raises or the watchdog finds it stuck with work pending. DEAD is
 final: every request fails with UNAVAILABLE naming this engine and the reason,
