@@ -93,7 +93,11 @@ def valid_choice(text: str) -> None:
 
 def lark_validator(grammar: str) -> Callable[[str], None]:
     parser = lark.Lark(grammar)
-    return lambda text: parser.parse(text) and None
+
+    def check(text: str) -> None:
+        parser.parse(text)  # raises lark.exceptions.LarkError unless text is a sentence
+
+    return check
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,17 @@ def test_generate_and_stream_follow_the_constraint(
 
 
 @pytest.mark.timeout(TIMEOUT_S)
+def test_validators_reject_unconstrained_output(stub: pb_grpc.GenerateServiceStub) -> None:
+    # Without a mask the random weights follow none of the constraints, so the valid
+    # outputs in the other tests are the mask's doing.
+    (free,) = generate(stub, sampling({}, max_tokens=32, ignore_eos=True)).completions
+    for kind in KINDS:
+        with pytest.raises((AssertionError, ValueError, jsonschema.ValidationError,
+                            lark.exceptions.LarkError)):
+            kind.check(free.text)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
 @by_name(BOUNDED_KINDS)
 def test_seeded_samples_are_each_constrained(
     stub: pb_grpc.GenerateServiceStub, kind: Kind
@@ -221,11 +236,11 @@ def test_max_tokens_cuts_a_constrained_output(stub: pb_grpc.GenerateServiceStub)
 def test_logprobs_are_of_the_unmasked_distribution(stub: pb_grpc.GenerateServiceStub) -> None:
     # The first position sees the same context with or without a constraint, so its
     # raw alternatives are the same; the digit the regex forces is rarely the best.
-    free, forced = (
-        generate(stub, common_pb2.SamplingParams(temperature=0.0, max_tokens=3, logprobs=5,
-                                                 **constraint), data_parallel_rank=0)
-        .completions[0].logprobs[0]
-        for constraint in ({}, {"regex": "[0-9]{3}"}))
+    def first_position(constraint: dict[str, Any]) -> common_pb2.PositionLogprobs:
+        params = sampling(constraint, max_tokens=3, logprobs=5)
+        return generate(stub, params, data_parallel_rank=0).completions[0].logprobs[0]
+
+    free, forced = first_position({}), first_position({"regex": "[0-9]{3}"})
     assert [t.token_id for t in forced.top] == [t.token_id for t in free.top]
     assert [t.logprob for t in forced.top] == pytest.approx([t.logprob for t in free.top],
                                                             abs=1e-4)
@@ -249,13 +264,13 @@ BAD_CONSTRAINTS = [
     ("regex_unparsable", {"regex": "[0-9"}, "unclosed character class"),
     ("grammar_unparsable", {"grammar": "start: (\"a\" | \"b\""}, "sampling.grammar"),
     ("grammar_no_start", {"grammar": 'greeting: "hello"'}, "sampling.grammar"),
-    ("unique_items", {"json_schema": schema_with(uniqueItems=True)}, "uniqueItems"),
-    ("contains", {"json_schema": schema_with(contains={"const": 1})}, "contains"),
-    ("not", {"json_schema": schema_with(**{"not": {"maxItems": 1}})}, "not"),
+    ("unique_items", {"json_schema": schema_with(uniqueItems=True)}, '"uniqueItems"'),
+    ("contains", {"json_schema": schema_with(contains={"const": 1})}, '"contains"'),
+    ("not", {"json_schema": schema_with(**{"not": {"maxItems": 1}})}, '"not"'),
     ("if_then", {"json_schema": schema_with(**{"if": {"maxItems": 1}, "then": {"minItems": 1}})},
-     "if"),
+     '"if", "then"'),
     ("dependent_required", {"json_schema": json.dumps(
-        {"type": "object", "dependentRequired": {"a": ["b"]}})}, "dependentRequired"),
+        {"type": "object", "dependentRequired": {"a": ["b"]}})}, '"dependentRequired"'),
     ("choice_empty", {"choice": common_pb2.ChoiceConstraint()}, "empty"),
     ("choice_empty_string", {"choice": common_pb2.ChoiceConstraint(choices=["a", ""])},
      "empty string"),

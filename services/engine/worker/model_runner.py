@@ -240,14 +240,13 @@ class ModelRunner:
     def _token_mask(self, grammar_mask: GrammarMask | None,
                     sampled: list[ScheduledRequest]) -> TokenMask | None:
         """The step's grammar bitmask (waited for only now: it was built while the model
-        ran) on the logits' device, addressed by sampled row."""
+        ran), addressed by sampled row."""
         if grammar_mask is None:
             return None
         bitmask = grammar_mask.bitmask.result()
         row_of = {r.request_id: i for i, r in enumerate(sampled)}
         rows = [row_of[rid] for rid in grammar_mask.request_ids]
-        return TokenMask(self._to_device(np.array(rows, dtype=np.int64)),
-                         self._to_device(bitmask))
+        return TokenMask(rows, bitmask)
 
     def _sampled_logprobs(
         self, logits: torch.Tensor, tokens: torch.Tensor, requests: list[ScheduledRequest]

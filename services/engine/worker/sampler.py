@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.common.sampling import SamplingParams
@@ -67,7 +68,7 @@ class Sampler:
             logits = logits.clone()
             _apply_logit_processors(logits, requests)
         if mask is not None:
-            _apply_mask(logits, raw, mask)
+            _apply_mask(logits, raw, mask, requests)
         greedy_tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:
@@ -96,34 +97,51 @@ class Sampler:
 
 @dataclass(frozen=True, slots=True)
 class TokenMask:
-    """Allowed tokens of some rows: `bitmask[i]` (int32 words, bit t % 32 of word t // 32)
-    restricts row `rows[i]` of the logits. Both on the logits' device."""
+    """Allowed tokens of some rows: `bitmask[i]` (a host int32 numpy array of packed
+    words, bit t % 32 of word t // 32) restricts row `rows[i]` of the logits."""
 
-    rows: torch.Tensor
-    bitmask: torch.Tensor
+    rows: list[int]
+    bitmask: np.ndarray
 
 
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The packed bitmask `[R, W]` unpacked to booleans `[R, vocab]` on its device."""
-    shifts = _BIT_SHIFTS.get(bitmask.device)
+def allowed_tokens(bitmask: np.ndarray, vocab: int, device: torch.device) -> torch.Tensor:
+    """The packed bitmask `[R, W]` unpacked to booleans `[R, vocab]` on `device`.
+
+    On the host numpy unpacks (one C loop, no OpenMP fork: torch's int32 bit ops are
+    slow there and contend with the model's threads); a GPU gets the 32x smaller packed
+    words and unpacks them itself."""
+    if device.type == "cpu":
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
+    packed = torch.from_numpy(bitmask).pin_memory().to(device, non_blocking=True)
+    shifts = _BIT_SHIFTS.get(device)
     if shifts is None:
-        shifts = _BIT_SHIFTS[bitmask.device] = torch.arange(
-            32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+        shifts = _BIT_SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (packed.unsqueeze(-1) >> shifts) & 1
+    return bits.view(packed.shape[0], -1)[:, :vocab].bool()
 
 
-def _apply_mask(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask) -> None:
-    """Disallowed tokens to -inf in place; a row left with none takes the raw logits
-    under the mask (the grammar wins over the processors). No host sync."""
-    allowed = allowed_tokens(mask.bitmask, logits.shape[1])
-    masked = logits[mask.rows].masked_fill_(~allowed, float("-inf"))
-    empty = masked.amax(dim=-1, keepdim=True) == float("-inf")
-    fallback = raw[mask.rows].masked_fill_(~allowed, float("-inf"))
-    logits[mask.rows] = torch.where(empty, fallback, masked)
+def _apply_mask(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask,
+                requests: Sequence[ScheduledRequest]) -> None:
+    """Disallowed tokens to -inf, in place. Only min_tokens can leave a row no allowed
+    token (it bans EOS, which a complete grammar needs): such rows take the raw logits
+    under the mask instead, since the grammar wins. No host sync."""
+    banned = ~allowed_tokens(mask.bitmask, logits.shape[1], logits.device)
+    if mask.rows == list(range(logits.shape[0])):
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        rows = torch.tensor(mask.rows, device=logits.device)
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(
+            banned, float("-inf")))
+    for i, row in enumerate(mask.rows):
+        r = requests[row]
+        if len(r.output_token_ids) < r.sampling.min_tokens:
+            fallback = raw[row].masked_fill(banned[i], float("-inf"))
+            empty = logits[row].amax() == float("-inf")
+            logits[row] = torch.where(empty, fallback, logits[row])
 
 
 def _apply_logit_processors(logits: torch.Tensor, requests: Sequence[ScheduledRequest]) -> None:

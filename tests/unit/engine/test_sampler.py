@@ -131,13 +131,13 @@ def bitmask_of(allowed: list[set[int]]) -> torch.Tensor:
 
 def masked_sample(logits: torch.Tensor, requests: list[ScheduledRequest], rows: list[int],
                   allowed: list[set[int]], seed: int = 0) -> list[int]:
-    mask = TokenMask(torch.tensor(rows), bitmask_of(allowed))
+    mask = TokenMask(rows, bitmask_of(allowed).numpy())
     return Sampler(torch.device("cpu"), seed)(logits, requests, mask).tolist()
 
 
 def test_allowed_tokens_unpacks_every_bit_including_the_sign_bit() -> None:
     allowed = [{0, 31, 32, 49}, {5}, set(range(VOCAB))]
-    unpacked = allowed_tokens(bitmask_of(allowed), VOCAB)
+    unpacked = allowed_tokens(bitmask_of(allowed).numpy(), VOCAB, torch.device("cpu"))
     for row, tokens in enumerate(allowed):
         assert set(unpacked[row].nonzero().flatten().tolist()) == tokens
 
