@@ -80,7 +80,11 @@ def llguidance_grammar(constraint: OutputConstraint) -> str:
     try:
         if kind is ConstraintKind.JSON_SCHEMA:
             schema = json.loads(constraint.spec)
-            if not isinstance(schema, dict | bool):
+            if schema is True:
+                schema = {}  # the schema that accepts any value
+            elif schema is False:
+                raise ConstraintError("the schema false accepts no value at all")
+            if not isinstance(schema, dict):
                 raise ConstraintError(
                     f"a JSON Schema is an object or a boolean, got {type(schema).__name__}")
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
@@ -90,8 +94,11 @@ def llguidance_grammar(constraint: OutputConstraint) -> str:
         if kind is ConstraintKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(constraint.spec)
         if kind is ConstraintKind.GRAMMAR:
-            # Lark text passes through; GBNF (`::=` rules) is converted to Lark.
-            return llguidance.grammar_from("grammar", constraint.spec)
+            if not constraint.spec.strip():
+                raise ConstraintError("the grammar is empty")
+            if "::=" in constraint.spec:  # GBNF rules, converted to Lark
+                return llguidance.grammar_from("gbnf", constraint.spec)
+            return llguidance.LLMatcher.grammar_from_lark(constraint.spec)
         if not constraint.choices:
             raise ConstraintError("the list of choices is empty")
         # A regex alternation of the literal strings: JSON string syntax would

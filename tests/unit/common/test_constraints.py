@@ -49,6 +49,7 @@ def force(matcher: llguidance.LLMatcher, tokenizer: llguidance.LLTokenizer, text
      '{"a": 12}', '{"a":12}'),  # compact with ", " / ": ", and only that
     (schema({"type": "array", "items": {"enum": ["x", "y"]}}), '["x", "y"]', '["x",  "y"]'),
     (OutputConstraint(ConstraintKind.JSON_OBJECT), '{"k": [1, 2]}', '[1, 2]'),
+    (OutputConstraint(ConstraintKind.JSON_SCHEMA, "true"), '[1, {"a": null}]', "[1,2]"),
     (OutputConstraint(ConstraintKind.REGEX, r"[0-9]{3}-[a-z]+"), "123-abc", "12-abc"),
     (OutputConstraint(ConstraintKind.GRAMMAR, 'start: "a" b+\nb: "b"'), "abbb", "aab"),
     # GBNF is accepted too.
@@ -68,6 +69,8 @@ def test_grammars_accept_exactly_their_language(
 @pytest.mark.parametrize("constraint, reason", [
     (OutputConstraint(ConstraintKind.JSON_SCHEMA, "{not json"), "is not valid JSON"),
     (OutputConstraint(ConstraintKind.JSON_SCHEMA, "[1, 2]"), "an object or a boolean"),
+    (OutputConstraint(ConstraintKind.JSON_SCHEMA, "false"), "accepts no value"),
+    (OutputConstraint(ConstraintKind.GRAMMAR, "  "), "the grammar is empty"),
     (schema({"type": "strin"}), "strin"),
     (schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
     (schema({"not": {"type": "string"}}), "not"),
