@@ -33,6 +33,7 @@ from tests.unit.engine.test_engine_core import (
     RecordingRunner,
     collect,
     prompt_of,
+    run_core,
     tiny_runner_for_tests,
     tokens,
 )
@@ -183,7 +184,7 @@ def seen(outputs: dict[str, list[RequestUpdate]]) -> dict[str, tuple[list[int], 
 
 
 @pytest.mark.timeout(180)
-def test_preemption_chunked_prefill_and_batch_queue_keep_constrained_outputs_exact(
+def test_preemption_chunked_prefill_batch_queue_and_prefix_cache_keep_outputs_exact(
         runner: ModelRunner) -> None:
     baseline = seen(run(runner, exactness_requests(runner)))
     small = RecordingRunner(runner, num_blocks=14)  # forces preemptions
@@ -191,6 +192,14 @@ def test_preemption_chunked_prefill_and_batch_queue_keep_constrained_outputs_exa
     assert small.num_preemptions > 0
     assert seen(run(runner, exactness_requests(runner), max_num_batched_tokens=7)) == baseline
     assert seen(run(runner, exactness_requests(runner), max_concurrent_batches=2)) == baseline
+    # The same requests again on a warm engine read their prompts from the prefix cache.
+    warm = exactness_requests(runner)
+    for r in warm:
+        r.request_id += "-again"
+    outputs, core = run_core(runner, exactness_requests(runner), warm)
+    assert core.stats.prefix_cache_hits > 0
+    assert seen({rid.removesuffix("-again"): u for rid, u in outputs.items()
+                 if rid.endswith("-again")}) == baseline
 
 
 @pytest.mark.timeout(60)
