@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import generate_latest
 
+from services.common.constraints import ConstraintKind, OutputConstraint
 from services.common.metrics import new_registry
 from services.common.observability_config import ObservabilityConfig
 from services.common.sampling import SamplingParams
@@ -140,3 +143,27 @@ def test_without_tracing_no_span_thread_runs() -> None:
         h.step()
     h.metrics.close()
     assert h.sample("corestream:generation_tokens_total") == 2
+
+
+def test_a_constrained_request_has_a_compile_span_inside_its_request_span() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("engine", ObservabilityConfig(), exporter=exporter)
+    h = Harness(tracing)
+    request = h.add("json", prompt_len=3, max_tokens=2)
+    # As the engine core records it: compile start and end, before the request was added.
+    added = h.metrics._tracked["json"].added
+    request.sampling = dataclasses.replace(
+        request.sampling, constraint=OutputConstraint(ConstraintKind.REGEX, "[0-9]+"))
+    request.grammar_compile = (added - 0.25, added - 0.05)
+    while h.scheduler.has_work():
+        h.step()
+    h.metrics.close()
+    assert tracing.provider is not None
+    tracing.provider.force_flush()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    compile_span, parent = spans["engine.grammar_compile"], spans["engine.request"]
+    assert compile_span.parent.span_id == parent.context.span_id
+    assert parent.start_time == compile_span.start_time  # the request arrived then
+    assert abs(compile_span.end_time - compile_span.start_time - 200_000_000) < 1_000
+    assert compile_span.attributes["corestream.constraint.kind"] == "regex"
+    assert compile_span.attributes["corestream.constraint.chars"] == 6
