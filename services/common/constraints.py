@@ -51,6 +51,10 @@ class ConstraintError(ValueError):
     """The constraint cannot be compiled; the message is the reason, for the client."""
 
 
+class UnsupportedTokenizer(ConstraintError):
+    """llguidance cannot work with this model's tokenizer: no constraint can be served."""
+
+
 @dataclass(frozen=True, slots=True)
 class OutputConstraint:
     """One request's constraint; hashable, so that compiled grammars can be cached by it."""
@@ -157,5 +161,10 @@ def build_tokenizer(tokenizer_json: str, vocab_size: int,
     past the tokenizer's own vocabulary are never allowed)."""
     import llguidance
 
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                  eos_token=list(eos_token_ids) or None)
+    try:
+        return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                      eos_token=list(eos_token_ids) or None)
+    except Exception as exc:  # llguidance raises plain errors for tokenizers it refuses
+        raise UnsupportedTokenizer(
+            f"this model's tokenizer cannot serve output constraints (llguidance: {exc})"
+        ) from None

@@ -12,17 +12,19 @@ import asyncio
 import threading
 from collections import OrderedDict
 
+import grpc
 import llguidance
 
 from services.common.constraints import (
     ConstraintError,
     OutputConstraint,
+    UnsupportedTokenizer,
     build_tokenizer,
     check_grammar,
     llguidance_grammar,
 )
 from services.common.model_info import ModelInfo
-from services.frontend.errors import invalid_argument
+from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.tokenizer import TextTokenizer
 
 # Verdicts kept (each a constraint and an error message or None).
@@ -71,8 +73,15 @@ class ConstraintChecker:
                                           f"follow: {error}")
 
     def _compile(self, constraint: OutputConstraint) -> str | None:
+        # The tokenizer first: a model whose tokenizer llguidance refuses can serve no
+        # constraint at all, which is the server's limit, not the request's fault.
         try:
-            check_grammar(llguidance_grammar(constraint), self._llg_tokenizer())
+            tokenizer = self._llg_tokenizer()
+        except UnsupportedTokenizer as exc:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc),
+                               reason="CONSTRAINTS_UNSUPPORTED") from None
+        try:
+            check_grammar(llguidance_grammar(constraint), tokenizer)
         except ConstraintError as exc:
             return str(exc)
         return None
