@@ -32,6 +32,10 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         context = list(prompt_token_ids or [])[-_PROMPT_CONTEXT_TOKENS:]
+        # A context that ends inside a character (a prompt given as ids may) would
+        # come out of the stream with the first generated text: leave that tail out.
+        while context and tokenizer.decode(context, skip_special_tokens).endswith("\ufffd"):
+            context.pop()
         self._stream = DecodeStream(ids=context or None, skip_special_tokens=skip_special_tokens)
 
     def push(self, token_ids: list[int]) -> str:

@@ -47,6 +47,16 @@ def test_prompt_context_keeps_leading_space(tokenizer: TextTokenizer) -> None:
     assert detok.push(continuation) == " world"
 
 
+def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(
+        tokenizer: TextTokenizer) -> None:
+    # A prompt given as ids may end with the first byte of a multi-byte character.
+    first_byte = tokenizer.encode("é", add_special_tokens=False)[0]
+    prompt = tokenizer.encode("hello world", add_special_tokens=False) + [first_byte]
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt)
+    assert detok.push(tokenizer.encode(" ok", add_special_tokens=False)) == " ok"
+
+
 def test_special_tokens_skipped_by_default(tokenizer: TextTokenizer) -> None:
     ids = tokenizer.encode("hello", add_special_tokens=True) + [1]
     assert IncrementalDetokenizer(tokenizer).push(ids) == "hello"
