@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import enum
 import json
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,7 +79,7 @@ class OutputConstraint:
 
 def llguidance_grammar(constraint: OutputConstraint) -> str:
     """The llguidance grammar of a constraint; ConstraintError if it cannot be built
-    (the grammar's own errors show up when it is compiled, see `check_grammar`)."""
+    (the grammar's own errors show up when it is compiled, see `compile_matcher`)."""
     import llguidance
 
     kind = constraint.kind
@@ -105,8 +107,7 @@ def llguidance_grammar(constraint: OutputConstraint) -> str:
             return llguidance.LLMatcher.grammar_from_lark(constraint.spec)
         if not constraint.choices:
             raise ConstraintError("the list of choices is empty")
-        # A regex alternation of the literal strings: JSON string syntax would
-        # not escape what Lark's literals need, regex escapes do.
+        # An alternation of the strings as Lark literals.
         lark = "start: " + " | ".join(_lark_literal(c) for c in constraint.choices)
         return llguidance.LLMatcher.grammar_from_lark(lark)
     except json.JSONDecodeError as exc:
@@ -124,25 +125,13 @@ def _lark_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer,
-                  limits: llguidance.LLParserLimits | None = None) -> None:
-    """Raise ConstraintError with llguidance's reason unless the grammar compiles for
-    this tokenizer without a warning that could let invalid output through."""
+def compile_matcher(grammar: str, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+    """A fresh matcher at the grammar's start; ConstraintError unless the grammar compiles
+    for this tokenizer without a warning that could let invalid output through. The
+    frontend's check and the engine's compile both call this, so they never disagree."""
     import llguidance
 
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        grammar, tokenizer, limits=limits)
-    if is_error:
-        raise ConstraintError(messages[0] if messages else "the grammar does not compile")
-    _check_warnings(messages)
-
-
-def compile_matcher(grammar: str, tokenizer: llguidance.LLTokenizer,
-                    limits: llguidance.LLParserLimits | None = None) -> llguidance.LLMatcher:
-    """A fresh matcher at the grammar's start; ConstraintError if it does not compile."""
-    import llguidance
-
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise ConstraintError(matcher.get_error())
     _check_warnings(matcher.get_grammar_warnings())
@@ -168,3 +157,24 @@ def build_tokenizer(tokenizer_json: str, vocab_size: int,
         raise UnsupportedTokenizer(
             f"this model's tokenizer cannot serve output constraints (llguidance: {exc})"
         ) from None
+
+
+class LazyTokenizer:
+    """llguidance's tokenizer, built on first use and kept (thread-safe): a large
+    vocabulary takes about a second, which a server that never sees a constraint
+    should not pay at start. `tokenizer_json` is only called then."""
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = build_tokenizer(self._tokenizer_json(), self._vocab_size,
+                                                  self._eos_token_ids)
+            return self._tokenizer

@@ -13,14 +13,13 @@ import threading
 from collections import OrderedDict
 
 import grpc
-import llguidance
 
 from services.common.constraints import (
     ConstraintError,
+    LazyTokenizer,
     OutputConstraint,
     UnsupportedTokenizer,
-    build_tokenizer,
-    check_grammar,
+    compile_matcher,
     llguidance_grammar,
 )
 from services.common.model_info import ModelInfo
@@ -34,20 +33,10 @@ VERDICT_CACHE_SIZE = 256
 class ConstraintChecker:
     def __init__(self, tokenizer: TextTokenizer, model: ModelInfo, max_chars: int) -> None:
         self._max_chars = max_chars
-        self._tokenizer: llguidance.LLTokenizer | None = None
-        self._tokenizer_json = tokenizer.backend.to_str()
-        self._model = model
+        self._tokenizer = LazyTokenizer(tokenizer.backend.to_str, model.vocab_size,
+                                        model.eos_token_ids)
         self._verdicts: OrderedDict[OutputConstraint, str | None] = OrderedDict()
         self._lock = threading.Lock()
-
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        # Built once, on the first constrained request: a large vocabulary takes about
-        # a second, which servers that never see a constraint should not pay at start.
-        with self._lock:
-            if self._tokenizer is None:
-                self._tokenizer = build_tokenizer(
-                    self._tokenizer_json, self._model.vocab_size, self._model.eos_token_ids)
-            return self._tokenizer
 
     async def check(self, constraint: OutputConstraint) -> None:
         """INVALID_ARGUMENT naming the field and llguidance's reason, unless the
@@ -76,12 +65,12 @@ class ConstraintChecker:
         # The tokenizer first: a model whose tokenizer llguidance refuses can serve no
         # constraint at all, which is the server's limit, not the request's fault.
         try:
-            tokenizer = self._llg_tokenizer()
+            tokenizer = self._tokenizer.get()
         except UnsupportedTokenizer as exc:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, str(exc),
                                reason="CONSTRAINTS_UNSUPPORTED") from None
         try:
-            check_grammar(llguidance_grammar(constraint), tokenizer)
+            compile_matcher(llguidance_grammar(constraint), tokenizer)
         except ConstraintError as exc:
             return str(exc)
         return None

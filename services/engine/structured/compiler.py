@@ -21,8 +21,8 @@ import llguidance
 
 from services.common.constraints import (
     ConstraintError,
+    LazyTokenizer,
     OutputConstraint,
-    build_tokenizer,
     compile_matcher,
     llguidance_grammar,
 )
@@ -55,7 +55,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[OutputConstraint, Future[_Pristine]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer = LazyTokenizer(self._tokenizer_json, model.vocab_size,
+                                        model.eos_token_ids)
 
     def compile(self, constraint: OutputConstraint) -> Future[Compiled]:
         """The request's grammar, compiled on the pool (or copied from the cache); the
@@ -83,7 +84,7 @@ class GrammarCompiler:
 
     def _compile_pristine(self, constraint: OutputConstraint) -> _Pristine:
         try:
-            tokenizer = self._llg_tokenizer()
+            tokenizer = self._tokenizer.get()
             start = time.perf_counter()
             matcher = compile_matcher(llguidance_grammar(constraint), tokenizer)
             return _Pristine(matcher, time.perf_counter() - start)
@@ -92,17 +93,12 @@ class GrammarCompiler:
                 self._cache.pop(constraint, None)
             raise ConstraintError(f"{constraint.field}: {exc}") from None
 
-    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
-            if self._tokenizer is None:
-                path = Path(self._model.path) / "tokenizer.json"
-                if not path.is_file():
-                    raise ConstraintError(
-                        f"this engine's model has no tokenizer.json ({path}), which output "
-                        "constraints need")
-                self._tokenizer = build_tokenizer(
-                    path.read_text(), self._model.vocab_size, self._model.eos_token_ids)
-            return self._tokenizer
+    def _tokenizer_json(self) -> str:
+        path = Path(self._model.path) / "tokenizer.json"
+        if not path.is_file():
+            raise ConstraintError(f"this engine's model has no tokenizer.json ({path}), "
+                                  "which output constraints need")
+        return path.read_text()
 
     @property
     def vocab_size(self) -> int:

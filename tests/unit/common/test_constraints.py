@@ -15,7 +15,6 @@ from services.common.constraints import (
     ConstraintKind,
     OutputConstraint,
     build_tokenizer,
-    check_grammar,
     compile_matcher,
     llguidance_grammar,
 )
@@ -83,14 +82,11 @@ def test_grammars_accept_exactly_their_language(
 def test_what_cannot_be_followed_exactly_is_refused_with_the_reason(
         tokenizer: llguidance.LLTokenizer, constraint: OutputConstraint, reason: str) -> None:
     with pytest.raises(ConstraintError, match=reason):
-        check_grammar(llguidance_grammar(constraint), tokenizer)
-    with pytest.raises(ConstraintError, match=reason):
         compile_matcher(llguidance_grammar(constraint), tokenizer)
 
 
 def test_unknown_formats_are_annotations_and_ignored(tokenizer: llguidance.LLTokenizer) -> None:
     constraint = schema({"type": "string", "format": "x-company-id", "maxLength": 3})
-    check_grammar(llguidance_grammar(constraint), tokenizer)
     assert force(compile_matcher(llguidance_grammar(constraint), tokenizer), tokenizer, '"ab"')
 
 
