@@ -58,7 +58,15 @@ from typing import Any, Protocol
 from services.common.model_info import ModelInfo
 from services.engine.config import EngineConfig
 from services.engine.observer import EngineObserver
-from services.engine.request import FinishReason, Request, RequestUpdate
+from services.engine.request import (
+    INTERNAL,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    FinishReason,
+    Request,
+    RequestUpdate,
+)
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
@@ -70,11 +78,6 @@ from services.engine.wave import WaveState
 
 logger = logging.getLogger(__name__)
 
-# google.rpc.Code values carried by error outputs.
-INVALID_ARGUMENT = 3
-RESOURCE_EXHAUSTED = 8
-INTERNAL = 13
-UNAVAILABLE = 14
 
 
 class InputType(enum.Enum):
@@ -339,7 +342,7 @@ class EngineCore:
         elif kind is InputType.GRAMMAR_READY:
             self._grammar_ready(payload)
         elif kind is InputType.ABORT:
-            self._emit(self._abort_compiles(payload) + self.scheduler.abort_requests(payload))
+            self._emit(self._abort(payload))
         elif kind is InputType.UTILITY:
             self._run_utility(payload)
         elif kind is InputType.START_WAVE and self._wave is not None:
@@ -444,11 +447,11 @@ class EngineCore:
         constraint = request.sampling.constraint
         assert constraint is not None
         rid = request.request_id
-        if rid in self._compiling or rid in self.scheduler.requests:
+        if rid in self._compiling:
             self._reject([request], INVALID_ARGUMENT, f"request id {rid!r} is already in use")
             return
         try:
-            # Fail what can never run now, not after its compile.
+            # Fail what can never run now (a duplicate id too), not after its compile.
             self.scheduler.check_admissible(request)
         except RequestRejected as exc:
             self._reject([request], INVALID_ARGUMENT, str(exc))
@@ -502,6 +505,16 @@ class EngineCore:
                 f"grammar_compile_timeout_s ({self.config.grammar_compile_timeout_s:g} s); "
                 "simplify the constraint"))
 
+    def _abort(self, request_ids: list[str]) -> list[RequestUpdate]:
+        """Abort requests wherever they wait: compiling or in the scheduler."""
+        return self._abort_compiles(request_ids) + self.scheduler.abort_requests(request_ids)
+
+    def _finish_all(self, reason: FinishReason, error_code: int = 0,
+                    error_message: str = "") -> list[RequestUpdate]:
+        """End every request, compiling or in the scheduler."""
+        return (self._finish_compiles(reason, error_code, error_message)
+                + self.scheduler.finish_all(reason, error_code, error_message))
+
     def _abort_compiles(self, request_ids: Iterable[str]) -> list[RequestUpdate]:
         updates = []
         for rid in request_ids:
@@ -526,15 +539,12 @@ class EngineCore:
         the model runs; the runner waits for it before sampling)."""
         if self._grammars is None:
             return out  # no constrained request has ever come: nothing to look at
-        requests = self.scheduler.requests
-        if not any(requests[sr.request_id].grammar is not None
-                   for sr in out.requests if sr.sample):
-            return out
         if self._masks is None:
             self._masks = StepMasks(self._grammars.vocab_size,
                                     on_mask=self.observer.on_grammar_mask)
+        requests = self.scheduler.requests
         mask = self._masks.start(out, lambda rid: requests[rid].grammar)
-        return dataclasses.replace(out, grammar_mask=mask)
+        return out if mask is None else dataclasses.replace(out, grammar_mask=mask)
 
     def _update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         # Aborts that arrived while the batch executed go out before its outputs.
@@ -616,8 +626,7 @@ class EngineCore:
             raise ValueError(f"unknown pause mode {raw!r} (choose {choices})") from None
         num_aborted = 0
         if mode is PauseMode.ABORT:
-            aborted = (self._finish_compiles(FinishReason.ABORT)
-                       + self.scheduler.finish_all(FinishReason.ABORT))
+            aborted = self._finish_all(FinishReason.ABORT)
             num_aborted = len(aborted)
             self._emit(aborted)
         self._pause_mode = mode
@@ -651,8 +660,7 @@ class EngineCore:
                 request_ids = self.aborts_queue.get_nowait()
             except queue.Empty:
                 return updates
-            updates += self._abort_compiles(request_ids)
-            updates += self.scheduler.abort_requests(request_ids)
+            updates += self._abort(request_ids)
 
     def _publish_stats(self) -> None:
         self._stats = self.scheduler.stats()
@@ -676,8 +684,7 @@ class EngineCore:
                 pool.close()
         message = (f"{self.name} is shutting down; the request did not finish within the "
                    "drain timeout")
-        unfinished = (self._finish_compiles(FinishReason.ERROR, UNAVAILABLE, message)
-                      + self.scheduler.finish_all(FinishReason.ERROR, UNAVAILABLE, message))
+        unfinished = self._finish_all(FinishReason.ERROR, UNAVAILABLE, message)
         if unfinished:
             logger.warning("%s: aborted %d requests left after draining", self.name,
                            len(unfinished))
@@ -710,8 +717,7 @@ class EngineCore:
         logger.critical("%s is dead: %s\n%s", self.name, reason, self._describe_scheduler())
         if fail_requests:
             try:
-                self._emit(self._finish_compiles(FinishReason.ERROR, UNAVAILABLE, message)
-                           + self.scheduler.finish_all(FinishReason.ERROR, UNAVAILABLE, message))
+                self._emit(self._finish_all(FinishReason.ERROR, UNAVAILABLE, message))
             except Exception:
                 logger.exception("could not fail the requests of a dead engine")
         self._reject_pending_adds(message)

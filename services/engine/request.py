@@ -16,6 +16,12 @@ from typing import Protocol
 from services.common.sampling import SamplingParams
 from services.engine.scheduler.output import PositionLogprobs
 
+# google.rpc.Code values carried by error outputs (RequestUpdate.error_code).
+INVALID_ARGUMENT = 3
+RESOURCE_EXHAUSTED = 8
+INTERNAL = 13
+UNAVAILABLE = 14
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()

@@ -24,7 +24,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from services.engine.request import FinishReason, Request, RequestStatus, RequestUpdate
+from services.engine.request import (
+    INTERNAL,
+    FinishReason,
+    Request,
+    RequestStatus,
+    RequestUpdate,
+)
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.output import (
     PositionLogprobs,
@@ -35,10 +41,6 @@ from services.engine.scheduler.output import (
 from services.engine.scheduler.policy import make_request_queue
 
 logger = logging.getLogger(__name__)
-
-
-# google.rpc.Code of a request the engine failed.
-INTERNAL = 13
 
 
 class RequestRejected(ValueError):
