@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -15,6 +14,7 @@ from services.frontend.reasoning_parsers import (
     prompt_opens_reasoning,
 )
 from services.frontend.tool_parsers import ToolCall, make_tool_parser
+from tests.unit.frontend.chunkings import chunkings
 
 
 @dataclass(frozen=True)
@@ -175,27 +175,6 @@ CASES = [
 ]
 
 
-def _random_chunks(text: str, rng: random.Random) -> list[str]:
-    chunks: list[str] = []
-    pos = 0
-    while pos < len(text):
-        size = rng.randint(1, 8)
-        chunks.append(text[pos : pos + size])
-        pos += size
-    return chunks
-
-
-def _chunkings(text: str) -> Iterator[list[str]]:
-    """The text whole, a character at a time, split at every point, and randomly."""
-    yield [text]
-    yield list(text)
-    for cut in range(1, len(text)):
-        yield [text[:cut], text[cut:]]
-    rng = random.Random(20240611)
-    for _ in range(20):
-        yield _random_chunks(text, rng)
-
-
 def _stream(parser_name: str, starts_in_reasoning: bool, chunks: list[str]) -> ReasoningDelta:
     parser = make_reasoning_parser(parser_name, starts_in_reasoning)
     outs = [parser.feed(chunk) for chunk in chunks] + [parser.finish()]
@@ -211,7 +190,7 @@ def test_whole_answer(case: Case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_every_chunking_streams_the_same_answer(case: Case) -> None:
     expected = ReasoningDelta(case.reasoning or "", case.content)
-    for chunks in _chunkings(case.output):
+    for chunks in chunkings(case.output):
         assert _stream(case.parser, case.starts_in_reasoning, chunks) == expected, chunks
 
 
@@ -295,7 +274,7 @@ def test_reasoning_then_tool_calls() -> None:
         ("get_current_weather", '{"location":"Paris, France","unit":"celsius"}'),
         ("get_current_weather", '{"location":"東京","unit":"celsius"}'),
     ]
-    for chunks in _chunkings(output):
+    for chunks in chunkings(output):
         reasoning_parser = make_reasoning_parser("qwen3", starts_in_reasoning=False)
         tool_parser = make_tool_parser("hermes", random.Random(7))
         reasoning: list[str] = []

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +17,7 @@ from services.frontend.tool_parsers import (
     make_tool_parser,
     pick_tool_parser,
 )
+from tests.unit.frontend.chunkings import chunkings
 
 
 @dataclass(frozen=True)
@@ -298,27 +298,6 @@ MISTRAL_CASES = [
 CASES = HERMES_CASES + LLAMA3_CASES + MISTRAL_CASES
 
 
-def _random_chunks(text: str, rng: random.Random) -> list[str]:
-    chunks: list[str] = []
-    pos = 0
-    while pos < len(text):
-        size = rng.randint(1, 8)
-        chunks.append(text[pos : pos + size])
-        pos += size
-    return chunks
-
-
-def _chunkings(text: str) -> Iterator[list[str]]:
-    """The text whole, a character at a time, split at every point, and randomly."""
-    yield [text]
-    yield list(text)
-    for cut in range(1, len(text)):
-        yield [text[:cut], text[cut:]]
-    rng = random.Random(20240611)
-    for _ in range(20):
-        yield _random_chunks(text, rng)
-
-
 def _assemble(deltas: list[ToolCallDelta]) -> list[ToolCall]:
     """The calls a client rebuilds from the deltas, checking their order and shape."""
     calls: list[ToolCall] = []
@@ -351,7 +330,7 @@ def test_whole_answer(case: Case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.parser}: {c.id}" for c in CASES])
 def test_every_chunking_streams_the_same_answer(case: Case) -> None:
     whole = make_tool_parser(case.parser, random.Random(3)).parse_whole(case.output)
-    for chunks in _chunkings(case.output):
+    for chunks in chunkings(case.output):
         assert _stream(case.parser, chunks, seed=3) == whole, chunks
 
 
