@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 # Bump the suffix whenever the bytes written below change, so stale caches are ignored.
-TINY_CHECKPOINT_NAME = "tiny-llama-v1"
+TINY_CHECKPOINT_NAME = "tiny-llama-v2"
 CACHE_DIR_ENV = "CORESTREAM_CACHE_DIR"
 
 _SEED = 20240607
@@ -56,6 +56,42 @@ Numbers such as 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 32, 64, 128, 256, 512 and 
 appear in configuration files, together with names like block_size, max_model_len,
 temperature, top_p, top_k and seed. Questions? Answers! Lists: one, two, three.
 Hello, world. The quick brown fox jumps over the lazy dog. Good morning and good night.
+"""
+
+
+# The tiny model's own chat template, so that ChatService works out of the box: a turn
+# is `<|role|>` on a line, the text, and the EOS token; tools are listed in the system
+# turn and calls are written in the hermes format (`<tool_call>` JSON `</tool_call>`).
+# Reasoning of earlier turns is left out of the history.
+TINY_CHAT_TEMPLATE = """\
+{%- set has_system = messages and messages[0].role in ('system', 'developer') -%}
+{{- bos_token -}}
+{%- if has_system or tools -%}
+<|system|>
+{% if has_system %}{{ messages[0].content }}
+{% endif %}
+{%- if tools %}You can call these tools (JSON schemas):
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}
+Call one as <tool_call>{"name": NAME, "arguments": {...}}</tool_call> on its own line.
+{% endif %}
+{{- eos_token }}
+{% endif -%}
+{%- for message in messages -%}
+{%- if not (loop.first and has_system) -%}
+<|{{ message.role }}|>
+{% if message.content is string %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor -%}
+{{ eos_token }}
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|assistant|>
+{% endif -%}
 """
 
 
@@ -104,6 +140,7 @@ def write_tiny_checkpoint(folder: Path) -> None:
     tokenizer = _train_tokenizer()
     vocab_size = tokenizer.get_vocab_size()
     tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(TINY_CHAT_TEMPLATE, encoding="utf-8")
     _write_json(folder / "tokenizer_config.json", _tokenizer_config())
     _write_json(folder / "config.json", _model_config(vocab_size))
     _write_json(

@@ -7,9 +7,12 @@ from dataclasses import dataclass
 
 from services.common.config import doc
 from services.common.grpc_server import SESSION_HEARTBEAT_S, MiB
+from services.frontend.reasoning_parsers import REASONING_PARSERS
+from services.frontend.tool_parsers import TOOL_PARSERS
 from services.frontend.validation import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+TOOL_CALL_PARSER_CHOICES = ("auto", "none", *sorted(TOOL_PARSERS))
 
 
 def _check_address(name: str, address: str) -> None:
@@ -85,6 +88,30 @@ class FrontendConfig:
         "Largest output constraint accepted (sampling.json_schema, regex, grammar, or the "
         "choices together), in characters.", default=64 * 1024
     )
+    chat_template: str = doc(
+        "Jinja chat template file for ChatService, replacing the checkpoint's own "
+        "(chat_template.jinja or tokenizer_config.json's chat_template). Empty: the "
+        "checkpoint's.", default=""
+    )
+    trust_request_chat_template: bool = doc(
+        "Accept a chat template sent in a request (chat_template field). Templates are "
+        "code, run in a sandbox; off by default.", default=False
+    )
+    tool_call_parser: str = doc(
+        "How tool calls are read out of answers: hermes, llama3_json, mistral, auto (picked "
+        "from the chat template) or none (answers are content only).", default="auto"
+    )
+    reasoning_parser: str = doc(
+        "How reasoning is split from the answer: deepseek_r1, qwen3, or empty for none.",
+        default=""
+    )
+    max_chat_messages: int = doc(
+        "Most messages in one chat request.", default=1024
+    )
+    max_chat_chars: int = doc(
+        "Largest chat request, in characters of its messages and tool definitions "
+        "together (the rendered prompt is also held to max_prompt_tokens).", default=1 << 20
+    )
     max_concurrent_streams: int = doc(
         "Most concurrent calls on one client connection (HTTP/2 streams). A gRPC client "
         "queues calls beyond it once it has the server's settings; calls it opens before "
@@ -119,9 +146,17 @@ class FrontendConfig:
                                 ("max_stop_strings", 0, 1024),
                                 ("max_stop_string_length", 1, 1 << 16),
                                 ("max_constraint_chars", 1, 1 << 24),
+                                ("max_chat_messages", 1, 1 << 20),
+                                ("max_chat_chars", 1, 1 << 28),
                                 ("max_concurrent_streams", 1, 1 << 16)):
             value = getattr(self, name)
             if not low <= value <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        if self.tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSER_CHOICES}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {tuple(REASONING_PARSERS)} or "
+                             f"empty, got {self.reasoning_parser!r}")
         if self.log_level.lower() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {_LOG_LEVELS}, got {self.log_level!r}")

@@ -38,10 +38,10 @@ class ConstraintChecker:
         self._verdicts: OrderedDict[OutputConstraint, str | None] = OrderedDict()
         self._lock = threading.Lock()
 
-    async def check(self, constraint: OutputConstraint) -> None:
-        """INVALID_ARGUMENT naming the field and llguidance's reason, unless the
-        constraint compiles."""
-        field = constraint.field
+    async def check(self, constraint: OutputConstraint, field: str = "") -> None:
+        """INVALID_ARGUMENT naming the field (by default the sampling field that carries
+        the constraint) and llguidance's reason, unless the constraint compiles."""
+        field = field or constraint.field
         if constraint.size > self._max_chars:
             raise invalid_argument(
                 field, f"{field} has {constraint.size} characters, at most {self._max_chars} "

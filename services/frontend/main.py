@@ -1,4 +1,5 @@
-"""`corestream frontend`: load the tokenizer, serve GenerateService until a signal."""
+"""`corestream frontend`: load the tokenizer and chat template, serve GenerateService and
+ChatService until a signal."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from services.common.observability import Observability
 from services.common.observability_config import ObservabilityConfig
 from services.common.security_config import SecurityConfig
 from services.common.tiny_checkpoint import resolve_model
+from services.frontend.chat_service import load_templates
+from services.frontend.chat_template import ChatTemplates, TemplateError
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TextTokenizer
@@ -33,20 +36,29 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model(config.model or None)
     model = load_model_info(model_dir)
     tokenizer = TextTokenizer.from_dir(model_dir)
+    try:
+        templates = load_templates(config, model_dir)
+    except (OSError, TemplateError) as exc:
+        log.error("cannot load the chat template: %s", exc)
+        return 2
+    if templates.default is None and not templates.named:
+        log.warning("the model has no chat template: ChatService answers FAILED_PRECONDITION "
+                    "until one is given with --chat-template FILE")
     log.info(
         "model %s: vocab %d, context %d tokens", model.name, model.vocab_size, model.max_model_len
     )
     observability = Observability("frontend", obs_config, config.host, (config, security))
-    return asyncio.run(_serve(config, security, tokenizer, model, observability))
+    return asyncio.run(_serve(config, security, tokenizer, model, observability, templates))
 
 
 async def _serve(config: FrontendConfig, security: SecurityConfig, tokenizer: TextTokenizer,
-                 model: ModelInfo, observability: Observability) -> int:
+                 model: ModelInfo, observability: Observability,
+                 templates: ChatTemplates) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = FrontendServer(config, tokenizer, model, security, observability)
+    server = FrontendServer(config, tokenizer, model, security, observability, templates)
     port = await server.start()
     observability.start_metrics()
     log.info("frontend listening on %s:%d", config.host, port)

@@ -14,14 +14,17 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from corestream.common.v1 import common_pb2
 from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
+from corestream.generate.v1 import chat_service_pb2_grpc as chat_pb2_grpc
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 from corestream.generate.v1 import generate_service_pb2_grpc as generate_pb2_grpc
 
 from services.common.auth import BearerAuthInterceptor, load_keys
+from services.common.constraints import OutputConstraint
 from services.common.grpc_server import (
     AioHealth,
     add_aio_health_and_reflection,
@@ -36,13 +39,16 @@ from services.common.observability import Observability
 from services.common.observability_config import ObservabilityConfig
 from services.common.sampling import SamplingParams
 from services.common.security_config import PLAINTEXT, SecurityConfig
-from services.frontend import admin
+from services.frontend import admin, chat_service
 from services.frontend.balancer import Balancer
+from services.frontend.chat_service import ChatServicer
+from services.frontend.chat_template import ChatTemplates
 from services.frontend.config import FrontendConfig
 from services.frontend.constraint_check import ConstraintChecker
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError, invalid_argument, to_status
 from services.frontend.load_watcher import LoadWatcher
+from services.frontend.request_ids import MAX_REQUEST_ID_CHARS, start_call
 from services.frontend.request_runner import PreparedRequest, RequestRunner
 from services.frontend.request_telemetry import FrontendMetrics, RequestTelemetry
 from services.frontend.tokenizer import TextTokenizer
@@ -51,14 +57,12 @@ from services.frontend.validation import (
     check_length,
     check_prompt_text,
     check_prompt_token_ids,
-    check_request_id,
     check_sampling,
 )
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
-MAX_REQUEST_ID_CHARS = 256
 # Longer texts are tokenized off the event loop so that they do not stall other streams.
 _THREADED_TOKENIZE_CHARS = 4096
 # After the drain, how long the aborted streams get to send their status.
@@ -102,14 +106,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def GenerateStream(
         self, request: generate_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
-        request_id = await _start(request, context)
+        request_id = await start_call(request.request_id, context)
         async for chunk in self._chunks(request_id, request, context):
             yield chunk
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GenerateResponse:
-        request_id = await _start(request, context)
+        request_id = await start_call(request.request_id, context)
         response = generate_pb2.GenerateResponse(request_id=request_id)
         completions: dict[int, generate_pb2.Completion] = {}
         texts: dict[int, list[str]] = {}
@@ -136,7 +140,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.TokenizeResponse:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        token_ids = await self._encode(request.text, add_special)
+        token_ids = await self.encode(request.text, add_special)
         return generate_pb2.TokenizeResponse(
             token_ids=token_ids, tokens=self._tokenizer.token_strings(token_ids)
         )
@@ -185,12 +189,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def _chunks(
         self, request_id: str, request: GenerateRequestLike, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
-        """One request's chunks as the engines produce them, for both Generate RPCs;
-        a failure or the server's time limit ends the call with its status."""
+        prepare = functools.partial(self._prepare, request_id, request)
+        async for chunk in self.run(request_id, context, prepare):
+            yield chunk
+
+    async def run(
+        self, request_id: str, context: grpc.aio.ServicerContext,
+        prepare: Callable[[RequestTelemetry], Awaitable[PreparedRequest]],
+    ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
+        """One request's chunks as the engines produce them, for every generating RPC
+        (ChatService's too): `prepare` validates and tokenizes under the request's
+        telemetry and time limit; a failure or the time limit ends the call with its
+        status."""
         try:
             async with (self._telemetry(request_id, context) as telemetry,
                         asyncio.timeout(self._config.request_timeout_s)):
-                prepared = await self._prepare(request_id, request, context, telemetry)
+                prepared = await prepare(telemetry)
                 async for chunk in self._runner.run(prepared, telemetry):
                     telemetry.on_chunk(chunk)
                     yield chunk
@@ -204,46 +218,56 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                 dict(context.invocation_metadata() or ()))
 
     async def _prepare(
-        self, request_id: str, request: GenerateRequestLike, context: grpc.aio.ServicerContext,
-        telemetry: RequestTelemetry,
+        self, request_id: str, request: GenerateRequestLike, telemetry: RequestTelemetry,
     ) -> PreparedRequest:
         """Validate (cheap checks first), tokenize and apply the length limits."""
         with telemetry.phase("validate"):
             sampling, token_ids = self._validate(request_id, request)
-            if sampling.constraint is not None:
-                await self._constraints.check(sampling.constraint)
         text = request.text if token_ids is None else None
         with telemetry.phase("tokenize"):
             if token_ids is None:
-                token_ids = await self._encode(request.text, add_special_tokens=True)
-            max_tokens = check_length(
-                len(token_ids),
-                sampling.max_tokens,
-                self._model.max_model_len,
-                self._config.max_prompt_tokens,
-                self._config.max_tokens_limit,
-            )
-        sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
-        telemetry.on_prepared(sampling, text, len(token_ids))
-        return PreparedRequest(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling=sampling,
-            skip_special_tokens=(
-                request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+                token_ids = await self.encode(request.text, add_special_tokens=True)
+        return await self.prepared(
+            PreparedRequest(
+                request_id=request_id,
+                prompt_token_ids=token_ids,
+                sampling=sampling,
+                skip_special_tokens=(request.skip_special_tokens
+                                     if request.HasField("skip_special_tokens") else True),
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                data_parallel_rank=(request.data_parallel_rank
+                                    if request.HasField("data_parallel_rank") else None),
             ),
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-            data_parallel_rank=(
-                request.data_parallel_rank if request.HasField("data_parallel_rank") else None
-            ),
-            trace_headers=telemetry.trace_headers(),
-        )
+            text, telemetry)
 
-    def _validate(
-        self, request_id: str, request: GenerateRequestLike
-    ) -> tuple[SamplingParams, list[int] | None]:
-        """The checks that need no tokenizer; the prompt's ids when it came as ids."""
+    async def prepared(self, request: PreparedRequest, prompt_text: str | None,
+                       telemetry: RequestTelemetry) -> PreparedRequest:
+        """A tokenized request checked against the length limits and with its output
+        constraint checked, ready to run."""
+        sampling = request.sampling
+        if sampling.constraint is not None:
+            with telemetry.phase("validate"):
+                await self._constraints.check(sampling.constraint)
+        max_tokens = check_length(
+            len(request.prompt_token_ids),
+            sampling.max_tokens,
+            self._model.max_model_len,
+            self._config.max_prompt_tokens,
+            self._config.max_tokens_limit,
+        )
+        sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+        telemetry.on_prepared(sampling, prompt_text, len(request.prompt_token_ids))
+        return dataclasses.replace(request, sampling=sampling,
+                                   trace_headers=telemetry.trace_headers())
+
+    async def check_constraint(self, constraint: OutputConstraint, field: str) -> None:
+        """Compile-check a constraint that came in as `field` (verdicts are cached, so
+        the check in `prepared` is then free)."""
+        await self._constraints.check(constraint, field)
+
+    def check_accepting(self) -> None:
+        """UNAVAILABLE while the frontend drains."""
         if self.draining:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -251,13 +275,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 "retry on another replica",
                 reason="DRAINING",
             )
+
+    def check_sampling(self, sampling: common_pb2.SamplingParams) -> SamplingParams:
+        return check_sampling(sampling, self._model.vocab_size, self._limits)
+
+    def _validate(
+        self, request_id: str, request: GenerateRequestLike
+    ) -> tuple[SamplingParams, list[int] | None]:
+        """The checks that need no tokenizer; the prompt's ids when it came as ids."""
+        self.check_accepting()
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise invalid_argument(
                 "request_id",
                 f"request_id has {len(request_id)} characters, "
                 f"at most {MAX_REQUEST_ID_CHARS} are allowed",
             )
-        sampling = check_sampling(request.sampling, self._model.vocab_size, self._limits)
+        sampling = self.check_sampling(request.sampling)
         if request.WhichOneof("prompt") == "token_ids":
             token_ids = list(request.token_ids.ids)
             check_prompt_token_ids(token_ids, self._model.vocab_size)
@@ -265,7 +298,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         check_prompt_text(request.text)
         return sampling, None
 
-    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if len(text) > _THREADED_TOKENIZE_CHARS:
             return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
         return self._tokenizer.encode(text, add_special_tokens)
@@ -275,26 +308,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return f"the request ran longer than the server's limit of {limit:g} s"
 
 
-async def _start(request: GenerateRequestLike, context: grpc.aio.ServicerContext) -> str:
-    """The request's id, echoed as `x-request-id` metadata: the request's own, else the
-    client's `x-request-id` metadata, else a new one."""
-    metadata = dict(context.invocation_metadata() or ())
-    request_id = request.request_id or str(metadata.get("x-request-id", "")) or uuid.uuid4().hex
-    try:
-        check_request_id(request_id, MAX_REQUEST_ID_CHARS)
-    except RequestError as e:
-        await context.abort_with_status(to_status(e))
-    await context.send_initial_metadata((("x-request-id", request_id),))
-    return request_id
-
-
 class FrontendServer:
-    """GenerateService and AdminService plus health and reflection, fed by a coordinator
-    or static engines."""
+    """GenerateService, ChatService and AdminService plus health and reflection, fed by
+    a coordinator or static engines."""
 
     def __init__(self, config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo,
                  security: SecurityConfig = PLAINTEXT,
-                 observability: Observability | None = None) -> None:
+                 observability: Observability | None = None,
+                 chat_templates: ChatTemplates | None = None) -> None:
         self._config = config
         self.observability = observability or Observability(
             "frontend", ObservabilityConfig(), config.host)
@@ -309,6 +330,9 @@ class FrontendServer:
         )
         self._servicer = GenerateServicer(config, tokenizer, model, self.balancer,
                                           self.observability)
+        self._chat = ChatServicer(config, self._servicer, tokenizer,
+                                  chat_templates or ChatTemplates(default=None),
+                                  model.eos_token_ids)
         self._server: grpc.aio.Server | None = None
         self._health: AioHealth | None = None
         self._watcher: LoadWatcher | None = None
@@ -325,10 +349,12 @@ class FrontendServer:
             interceptors=[*self.observability.aio_interceptors(),
                           *_auth_interceptors(self._config), RejectMalformedInterceptor()])
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self._servicer, server)
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(self._chat, server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             admin.AdminServicer(self.balancer), server)
         self._health = await add_aio_health_and_reflection(
-            server, [SERVICE_NAME, admin.SERVICE_NAME], self._security.reflection)
+            server, [SERVICE_NAME, chat_service.SERVICE_NAME, admin.SERVICE_NAME],
+            self._security.reflection)
         address = host_port(self._config.host, self._config.port)
         self.port = bind(server, address, self._security)
         await server.start()

@@ -98,7 +98,7 @@ def test_one_trace_from_client_to_engine(stub: pb_grpc.GenerateServiceStub,
     traceparent = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"
     tokens, _ = stream(stub, 6, (("traceparent", traceparent),))
     assert tokens == 6
-    names = ("text_completion tiny-llama-v1", "validate", "tokenize", "route", "detokenize",
+    names = ("text_completion tiny-llama-v2", "validate", "tokenize", "route", "detokenize",
              "engine.request", "engine.queue", "engine.prefill", "engine.decode")
     spans = [s for s in collector.wait_for(in_trace(CLIENT_TRACE_ID, *names))
              if s.trace_id == CLIENT_TRACE_ID]
@@ -106,13 +106,13 @@ def test_one_trace_from_client_to_engine(stub: pb_grpc.GenerateServiceStub,
     rpc = one(spans, "/corestream.generate.v1.GenerateService/GenerateStream")
     assert rpc.parent_span_id == CLIENT_SPAN_ID  # the client's traceparent is the parent
     assert rpc.service == "corestream-frontend"
-    request = one(spans, "text_completion tiny-llama-v1")
+    request = one(spans, "text_completion tiny-llama-v2")
     assert request.parent_span_id == rpc.span_id
     for phase in ("validate", "tokenize", "route", "detokenize"):
         assert one(spans, phase).parent_span_id == request.span_id
     attrs = request.attributes
     assert attrs["gen_ai.operation.name"] == "text_completion"
-    assert attrs["gen_ai.request.model"] == "tiny-llama-v1"
+    assert attrs["gen_ai.request.model"] == "tiny-llama-v2"
     assert attrs["gen_ai.request.max_tokens"] == 6
     assert attrs["gen_ai.request.temperature"] == pytest.approx(0.5)
     assert attrs["gen_ai.usage.output_tokens"] == 6
@@ -219,7 +219,7 @@ def test_metrics_move_by_exactly_the_workload(cluster: tuple[Cluster, int],
     assert value(after[ENGINE], "corestream:last_step_timestamp_seconds") > time.time() - 120
 
     assert delta(FRONTEND, "corestream:request_success_total", finished_reason="length",
-                 engine="0", model_name="tiny-llama-v1") == n
+                 engine="0", model_name="tiny-llama-v2") == n
     assert delta(FRONTEND, "corestream:time_to_first_token_seconds_count") == n
     assert delta(FRONTEND, "corestream:e2e_request_latency_seconds_count") == n
     # One inter-token interval per token after the first (one token per step here).
@@ -300,7 +300,7 @@ def test_coordinator_counts_its_calls(cluster: tuple[Cluster, int]) -> None:
         assert value(samples, "corestream:grpc_server_started_total", grpc_service=coordinator,
                      grpc_method=method) >= 1
     assert value(samples, "corestream:coordinator_engines", state="RUNNING",
-                 model_name="tiny-llama-v1") == 1
+                 model_name="tiny-llama-v2") == 1
     assert value(samples, "corestream:coordinator_engines", state="DEAD") == 0
 
 

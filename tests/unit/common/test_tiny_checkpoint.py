@@ -16,6 +16,7 @@ from services.common.tiny_checkpoint import (
 )
 
 FILES = (
+    "chat_template.jinja",
     "config.json",
     "generation_config.json",
     "model.safetensors",
@@ -133,3 +134,28 @@ def test_concurrent_writers_agree(tmp_path: Path) -> None:
     # Losers clean up their staging folders.
     assert [p.name for p in tmp_path.iterdir()] == [TINY_CHECKPOINT_NAME]
     assert load_model_info(tmp_path / TINY_CHECKPOINT_NAME).vocab_size > 256
+
+
+def test_the_chat_template_is_served_and_matches_transformers(checkpoint: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from services.frontend.chat_template import load_chat_templates, render_chat
+
+    templates = load_chat_templates(checkpoint)
+    hf = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "-3 C"},
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    for chat, chat_tools in ((messages, tools), (messages[1:2], None)):
+        ours = render_chat(templates.default or "", chat, tools=chat_tools,
+                           add_generation_prompt=True, continue_final_message=False,
+                           template_kwargs={}, special_tokens=templates.special_tokens)
+        theirs = hf.apply_chat_template(chat, tools=chat_tools, tokenize=False,
+                                        add_generation_prompt=True)
+        assert ours == theirs
+    assert ours == "<s><|user|>\nWeather?</s>\n<|assistant|>\n"

@@ -190,7 +190,7 @@ def test_tiny_checkpoint_is_the_default_model(
 ) -> None:
     monkeypatch.setenv("CORESTREAM_CACHE_DIR", str(tmp_path))
     runner = ModelRunner(RunnerConfig(kv_cache_memory=1 << 20, max_model_len=64))
-    assert runner.model_info.name == "tiny-llama-v1"
+    assert runner.model_info.name == "tiny-llama-v2"
     assert runner.model_info.max_model_len == 64
     assert (runner.device, runner.dtype, runner.block_size) == ("cpu", "float32", 16)
     assert runner.num_blocks == (1 << 20) // (2 * 2 * 16 * 2 * 16 * 4)
