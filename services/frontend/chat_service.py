@@ -123,7 +123,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         request_id = await start_call(request.request_id, context)
         answers = _Answers()
         prepare = functools.partial(self._prepare, request_id, request, answers)
-        async for chunk in self._generate.run(request_id, context, prepare):
+        async for chunk in self._generate.run(request_id, context, prepare, "chat"):
             response = self._stream_response(answers, chunk)
             if response is not None:
                 yield response
@@ -137,7 +137,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         response = chat_pb2.ChatResponse(request_id=request_id)
         choices: dict[int, chat_pb2.ChatChoice] = {}
         texts: dict[int, tuple[list[str], list[str]]] = {}
-        async for chunk in self._generate.run(request_id, context, prepare):
+        async for chunk in self._generate.run(request_id, context, prepare, "chat"):
             choice = choices.setdefault(chunk.index, chat_pb2.ChatChoice(index=chunk.index))
             content, reasoning = texts.setdefault(chunk.index, ([], []))
             delta, finish_reason = self._read(answers, chunk)

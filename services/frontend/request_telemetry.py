@@ -77,7 +77,7 @@ class RequestTelemetry:
     """One request's span and metrics; use as a context manager around its handling."""
 
     def __init__(self, tracing: Tracing, metrics: FrontendMetrics, request_id: str,
-                 metadata: Mapping[str, Any]) -> None:
+                 metadata: Mapping[str, Any], operation: str = "text_completion") -> None:
         self._tracing = tracing
         self._metrics = metrics
         self.request_id = request_id
@@ -98,8 +98,8 @@ class RequestTelemetry:
         parent = None if trace.get_current_span().get_span_context().is_valid else (
             tr.extract(self._client_headers))
         self.span = tracing.tracer.start_span(
-            f"text_completion {metrics.model_name}", context=parent,
-            attributes={tr.GEN_AI_OPERATION: "text_completion", tr.GEN_AI_SYSTEM:
+            f"{operation} {metrics.model_name}", context=parent,
+            attributes={tr.GEN_AI_OPERATION: operation, tr.GEN_AI_SYSTEM:
                         tr.GEN_AI_SYSTEM_NAME, tr.GEN_AI_MODEL: metrics.model_name,
                         tr.GEN_AI_RESPONSE_ID: request_id})
         self._context = trace.set_span_in_context(self.span)

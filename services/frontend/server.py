@@ -196,13 +196,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     async def run(
         self, request_id: str, context: grpc.aio.ServicerContext,
         prepare: Callable[[RequestTelemetry], Awaitable[PreparedRequest]],
+        operation: str = "text_completion",
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         """One request's chunks as the engines produce them, for every generating RPC
         (ChatService's too): `prepare` validates and tokenizes under the request's
         telemetry and time limit; a failure or the time limit ends the call with its
-        status."""
+        status. `operation` names the request's span (GenAI operation names)."""
         try:
-            async with (self._telemetry(request_id, context) as telemetry,
+            async with (self._telemetry(request_id, context, operation) as telemetry,
                         asyncio.timeout(self._config.request_timeout_s)):
                 prepared = await prepare(telemetry)
                 async for chunk in self._runner.run(prepared, telemetry):
@@ -213,9 +214,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message())
 
-    def _telemetry(self, request_id: str, context: grpc.aio.ServicerContext) -> RequestTelemetry:
+    def _telemetry(self, request_id: str, context: grpc.aio.ServicerContext,
+                   operation: str) -> RequestTelemetry:
         return RequestTelemetry(self._observability.tracing, self._metrics, request_id,
-                                dict(context.invocation_metadata() or ()))
+                                dict(context.invocation_metadata() or ()), operation)
 
     async def _prepare(
         self, request_id: str, request: GenerateRequestLike, telemetry: RequestTelemetry,
