@@ -182,7 +182,10 @@ def _tool_schema(tool: chat_pb2.Tool, function: Function) -> dict[str, Any]:
     spec: dict[str, Any] = {"name": function.name}
     if tool.description:
         spec["description"] = tool.description
-    spec["parameters"] = function.parameters
+    if tool.parameters:
+        # A tool without parameters reaches the template without them, as transformers
+        # gives it (templates print what they get); the constraint still takes `{}`.
+        spec["parameters"] = function.parameters
     return {"type": "function", "function": spec}
 
 

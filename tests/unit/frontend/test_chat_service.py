@@ -374,3 +374,13 @@ def test_each_sample_is_parsed_on_its_own() -> None:
         assert len(ids) == 3
 
     _serve(CALL_TEXT, body)
+
+
+@pytest.mark.timeout(30)
+def test_a_tool_without_parameters_reaches_the_template_without_them() -> None:
+    async def body(stub: chat_grpc.ChatServiceStub) -> None:
+        response = await stub.RenderChat(chat_pb2.RenderChatRequest(
+            messages=QUESTION, tools=[TIME]))
+        assert '{"type": "function", "function": {"name": "get_time"}}' in response.prompt
+
+    _serve(None, body)
