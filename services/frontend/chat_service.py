@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,12 +47,12 @@ from services.frontend.chat_template import (
 )
 from services.frontend.config import FrontendConfig
 from services.frontend.errors import RequestError, invalid_argument, to_status
+from services.frontend.grpc_calls import aborting_on_error, call_metadata, start_call
 from services.frontend.reasoning_parsers import (
     REASONING_PARSERS,
     make_reasoning_parser,
     prompt_opens_reasoning,
 )
-from services.frontend.request_ids import start_call
 from services.frontend.request_runner import PreparedRequest
 from services.frontend.request_telemetry import RequestTelemetry
 from services.frontend.tokenizer import TextTokenizer
@@ -121,41 +121,27 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         self, request: chat_pb2.ChatStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[chat_pb2.ChatStreamResponse]:
         request_id = await start_call(request.request_id, context)
-        answers = _Answers()
-        prepare = functools.partial(self._prepare, request_id, request, answers)
-        async for chunk in self._generate.run(request_id, context, prepare, "chat"):
-            response = self._stream_response(answers, chunk)
-            if response is not None:
-                yield response
+        async for response in aborting_on_error(
+                self.answer(request_id, request, call_metadata(context)), context):
+            yield response
 
     async def Chat(
         self, request: chat_pb2.ChatRequest, context: grpc.aio.ServicerContext
     ) -> chat_pb2.ChatResponse:
         request_id = await start_call(request.request_id, context)
+        responses = self.answer(request_id, request, call_metadata(context))
+        return await collect_chat(request_id, aborting_on_error(responses, context))
+
+    async def answer(self, request_id: str, request: ChatRequestLike,
+                     metadata: Mapping[str, str]) -> AsyncIterator[chat_pb2.ChatStreamResponse]:
+        """A chat request's answer as stream deltas; RequestError when it fails (any
+        transport: the gRPC RPCs and the HTTP API both read this)."""
         answers = _Answers()
         prepare = functools.partial(self._prepare, request_id, request, answers)
-        response = chat_pb2.ChatResponse(request_id=request_id)
-        choices: dict[int, chat_pb2.ChatChoice] = {}
-        texts: dict[int, tuple[list[str], list[str]]] = {}
-        async for chunk in self._generate.run(request_id, context, prepare, "chat"):
-            choice = choices.setdefault(chunk.index, chat_pb2.ChatChoice(index=chunk.index))
-            content, reasoning = texts.setdefault(chunk.index, ([], []))
-            delta, finish_reason = self._read(answers, chunk)
-            content.append(delta.content)
-            reasoning.append(delta.reasoning)
-            choice.logprobs.extend(chunk.logprobs)
-            if finish_reason:
-                choice.finish_reason = finish_reason
-                for call in answers.parser(chunk.index).calls:
-                    choice.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
-            if chunk.HasField("usage"):
-                response.usage.CopyFrom(chunk.usage)
-        for index in sorted(choices):
-            content, reasoning = texts[index]
-            choices[index].content = "".join(content)
-            choices[index].reasoning = "".join(reasoning)
-            response.choices.append(choices[index])
-        return response
+        async for chunk in self._generate.run(request_id, metadata, prepare, "chat"):
+            response = self._stream_response(answers, chunk)
+            if response is not None:
+                yield response
 
     def _stream_response(
         self, answers: _Answers, chunk: generate_pb2.GenerateStreamResponse
@@ -338,6 +324,35 @@ def _response_format(response_format: chat_pb2.ResponseFormat) -> OutputConstrai
     if kind == chat_pb2.RESPONSE_FORMAT_TYPE_JSON_OBJECT:
         return response_format_constraint("json_object", "")
     return None
+
+
+async def collect_chat(
+    request_id: str, responses: AsyncIterator[chat_pb2.ChatStreamResponse]
+) -> chat_pb2.ChatResponse:
+    """A whole ChatResponse out of an answer's deltas."""
+    response = chat_pb2.ChatResponse(request_id=request_id)
+    choices: dict[int, chat_pb2.ChatChoice] = {}
+    texts: dict[int, tuple[list[str], list[str]]] = {}
+    async for delta in responses:
+        choice = choices.setdefault(delta.index, chat_pb2.ChatChoice(index=delta.index))
+        content, reasoning = texts.setdefault(delta.index, ([], []))
+        content.append(delta.content)
+        reasoning.append(delta.reasoning)
+        choice.logprobs.extend(delta.logprobs)
+        for call in delta.tool_calls:
+            if call.id:  # a call's first delta
+                choice.tool_calls.add(id=call.id, name=call.name)
+            choice.tool_calls[call.index].arguments += call.arguments
+        if delta.finish_reason:
+            choice.finish_reason = delta.finish_reason
+        if delta.HasField("usage"):
+            response.usage.CopyFrom(delta.usage)
+    for index in sorted(choices):
+        content, reasoning = texts[index]
+        choices[index].content = "".join(content)
+        choices[index].reasoning = "".join(reasoning)
+        response.choices.append(choices[index])
+    return response
 
 
 def _constraint_field(request: ChatRequestLike) -> str:

@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
 from corestream.common.v1 import common_pb2
@@ -47,8 +47,13 @@ from services.frontend.config import FrontendConfig
 from services.frontend.constraint_check import ConstraintChecker
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError, invalid_argument, to_status
+from services.frontend.grpc_calls import (
+    MAX_REQUEST_ID_CHARS,
+    aborting_on_error,
+    call_metadata,
+    start_call,
+)
 from services.frontend.load_watcher import LoadWatcher
-from services.frontend.request_ids import MAX_REQUEST_ID_CHARS, start_call
 from services.frontend.request_runner import PreparedRequest, RequestRunner
 from services.frontend.request_telemetry import FrontendMetrics, RequestTelemetry
 from services.frontend.tokenizer import TextTokenizer
@@ -107,34 +112,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self, request: generate_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
         request_id = await start_call(request.request_id, context)
-        async for chunk in self._chunks(request_id, request, context):
+        async for chunk in aborting_on_error(
+                self.generate(request_id, request, call_metadata(context)), context):
             yield chunk
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GenerateResponse:
         request_id = await start_call(request.request_id, context)
-        response = generate_pb2.GenerateResponse(request_id=request_id)
-        completions: dict[int, generate_pb2.Completion] = {}
-        texts: dict[int, list[str]] = {}
-        async for chunk in self._chunks(request_id, request, context):
-            completion = completions.setdefault(
-                chunk.index, generate_pb2.Completion(index=chunk.index))
-            texts.setdefault(chunk.index, []).append(chunk.text)
-            completion.token_ids.extend(chunk.token_ids)
-            completion.logprobs.extend(chunk.logprobs)
-            response.prompt_logprobs.extend(chunk.prompt_logprobs)
-            if chunk.finish_reason:
-                completion.finish_reason = chunk.finish_reason
-                stop = chunk.WhichOneof("matched_stop")
-                if stop is not None:
-                    setattr(completion, stop, getattr(chunk, stop))
-            if chunk.HasField("usage"):
-                response.usage.CopyFrom(chunk.usage)
-        for index in sorted(completions):
-            completions[index].text = "".join(texts[index])
-            response.completions.append(completions[index])
-        return response
+        chunks = self.generate(request_id, request, call_metadata(context))
+        return await collect_generate(request_id, aborting_on_error(chunks, context))
 
     async def Tokenize(
         self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -186,38 +173,37 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             log.info("aborted %d request(s) on request", len(aborted))
         return generate_pb2.AbortResponse(aborted_request_ids=aborted)
 
-    async def _chunks(
-        self, request_id: str, request: GenerateRequestLike, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
-        prepare = functools.partial(self._prepare, request_id, request)
-        async for chunk in self.run(request_id, context, prepare):
-            yield chunk
+    def generate(self, request_id: str, request: GenerateRequestLike,
+                 metadata: Mapping[str, str]) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
+        """A Generate request's chunks; RequestError when it fails (any transport)."""
+        return self.run(request_id, metadata,
+                        functools.partial(self._prepare, request_id, request))
 
     async def run(
-        self, request_id: str, context: grpc.aio.ServicerContext,
+        self, request_id: str, metadata: Mapping[str, str],
         prepare: Callable[[RequestTelemetry], Awaitable[PreparedRequest]],
         operation: str = "text_completion",
     ) -> AsyncIterator[generate_pb2.GenerateStreamResponse]:
-        """One request's chunks as the engines produce them, for every generating RPC
-        (ChatService's too): `prepare` validates and tokenizes under the request's
-        telemetry and time limit; a failure or the time limit ends the call with its
-        status. `operation` names the request's span (GenAI operation names)."""
+        """One request's chunks as the engines produce them, for every generating call
+        (ChatService's and the HTTP API's too): `prepare` validates and tokenizes under
+        the request's telemetry and time limit. Failures, the time limit included, are
+        RequestErrors. `metadata` carries the client's trace headers; `operation` names
+        the request's span (GenAI operation names)."""
         try:
-            async with (self._telemetry(request_id, context, operation) as telemetry,
+            async with (self._telemetry(request_id, metadata, operation) as telemetry,
                         asyncio.timeout(self._config.request_timeout_s)):
                 prepared = await prepare(telemetry)
                 async for chunk in self._runner.run(prepared, telemetry):
                     telemetry.on_chunk(chunk)
                     yield chunk
-        except RequestError as e:
-            await context.abort_with_status(to_status(e))
         except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self._timeout_message())
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               self._timeout_message()) from None
 
-    def _telemetry(self, request_id: str, context: grpc.aio.ServicerContext,
+    def _telemetry(self, request_id: str, metadata: Mapping[str, str],
                    operation: str) -> RequestTelemetry:
         return RequestTelemetry(self._observability.tracing, self._metrics, request_id,
-                                dict(context.invocation_metadata() or ()), operation)
+                                metadata, operation)
 
     async def _prepare(
         self, request_id: str, request: GenerateRequestLike, telemetry: RequestTelemetry,
@@ -308,6 +294,33 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def _timeout_message(self) -> str:
         limit = self._config.request_timeout_s
         return f"the request ran longer than the server's limit of {limit:g} s"
+
+
+async def collect_generate(
+    request_id: str, chunks: AsyncIterator[generate_pb2.GenerateStreamResponse]
+) -> generate_pb2.GenerateResponse:
+    """A whole GenerateResponse out of a request's chunks."""
+    response = generate_pb2.GenerateResponse(request_id=request_id)
+    completions: dict[int, generate_pb2.Completion] = {}
+    texts: dict[int, list[str]] = {}
+    async for chunk in chunks:
+        completion = completions.setdefault(
+            chunk.index, generate_pb2.Completion(index=chunk.index))
+        texts.setdefault(chunk.index, []).append(chunk.text)
+        completion.token_ids.extend(chunk.token_ids)
+        completion.logprobs.extend(chunk.logprobs)
+        response.prompt_logprobs.extend(chunk.prompt_logprobs)
+        if chunk.finish_reason:
+            completion.finish_reason = chunk.finish_reason
+            stop = chunk.WhichOneof("matched_stop")
+            if stop is not None:
+                setattr(completion, stop, getattr(chunk, stop))
+        if chunk.HasField("usage"):
+            response.usage.CopyFrom(chunk.usage)
+    for index in sorted(completions):
+        completions[index].text = "".join(texts[index])
+        response.completions.append(completions[index])
+    return response
 
 
 class FrontendServer:
