@@ -250,8 +250,10 @@ def run(args: argparse.Namespace) -> int:
                         log.error("the cluster did not become ready within %.0fs",
                                   serve.startup_timeout_s)
                     return 0 if stop.is_set() else 1
+        http = (f", OpenAI-compatible HTTP on http://{HOST}:{frontend.http_port}/v1"
+                if frontend.http_port > 0 else "")
         print(f"corestream is serving on {frontend_addr} "
-              f"(model {model}, {serve.engines} engine(s)); Ctrl-C stops it", flush=True)
+              f"(model {model}, {serve.engines} engine(s){http}); Ctrl-C stops it", flush=True)
         reported: set[str] = set()
         while not stop.wait(0.5):
             for c in children:

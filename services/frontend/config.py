@@ -25,6 +25,11 @@ def _check_address(name: str, address: str) -> None:
 class FrontendConfig:
     host: str = doc("Address to listen on.", default="127.0.0.1")
     port: int = doc("Port of the public GenerateService.", default=50051)
+    http_port: int = doc(
+        "Port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health) on the same host; -1 turns it off, 0 picks a free port.",
+        default=-1,
+    )
     coordinator: str = doc(
         "HOST:PORT of the DP coordinator; engines are learned from its WatchLoad stream.",
         default="",
@@ -122,6 +127,8 @@ class FrontendConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be -1 (off) or in [0, 65535], got {self.http_port}")
         if self.coordinator:
             _check_address("coordinator", self.coordinator)
         for address in self.engines:

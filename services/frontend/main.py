@@ -62,6 +62,8 @@ async def _serve(config: FrontendConfig, security: SecurityConfig, tokenizer: Te
     port = await server.start()
     observability.start_metrics()
     log.info("frontend listening on %s:%d", config.host, port)
+    if server.http_port >= 0:
+        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", config.host, server.http_port)
     await stop.wait()
     log.info("shutting down: NOT_SERVING, letting running requests finish (%g s)",
              config.shutdown_timeout)

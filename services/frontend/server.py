@@ -54,7 +54,8 @@ from services.frontend.grpc_calls import (
     start_call,
 )
 from services.frontend.load_watcher import LoadWatcher
-from services.frontend.request_runner import PreparedRequest, RequestRunner
+from services.frontend.openai_api.app import HttpServer, HttpSettings, OpenAIApi
+from services.frontend.request_runner import PreparedRequest, RequestRunner, collect_generate
 from services.frontend.request_telemetry import FrontendMetrics, RequestTelemetry
 from services.frontend.tokenizer import TextTokenizer
 from services.frontend.validation import (
@@ -296,33 +297,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return f"the request ran longer than the server's limit of {limit:g} s"
 
 
-async def collect_generate(
-    request_id: str, chunks: AsyncIterator[generate_pb2.GenerateStreamResponse]
-) -> generate_pb2.GenerateResponse:
-    """A whole GenerateResponse out of a request's chunks."""
-    response = generate_pb2.GenerateResponse(request_id=request_id)
-    completions: dict[int, generate_pb2.Completion] = {}
-    texts: dict[int, list[str]] = {}
-    async for chunk in chunks:
-        completion = completions.setdefault(
-            chunk.index, generate_pb2.Completion(index=chunk.index))
-        texts.setdefault(chunk.index, []).append(chunk.text)
-        completion.token_ids.extend(chunk.token_ids)
-        completion.logprobs.extend(chunk.logprobs)
-        response.prompt_logprobs.extend(chunk.prompt_logprobs)
-        if chunk.finish_reason:
-            completion.finish_reason = chunk.finish_reason
-            stop = chunk.WhichOneof("matched_stop")
-            if stop is not None:
-                setattr(completion, stop, getattr(chunk, stop))
-        if chunk.HasField("usage"):
-            response.usage.CopyFrom(chunk.usage)
-    for index in sorted(completions):
-        completions[index].text = "".join(texts[index])
-        response.completions.append(completions[index])
-    return response
-
-
 class FrontendServer:
     """GenerateService, ChatService and AdminService plus health and reflection, fed by
     a coordinator or static engines."""
@@ -343,12 +317,15 @@ class FrontendServer:
                                              watchdog_timeout_s=config.watchdog_timeout,
                                              security=security),
         )
+        self._model = model
         self._servicer = GenerateServicer(config, tokenizer, model, self.balancer,
                                           self.observability)
         self._chat = ChatServicer(config, self._servicer, tokenizer,
                                   chat_templates or ChatTemplates(default=None),
                                   model.eos_token_ids)
         self._server: grpc.aio.Server | None = None
+        self._http: HttpServer | None = None
+        self.http_port = -1
         self._health: AioHealth | None = None
         self._watcher: LoadWatcher | None = None
         self._health_lock = asyncio.Lock()
@@ -374,6 +351,10 @@ class FrontendServer:
         self.port = bind(server, address, self._security)
         await server.start()
         self._server = server
+        if self._config.http_port >= 0:
+            self._http = HttpServer(self._http_api(), self._config.host, self._config.http_port)
+            await self._http.start()
+            self.http_port = self._http.port
         self._health_server = await start_aio_health_port(self._health, self._security)
         if self._config.coordinator:
             self._watcher = LoadWatcher(self._config.coordinator, self.balancer, self._security)
@@ -396,6 +377,8 @@ class FrontendServer:
         log.info("drained in %.2f s; %d requests left, ended with UNAVAILABLE",
                  time.monotonic() - started, left)
         await self._wait_until_idle(_FINAL_GRACE_S)
+        if self._http is not None:
+            await self._http.stop()
         if self._server is not None:
             await self._server.stop(_FINAL_GRACE_S)
         if self._health_server is not None:
@@ -403,6 +386,20 @@ class FrontendServer:
         if self._watcher is not None:
             await self._watcher.close()
         await self.balancer.close()
+
+    def _http_api(self) -> OpenAIApi:
+        config = self._config
+        keys: frozenset[bytes] = frozenset()
+        if config.api_key_file or config.admin_api_key_file:
+            keys = frozenset(
+                (load_keys(config.api_key_file, "api_key_file") if config.api_key_file else ())
+                + (load_keys(config.admin_api_key_file, "admin_api_key_file")
+                   if config.admin_api_key_file else ()))
+        names = tuple(dict.fromkeys(n for n in (config.served_model_name, self._model.name,
+                                                self._model.path) if n))
+        settings = HttpSettings(model_names=names, max_model_len=self._model.max_model_len,
+                                max_body_bytes=config.max_message_bytes, api_keys=keys)
+        return OpenAIApi(settings, self._servicer, self._chat, lambda: self.balancer.ready)
 
     async def _wait_until_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,421 @@
+"""The OpenAI-compatible HTTP API: a second door onto the frontend's request path.
+
+`/v1/completions` and `/v1/chat/completions` turn the JSON body into the same
+request protos the gRPC API takes and run them through the same servicer code
+(validation, limits, routing, telemetry, abort), in process: no loopback gRPC call.
+Errors come back in OpenAI's shape with the HTTP status matching the gRPC code.
+
+Starlette serves it under uvicorn, on the frontend's own event loop. A client that
+disconnects cancels its request's task, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import math
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+import pydantic
+import uvicorn
+from corestream.generate.v1 import generate_service_pb2 as generate_pb2
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.frontend.chat_service import ChatServicer, collect_chat
+from services.frontend.errors import RequestError, invalid_argument
+from services.frontend.grpc_calls import MAX_REQUEST_ID_CHARS
+from services.frontend.openai_api import responses
+from services.frontend.openai_api.schemas import (
+    ChatCompletionBody,
+    CompletionBody,
+    chat_request,
+    completion_requests,
+)
+from services.frontend.request_runner import collect_generate
+from services.frontend.validation import check_request_id
+
+if TYPE_CHECKING:
+    from services.frontend.server import GenerateServicer
+
+T = TypeVar("T")
+
+# gRPC codes as HTTP statuses and OpenAI error types.
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    model_names: tuple[str, ...]
+    """Names a request's `model` may give; the first is the one reported."""
+    max_model_len: int
+    max_body_bytes: int
+    api_keys: frozenset[bytes]
+    """Empty: no authentication."""
+
+
+class OpenAIApi:
+    def __init__(self, settings: HttpSettings, generate: GenerateServicer,
+                 chat: ChatServicer, is_ready: Callable[[], bool]) -> None:
+        self._settings = settings
+        self._generate = generate
+        self._chat = chat
+        self._is_ready = is_ready
+        self._created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+        ])
+
+    @property
+    def model(self) -> str:
+        return self._settings.model_names[0]
+
+    async def health(self, request: Request) -> Response:
+        ready = self._is_ready() and not self._generate.draining
+        return Response(status_code=200 if ready else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authenticate(request)
+        except RequestError as e:
+            return error_response(e)
+        return JSONResponse(responses.models_list(self.model, self._created,
+                                                  self._settings.max_model_len))
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            self._authenticate(request)
+            body = await self._body(request, CompletionBody)
+            request_id = _request_id(request, body.request_id)
+            protos = completion_requests(body)
+        except RequestError as e:
+            return error_response(e)
+        metadata = _metadata(request)
+        n = max(1, body.n or 1)
+        streams = []
+        for i, proto in enumerate(protos):
+            # One engine request per prompt; the client's id names the first.
+            proto.request_id = request_id if len(protos) == 1 else f"{request_id}-p{i}"
+            streams.append(_indexed(self._generate.generate(proto.request_id, proto, metadata),
+                                    i * n))
+        created = int(time.time())
+        rid = f"cmpl-{request_id}"
+        logprobs = body.logprobs is not None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._completion_events(_merged(streams), rid, created, logprobs,
+                                             include_usage)
+            return await _sse(request, events, request_id)
+
+        async def whole() -> dict[str, Any]:
+            usage = generate_pb2.GenerateResponse().usage
+            choices = []
+            results = await asyncio.gather(
+                *(collect_generate(request_id, _plain(stream)) for stream in streams))
+            for i, result in enumerate(results):
+                for completion in result.completions:
+                    choices.append((i * n + completion.index, completion))
+                usage.prompt_tokens += result.usage.prompt_tokens
+                usage.completion_tokens += result.usage.completion_tokens
+                usage.cached_tokens += result.usage.cached_tokens
+            return responses.completion_response(choices, usage, id=rid, model=self.model,
+                                                 created=created, logprobs=logprobs)
+
+        return await _whole(request, whole(), request_id)
+
+    async def _completion_events(
+        self, chunks: AsyncIterator[tuple[int, generate_pb2.GenerateStreamResponse]],
+        rid: str, created: int, logprobs: bool, include_usage: bool,
+    ) -> AsyncIterator[dict[str, Any]]:
+        usage = generate_pb2.GenerateResponse().usage
+        offsets = responses.CompletionLogprobs()
+        async for base, chunk in chunks:
+            index = base + chunk.index
+            if chunk.text or chunk.finish_reason or chunk.logprobs:
+                yield responses.completion_chunk(
+                    chunk, id=rid, model=self.model, created=created, index=index,
+                    logprobs=offsets if logprobs else None)
+            if chunk.HasField("usage"):
+                usage.prompt_tokens += chunk.usage.prompt_tokens
+                usage.completion_tokens += chunk.usage.completion_tokens
+                usage.cached_tokens += chunk.usage.cached_tokens
+        if include_usage:
+            yield responses.usage_chunk(usage, id=rid, model=self.model, created=created,
+                                        object="text_completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            self._authenticate(request)
+            body = await self._body(request, ChatCompletionBody)
+            request_id = _request_id(request, body.request_id)
+            proto = chat_request(body)
+        except RequestError as e:
+            return error_response(e)
+        proto.request_id = request_id
+        answer = self._chat.answer(request_id, proto, _metadata(request))
+        created = int(time.time())
+        rid = f"chatcmpl-{request_id}"
+        logprobs = bool(body.logprobs)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._chat_events(answer, rid, created, include_usage)
+            return await _sse(request, events, request_id)
+
+        async def whole() -> dict[str, Any]:
+            result = await collect_chat(request_id, answer)
+            return responses.chat_response(result, id=rid, model=self.model, created=created,
+                                           logprobs=logprobs)
+
+        return await _whole(request, whole(), request_id)
+
+    async def _chat_events(self, answer: AsyncIterator[Any], rid: str, created: int,
+                           include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+        started: set[int] = set()
+        usage = None
+        async for delta in answer:
+            first = delta.index not in started
+            started.add(delta.index)
+            if delta.HasField("usage"):
+                usage = delta.usage
+            yield responses.chat_chunk(delta, id=rid, model=self.model, created=created,
+                                       first=first)
+        if include_usage and usage is not None:
+            yield responses.usage_chunk(usage, id=rid, model=self.model, created=created,
+                                        object="chat.completion.chunk")
+
+    def _authenticate(self, request: Request) -> None:
+        keys = self._settings.api_keys
+        if not keys:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        given = key.strip().encode()
+        # Compared in constant time, as the gRPC interceptor does.
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in keys):
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED,
+                               "a valid API key is required: 'Authorization: Bearer <key>'",
+                               reason="UNAUTHENTICATED")
+
+    async def _body(self, request: Request, schema: type[T]) -> T:
+        limit = self._settings.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise _too_large(int(length), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise invalid_argument("body", f"the request body is not valid JSON: {exc}") from None
+        try:
+            body = schema.model_validate(data)  # type: ignore[attr-defined]
+        except pydantic.ValidationError as exc:
+            raise _validation_error(exc) from None
+        if body.model not in self._settings.model_names:
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"the model {body.model!r} does not exist; this server serves {self.model!r}",
+                field="model", reason="model_not_found")
+        return body
+
+
+def _too_large(size: int, limit: int) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request body has {size} bytes or more, at most {limit} are "
+                        "allowed (--max-message-bytes)", field="body", reason="BODY_TOO_LARGE")
+
+
+def _validation_error(exc: pydantic.ValidationError) -> RequestError:
+    first = exc.errors()[0]
+    param = ".".join(str(part) for part in first["loc"])
+    return invalid_argument(param, f"{param}: {first['msg']}" if param else first["msg"])
+
+
+def _request_id(request: Request, body_id: str | None) -> str:
+    request_id = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    check_request_id(request_id, MAX_REQUEST_ID_CHARS)
+    return request_id
+
+
+def _metadata(request: Request) -> dict[str, str]:
+    # Starlette gives lower-case names, as gRPC metadata has them (traceparent, ...).
+    return dict(request.headers)
+
+
+def error_response(error: RequestError, request_id: str | None = None) -> JSONResponse:
+    status, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    param = error.field.removeprefix("sampling.") or None
+    code = error.reason or error.code.name.lower()
+    return JSONResponse(responses.error_body(error.message, kind, param, code),
+                        status_code=status, headers=headers)
+
+
+async def _sse(request: Request, events: AsyncIterator[dict[str, Any]],
+               request_id: str) -> Response:
+    """Server-sent events, after the first event: a request that fails before its first
+    token (validation, routing) gets its HTTP status, not a stream with an error."""
+    try:
+        first = await anext(events, None)
+    except RequestError as e:
+        return error_response(e, request_id)
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield _event(first)
+            async for event in events:
+                yield _event(event)
+        except RequestError as e:
+            # Too late for a status: the error goes in the stream, as OpenAI's does.
+            status, kind = _HTTP_STATUS.get(e.code, (500, "internal_error"))
+            yield _event(responses.error_body(e.message, kind, e.field or None,
+                                              e.reason or e.code.name.lower()))
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={**_SSE_HEADERS, "X-Request-Id": request_id})
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _whole(request: Request, work: Awaitable[dict[str, Any]],
+                 request_id: str) -> Response:
+    """The JSON of `work`, cancelled (and the request aborted) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RequestError):
+            await task
+        return Response(status_code=499)
+    try:
+        return JSONResponse(task.result(), headers={"X-Request-Id": request_id})
+    except RequestError as e:
+        return error_response(e, request_id)
+
+
+async def _disconnected(request: Request) -> None:
+    with contextlib.suppress(ClientDisconnect):
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+
+async def _indexed(chunks: AsyncIterator[T], base: int) -> AsyncIterator[tuple[int, T]]:
+    async for chunk in chunks:
+        yield base, chunk
+
+
+async def _plain(chunks: AsyncIterator[tuple[int, T]]) -> AsyncIterator[T]:
+    async for _, chunk in chunks:
+        yield chunk
+
+
+async def _merged(streams: Iterable[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of several streams as they come; the first failure ends them all."""
+    streams = list(streams)
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put(("item", item))
+        except Exception as exc:  # handed to the consumer, which raises it
+            await queue.put(("error", exc))
+        finally:
+            await queue.put(("done", None))
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        done = 0
+        while done < len(tasks):
+            kind, value = await queue.get()
+            if kind == "item":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                done += 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Server(uvicorn.Server):
+    # The frontend owns SIGTERM/SIGINT (it drains); uvicorn must not take them over.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:
+        yield
+
+
+class HttpServer:
+    """uvicorn serving the API on the running event loop."""
+
+    def __init__(self, api: OpenAIApi, host: str, port: int) -> None:
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port = int(self._sock.getsockname()[1])
+        self._server = _Server(uvicorn.Config(api.app, log_config=None, access_log=False,
+                                              lifespan="off", timeout_graceful_shutdown=1))
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
+        self._sock.close()
