@@ -229,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     model = str(resolve_model(args.model or None))
     serve, children, coordinator_addr, client = plan(args, model)
     frontend_addr = f"{HOST}:{serve.port}"
+    http_port = getattr(args, "http_port", -1)
     coordinator, *engines, frontend = children
     deadline = time.monotonic() + serve.startup_timeout_s
     try:
@@ -250,8 +251,8 @@ def run(args: argparse.Namespace) -> int:
                         log.error("the cluster did not become ready within %.0fs",
                                   serve.startup_timeout_s)
                     return 0 if stop.is_set() else 1
-        http = (f", OpenAI-compatible HTTP on http://{HOST}:{frontend.http_port}/v1"
-                if frontend.http_port > 0 else "")
+        http = (f", OpenAI-compatible HTTP on http://{HOST}:{http_port}/v1"
+                if http_port > 0 else "")
         print(f"corestream is serving on {frontend_addr} "
               f"(model {model}, {serve.engines} engine(s){http}); Ctrl-C stops it", flush=True)
         reported: set[str] = set()

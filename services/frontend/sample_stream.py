@@ -81,7 +81,7 @@ def with_token_text(
     for lp in logprobs:
         ids.append(lp.token_id)
         ids.extend(t.token_id for t in lp.top)
-    texts = iter(tokenizer.token_strings(ids))
+    texts = iter(tokenizer.token_texts(ids))
     for lp in logprobs:
         lp.token = next(texts)
         for top in lp.top:

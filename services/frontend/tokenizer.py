@@ -36,5 +36,14 @@ class TextTokenizer:
         # Ids the tokenizer does not know (the model's vocab may be padded) show as "".
         return [self._tokenizer.id_to_token(i) or "" for i in token_ids]
 
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text, decoded alone (`Ġme` is " me"; a piece of a multi-byte
+        character is U+FFFD), as logprobs report tokens."""
+        decoder = self._tokenizer.decoder
+        pieces = self.token_strings(token_ids)
+        if decoder is None:
+            return pieces
+        return [decoder.decode([piece]) if piece else "" for piece in pieces]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -66,13 +66,13 @@ def test_unary_completions_with_logprobs_and_token_text(
             assert [lp.token_id for lp in completion.logprobs] == engine.script[:2]
             assert [lp.rank for lp in completion.logprobs] == [1, 2]
             for lp in completion.logprobs:
-                assert lp.token == tokenizer.token_strings([lp.token_id])[0] != ""
-                assert [t.token for t in lp.top] == tokenizer.token_strings(
+                assert lp.token == tokenizer.token_texts([lp.token_id])[0] != ""
+                assert [t.token for t in lp.top] == tokenizer.token_texts(
                     [t.token_id for t in lp.top])
                 assert len(lp.top) == 2
         prompt = tokenizer.encode("hello")
         assert [lp.token_id for lp in response.prompt_logprobs] == prompt[1:]
-        assert [lp.token for lp in response.prompt_logprobs] == tokenizer.token_strings(
+        assert [lp.token for lp in response.prompt_logprobs] == tokenizer.token_texts(
             prompt[1:])
         assert response.usage.completion_tokens == 4
 
