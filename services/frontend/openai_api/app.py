@@ -138,14 +138,17 @@ class OpenAIApi:
             choices = []
             results = await asyncio.gather(
                 *(collect_generate(request_id, _plain(stream)) for stream in streams))
+            prompt_logprobs = {}
             for i, result in enumerate(results):
                 for completion in result.completions:
                     choices.append((i * n + completion.index, completion))
+                    prompt_logprobs[i * n + completion.index] = result.prompt_logprobs
                 usage.prompt_tokens += result.usage.prompt_tokens
                 usage.completion_tokens += result.usage.completion_tokens
                 usage.cached_tokens += result.usage.cached_tokens
-            return responses.completion_response(choices, usage, id=rid, model=self.model,
-                                                 created=created, logprobs=logprobs)
+            return responses.completion_response(
+                choices, usage, id=rid, model=self.model, created=created, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs if body.prompt_logprobs is not None else None)
 
         return await _whole(request, whole(), request_id)
 

@@ -653,3 +653,22 @@ def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> Non
         assert json.loads(events[0])["choices"][0]["text"]
 
     _serve(body, engine=engine)
+
+
+@pytest.mark.timeout(30)
+def test_completion_prompt_logprobs_come_back_per_choice() -> None:
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello world", "max_tokens": 2, "n": 2,
+                "prompt_logprobs": 1})
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        prompt_ids = list(env.engine.adds[0].prompt_token_ids)
+        for choice in choices:
+            entries = choice["prompt_logprobs"]
+            assert entries[0] is None and len(entries) == len(prompt_ids)
+            for token_id, entry in zip(prompt_ids[1:], entries[1:], strict=True):
+                assert str(token_id) in entry
+
+    _serve(body)
