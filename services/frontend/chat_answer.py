@@ -14,7 +14,7 @@ from corestream.common.v1 import common_pb2
 from corestream.generate.v1 import chat_service_pb2 as chat_pb2
 
 from services.frontend.reasoning_parsers import ReasoningParser
-from services.frontend.tool_parsers import ToolCall, ToolCallDelta, ToolParser
+from services.frontend.tool_parsers import ParsedDelta, ToolCall, ToolCallDelta, ToolParser
 
 # The engine's reasons that mean the model (or its constraint) ended the answer.
 _ENDED = (
@@ -33,6 +33,10 @@ class AnswerDelta:
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
+
+    def __add__(self, later: AnswerDelta) -> AnswerDelta:
+        return AnswerDelta(self.reasoning + later.reasoning, self.content + later.content,
+                           self.tool_calls + later.tool_calls)
 
 
 class AnswerParser:
@@ -69,12 +73,17 @@ class AnswerParser:
     def _content(self, text: str, final: bool) -> AnswerDelta:
         if self._tools is None:
             return AnswerDelta(content=text)
-        parsed = self._tools.feed(text) if text else None
-        tail = self._tools.finish() if final else None
-        content = (parsed.content if parsed else "") + (tail.content if tail else "")
-        calls = (parsed.tool_calls if parsed else ()) + (tail.tool_calls if tail else ())
-        return AnswerDelta(content=content, tool_calls=calls)
+        delta = AnswerDelta()
+        if text:
+            delta += _from_tools(self._tools.feed(text))
+        if final:
+            delta += _from_tools(self._tools.finish())
+        return delta
+
+
+def _from_tools(parsed: ParsedDelta) -> AnswerDelta:
+    return AnswerDelta(content=parsed.content, tool_calls=parsed.tool_calls)
 
 
 def _join(reasoning: str, rest: AnswerDelta) -> AnswerDelta:
-    return AnswerDelta(reasoning, rest.content, rest.tool_calls)
+    return AnswerDelta(reasoning=reasoning) + rest

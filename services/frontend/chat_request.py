@@ -17,6 +17,7 @@ from typing import Any
 from corestream.generate.v1 import chat_service_pb2 as chat_pb2
 from google.protobuf import json_format
 
+from services.frontend.chat_constraints import FunctionSpec
 from services.frontend.errors import invalid_argument
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -34,20 +35,13 @@ class ChatLimits:
 
 
 @dataclass(frozen=True)
-class Function:
-    name: str
-    parameters: dict[str, Any]
-    """The arguments' JSON schema (an object schema)."""
-
-
-@dataclass(frozen=True)
 class Conversation:
     """A request's template inputs."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     """OpenAI-style `{"type": "function", "function": {...}}` entries; None: no tools."""
-    functions: list[Function]
+    functions: list[FunctionSpec]
     template_kwargs: dict[str, Any]
     add_generation_prompt: bool
     continue_final_message: bool
@@ -159,8 +153,8 @@ def _tool_call(field: str, call: chat_pb2.ToolCall) -> dict[str, Any]:
     return entry
 
 
-def _functions(tools: Any) -> list[Function]:
-    functions: list[Function] = []
+def _functions(tools: Any) -> list[FunctionSpec]:
+    functions: list[FunctionSpec] = []
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         field = f"tools[{i}]"
@@ -174,11 +168,11 @@ def _functions(tools: Any) -> list[Function]:
         seen.add(tool.name)
         parameters = (_json_object(f"{field}.parameters", tool.parameters)
                       if tool.parameters else {"type": "object", "properties": {}})
-        functions.append(Function(tool.name, parameters))
+        functions.append(FunctionSpec(tool.name, parameters))
     return functions
 
 
-def _tool_schema(tool: chat_pb2.Tool, function: Function) -> dict[str, Any]:
+def _tool_schema(tool: chat_pb2.Tool, function: FunctionSpec) -> dict[str, Any]:
     spec: dict[str, Any] = {"name": function.name}
     if tool.description:
         spec["description"] = tool.description

@@ -174,10 +174,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         delta = parser.feed(text) if text else AnswerDelta()
         if not chunk.finish_reason:
             return delta, chat_pb2.CHAT_FINISH_REASON_UNSPECIFIED
-        tail = parser.finish()
-        delta = AnswerDelta(delta.reasoning + tail.reasoning, delta.content + tail.content,
-                            delta.tool_calls + tail.tool_calls)
-        return delta, parser.finish_reason(chunk.finish_reason)
+        return delta + parser.finish(), parser.finish_reason(chunk.finish_reason)
 
     async def _prepare(self, request_id: str, request: ChatRequestLike, answers: _Answers,
                        telemetry: RequestTelemetry) -> PreparedRequest:
@@ -239,8 +236,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
             raise invalid_argument("messages", f"the chat template refused the "
                                                f"conversation: {exc}") from None
         token_ids = await self._generate.encode(prompt, add_special_tokens=False)
-        functions = [FunctionSpec(f.name, f.parameters) for f in conversation.functions]
-        return _Rendered(prompt, token_ids, template, functions)
+        return _Rendered(prompt, token_ids, template, conversation.functions)
 
     def _template(self, request: ChatRequestLike | chat_pb2.RenderChatRequest,
                   has_tools: bool) -> str:

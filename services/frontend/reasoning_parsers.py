@@ -26,6 +26,8 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
+from services.frontend.markers import marker_prefix_length
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 _NEWLINES = "\r\n"
@@ -44,14 +46,6 @@ class _State(enum.Enum):
     REASONING = enum.auto()
     CONTENT_START = enum.auto()
     CONTENT = enum.auto()
-
-
-def _marker_prefix_length(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:
@@ -133,7 +127,7 @@ class ReasoningParser:
     def _undecided_tail(self) -> int:
         """Length of the reasoning tail that a `</think>` may yet follow: a partial
         marker and the newlines before it, which are stripped if the marker comes."""
-        partial = _marker_prefix_length(self._pending, THINK_END)
+        partial = marker_prefix_length(self._pending, THINK_END)
         head = self._pending[: len(self._pending) - partial]
         return len(self._pending) - len(head.rstrip(_NEWLINES))
 

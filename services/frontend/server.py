@@ -335,11 +335,13 @@ class FrontendServer:
 
     async def start(self) -> int:
         """Serve and start following engines; returns the bound port."""
+        api_keys, admin_keys = _client_keys(self._config)
         server = grpc.aio.server(
             options=server_options(self._config.max_message_bytes,
                                    self._config.max_concurrent_streams),
             interceptors=[*self.observability.aio_interceptors(),
-                          *_auth_interceptors(self._config), RejectMalformedInterceptor()])
+                          *_auth_interceptors(api_keys, admin_keys),
+                          RejectMalformedInterceptor()])
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self._servicer, server)
         chat_pb2_grpc.add_ChatServiceServicer_to_server(self._chat, server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
@@ -352,7 +354,9 @@ class FrontendServer:
         await server.start()
         self._server = server
         if self._config.http_port >= 0:
-            self._http = HttpServer(self._http_api(), self._config.host, self._config.http_port)
+            # The HTTP API serves no admin calls: any key the gRPC API takes is good there.
+            http_api = self._http_api(frozenset(api_keys + admin_keys))
+            self._http = HttpServer(http_api, self._config.host, self._config.http_port)
             await self._http.start()
             self.http_port = self._http.port
         self._health_server = await start_aio_health_port(self._health, self._security)
@@ -387,14 +391,8 @@ class FrontendServer:
             await self._watcher.close()
         await self.balancer.close()
 
-    def _http_api(self) -> OpenAIApi:
+    def _http_api(self, keys: frozenset[bytes]) -> OpenAIApi:
         config = self._config
-        keys: frozenset[bytes] = frozenset()
-        if config.api_key_file or config.admin_api_key_file:
-            keys = frozenset(
-                (load_keys(config.api_key_file, "api_key_file") if config.api_key_file else ())
-                + (load_keys(config.admin_api_key_file, "admin_api_key_file")
-                   if config.admin_api_key_file else ()))
         names = tuple(dict.fromkeys(n for n in (config.served_model_name, self._model.name,
                                                 self._model.path) if n))
         settings = HttpSettings(model_names=names, max_model_len=self._model.max_model_len,
@@ -419,10 +417,16 @@ class FrontendServer:
                 await self._health.set_ready(self.balancer.ready and not self._draining)
 
 
-def _auth_interceptors(config: FrontendConfig) -> list[grpc.aio.ServerInterceptor]:
-    if not config.api_key_file and not config.admin_api_key_file:
-        return []
+def _client_keys(config: FrontendConfig) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """(API keys, admin keys) from their files; both empty when auth is off."""
     api_keys = load_keys(config.api_key_file, "api_key_file") if config.api_key_file else ()
     admin_keys = (load_keys(config.admin_api_key_file, "admin_api_key_file")
                   if config.admin_api_key_file else ())
+    return api_keys, admin_keys
+
+
+def _auth_interceptors(api_keys: tuple[bytes, ...],
+                       admin_keys: tuple[bytes, ...]) -> list[grpc.aio.ServerInterceptor]:
+    if not api_keys and not admin_keys:
+        return []
     return [BearerAuthInterceptor(api_keys, admin_keys, admin_services=[admin.SERVICE_NAME])]

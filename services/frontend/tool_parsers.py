@@ -26,6 +26,8 @@ import re
 import string
 from dataclasses import dataclass
 
+from services.frontend.markers import marker_prefix_length
+
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -69,18 +71,10 @@ class _Phase(enum.Enum):
     """After a complete call: separators, then content or the next call."""
 
 
-def _marker_prefix_length(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
 def _held_before_marker(text: str, marker: str) -> int:
     """Length of the content tail to hold back: a partial marker and the whitespace
     before it, which is dropped if the marker completes."""
-    partial = _marker_prefix_length(text, marker)
+    partial = marker_prefix_length(text, marker)
     head = text[: len(text) - partial]
     return len(text) - len(head.rstrip())
 
@@ -378,8 +372,8 @@ class MistralToolParser(ToolParser):
         at = self._buffer.find(self.ARGS)
         if at < 0:
             partial = max(
-                _marker_prefix_length(self._buffer, self.ARGS),
-                _marker_prefix_length(self._buffer, self.CALL_ID),
+                marker_prefix_length(self._buffer, self.ARGS),
+                marker_prefix_length(self._buffer, self.CALL_ID),
             )
             head = self._buffer[: len(self._buffer) - partial]
             if not final and _NAME_SECTION_PREFIX.fullmatch(head):

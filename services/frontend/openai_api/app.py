@@ -134,7 +134,6 @@ class OpenAIApi:
             return await _sse(request, events, request_id)
 
         async def whole() -> dict[str, Any]:
-            usage = generate_pb2.GenerateResponse().usage
             choices = []
             results = await asyncio.gather(
                 *(collect_generate(request_id, _plain(stream)) for stream in streams))
@@ -143,9 +142,7 @@ class OpenAIApi:
                 for completion in result.completions:
                     choices.append((i * n + completion.index, completion))
                     prompt_logprobs[i * n + completion.index] = result.prompt_logprobs
-                usage.prompt_tokens += result.usage.prompt_tokens
-                usage.completion_tokens += result.usage.completion_tokens
-                usage.cached_tokens += result.usage.cached_tokens
+            usage = responses.sum_usage(result.usage for result in results)
             return responses.completion_response(
                 choices, usage, id=rid, model=self.model, created=created, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs if body.prompt_logprobs is not None else None)
@@ -156,7 +153,7 @@ class OpenAIApi:
         self, chunks: AsyncIterator[tuple[int, generate_pb2.GenerateStreamResponse]],
         rid: str, created: int, logprobs: bool, include_usage: bool,
     ) -> AsyncIterator[dict[str, Any]]:
-        usage = generate_pb2.GenerateResponse().usage
+        usages = []  # one per prompt, on its last chunk
         offsets = responses.CompletionLogprobs()
         async for base, chunk in chunks:
             index = base + chunk.index
@@ -165,12 +162,10 @@ class OpenAIApi:
                     chunk, id=rid, model=self.model, created=created, index=index,
                     logprobs=offsets if logprobs else None)
             if chunk.HasField("usage"):
-                usage.prompt_tokens += chunk.usage.prompt_tokens
-                usage.completion_tokens += chunk.usage.completion_tokens
-                usage.cached_tokens += chunk.usage.cached_tokens
+                usages.append(chunk.usage)
         if include_usage:
-            yield responses.usage_chunk(usage, id=rid, model=self.model, created=created,
-                                        object="text_completion")
+            yield responses.usage_chunk(responses.sum_usage(usages), id=rid, model=self.model,
+                                        created=created, object="text_completion")
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -274,15 +269,20 @@ def _metadata(request: Request) -> dict[str, str]:
     return dict(request.headers)
 
 
-def error_response(error: RequestError, request_id: str | None = None) -> JSONResponse:
+def _error(error: RequestError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body of a failure."""
     status, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
+    param = error.field.removeprefix("sampling.") or None
+    code = error.reason or error.code.name.lower()
+    return status, responses.error_body(error.message, kind, param, code)
+
+
+def error_response(error: RequestError, request_id: str | None = None) -> JSONResponse:
+    status, body = _error(error)
     headers = {"X-Request-Id": request_id} if request_id else {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    param = error.field.removeprefix("sampling.") or None
-    code = error.reason or error.code.name.lower()
-    return JSONResponse(responses.error_body(error.message, kind, param, code),
-                        status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _sse(request: Request, events: AsyncIterator[dict[str, Any]],
@@ -302,9 +302,7 @@ async def _sse(request: Request, events: AsyncIterator[dict[str, Any]],
                 yield _event(event)
         except RequestError as e:
             # Too late for a status: the error goes in the stream, as OpenAI's does.
-            status, kind = _HTTP_STATUS.get(e.code, (500, "internal_error"))
-            yield _event(responses.error_body(e.message, kind, e.field or None,
-                                              e.reason or e.code.name.lower()))
+            yield _event(_error(e)[1])
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"
