@@ -63,7 +63,8 @@ async def _serve(config: FrontendConfig, security: SecurityConfig, tokenizer: Te
     observability.start_metrics()
     log.info("frontend listening on %s:%d", config.host, port)
     if server.http_port >= 0:
-        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", config.host, server.http_port)
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", server.http_scheme, config.host,
+                 server.http_port)
     await stop.wait()
     log.info("shutting down: NOT_SERVING, letting running requests finish (%g s)",
              config.shutdown_timeout)

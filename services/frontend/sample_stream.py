@@ -81,9 +81,11 @@ def with_token_text(
     for lp in logprobs:
         ids.append(lp.token_id)
         ids.extend(t.token_id for t in lp.top)
-    texts = iter(tokenizer.token_texts(ids))
+    token_texts = tokenizer.token_texts(ids)
+    texts = iter(token_texts)
+    raw = iter(tokenizer.token_bytes(ids, token_texts))
     for lp in logprobs:
-        lp.token = next(texts)
+        lp.token, lp.token_bytes = next(texts), next(raw)
         for top in lp.top:
-            top.token = next(texts)
+            top.token, top.token_bytes = next(texts), next(raw)
     return logprobs

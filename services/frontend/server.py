@@ -326,6 +326,7 @@ class FrontendServer:
         self._server: grpc.aio.Server | None = None
         self._http: HttpServer | None = None
         self.http_port = -1
+        self.http_scheme = "http"
         self._health: AioHealth | None = None
         self._watcher: LoadWatcher | None = None
         self._health_lock = asyncio.Lock()
@@ -356,9 +357,11 @@ class FrontendServer:
         if self._config.http_port >= 0:
             # The HTTP API serves no admin calls: any key the gRPC API takes is good there.
             http_api = self._http_api(frozenset(api_keys + admin_keys))
-            self._http = HttpServer(http_api, self._config.host, self._config.http_port)
+            self._http = HttpServer(http_api, self._config.host, self._config.http_port,
+                                    self._security)
             await self._http.start()
             self.http_port = self._http.port
+            self.http_scheme = self._http.scheme
         self._health_server = await start_aio_health_port(self._health, self._security)
         if self._config.coordinator:
             self._watcher = LoadWatcher(self._config.coordinator, self.balancer, self._security)

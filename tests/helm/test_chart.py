@@ -250,6 +250,23 @@ def test_tls_and_api_keys_reach_the_flags(rendered: Any) -> None:
     assert volumes["admin-api-keys"]["secret"]["secretName"] == "corestream-admin-api-keys"
 
 
+def test_http_api_port_is_optional(rendered: Any) -> None:
+    for case, enabled in (("default", False), ("gpu-mtls-dp2", True)):
+        objs = rendered(case)
+        frontend = by_kind(objs, "Deployment")[f"{RELEASE}-frontend"]
+        (c,) = frontend["spec"]["template"]["spec"]["containers"]
+        service = by_kind(objs, "Service")[f"{RELEASE}-frontend"]
+        ports = {p["name"]: p for p in service["spec"]["ports"]}
+        assert ("--http-port=8000" in c["args"]) is enabled
+        assert ({"name": "http", "containerPort": 8000, "protocol": "TCP"} in c["ports"]) \
+            is enabled
+        assert ("http" in ports) is enabled
+        # Probes stay on gRPC.
+        assert all("grpc" in c[f"{kind}Probe"] for kind in ("startup", "readiness", "liveness"))
+    assert ports["http"] == {"name": "http", "port": 8000, "targetPort": "http",
+                             "protocol": "TCP", "appProtocol": "https"}
+
+
 def test_model_volume_and_download(rendered: Any) -> None:
     objs = rendered("gpu-mtls-dp2")
     (pvc,) = by_kind(objs, "PersistentVolumeClaim").values()

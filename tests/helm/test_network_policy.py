@@ -116,7 +116,13 @@ def test_only_the_cluster_links_are_open(rendered: Any, case: str) -> None:
     engine_to_engine = [(engine, engine, 29500), (engine, engine, 41234)]
     if case == "gpu-mtls-dp2":
         open_links += engine_to_engine
+    # The HTTP API's port is open exactly where it is enabled.
+    http_link = [(CLIENT_GATEWAY, frontend, 8000)]
+    if case == "gpu-mtls-dp2":
+        open_links += http_link
     closed_links = [
+        *([] if case == "gpu-mtls-dp2" else http_link),
+        (CLIENT_GATEWAY, engine, 8000), (CLIENT_GATEWAY, coordinator, 8000),
         *([] if case == "gpu-mtls-dp2" else [*engine_to_engine, (engine, engine, 50061)]),
         (coordinator, engine, 50061), (coordinator, frontend, 50051),
         (engine, frontend, 50051),

@@ -16,9 +16,11 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -176,6 +178,7 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pod]]:
         "engine": {"kvCacheMemory": "64MiB"},
         **{c: {"port": port} for c, port in ports.items()},
     }
+    values["frontend"] = {**values["frontend"], "http": {"enabled": True, "port": free_port()}}
     started: dict[str, Pod] = {}
     try:
         for component in COMPONENTS:
@@ -235,6 +238,35 @@ def test_generate_with_mtls_and_an_api_key(pods: dict[str, Pod]) -> None:
         with pytest.raises(grpc.RpcError) as info:
             stub.Generate(request, timeout=60)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_http_api_with_mtls_and_an_api_key(pods: dict[str, Pod]) -> None:
+    frontend = pods["frontend"]
+    tls = frontend.log.parent / "frontend" / "tls"
+    body = json.dumps({"model": "tiny-llama-v2", "prompt": "hello", "max_tokens": 4,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    context = ssl.create_default_context(cafile=str(tls / "ca.crt"))
+    context.load_cert_chain(str(tls / "tls.crt"), str(tls / "tls.key"))
+    url = f"https://127.0.0.1:{frontend.port('http')}/v1/completions"
+
+    def post(headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+        request = urllib.request.Request(url, data=body, headers={
+            "Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(request, timeout=60, context=context) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    deadline = time.monotonic() + 120
+    while True:  # until the frontend has learnt the engine from the coordinator
+        status, reply = post({"Authorization": f"Bearer {API_KEY}"})
+        if status != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert status == 200, reply
+    assert reply["usage"]["completion_tokens"] == 4
+    assert post({})[0] == 401
 
 
 def test_metrics_are_scraped_on_the_metrics_port(pods: dict[str, Pod]) -> None:

@@ -38,6 +38,9 @@ def refused(*overrides: tuple[str, object]) -> str:
     ("engine.probes.startup.periodSeconds", "10s", "/engine/probes/startup/periodSeconds"),
     ("networkPolicy.enabled", "yes", "/networkPolicy/enabled"),
     ("model.path", "/abs", "/model/path"),
+    ("frontend.http.port", 0, "/frontend/http/port"),
+    ("frontend.http.enabled", "yes", "/frontend/http/enabled"),
+    ("frontend.service.httpPort", 70000, "/frontend/service/httpPort"),
 ])
 def test_schema_rejects_wrong_values(key: str, value: object, where: str) -> None:
     message = refused((key, value))
@@ -72,6 +75,10 @@ def test_schema_rejects_wrong_values(key: str, value: object, where: str) -> Non
     ({"security.tls.enabled": True, "security.tls.existingSecret": "s",
       "security.healthPort": 9090},
      "metrics.port and security.healthPort are both 9090"),
+    ({"frontend.http.enabled": True, "frontend.http.port": 50051},
+     "frontend.http.port and frontend.port are both 50051"),
+    ({"frontend.http.enabled": True, "frontend.http.port": 9090},
+     "frontend.http.port and metrics.port are both 9090"),
 ])
 def test_template_rules_fail_with_a_clear_message(
         overrides: dict[str, object], expected: str) -> None:

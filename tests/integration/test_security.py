@@ -7,6 +7,7 @@ health-port and keepalive tests.
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from corestream.common.v1 import common_pb2
 from corestream.coordinator.v1 import coordinator_service_pb2 as coord_pb
@@ -48,6 +50,9 @@ def tls_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tls")
 
 
+HTTP_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def cluster(tls_dir: Path) -> Iterator[Cluster]:
     keys = tls_dir / "api-keys"
@@ -55,7 +60,8 @@ def cluster(tls_dir: Path) -> Iterator[Cluster]:
     admin = tls_dir / "admin-keys"
     admin.write_text(ADMIN_KEY + "\n")
     c = Cluster(["--tls-auto", "--tls-dir", str(tls_dir / "pki"), "--api-key-file", str(keys),
-                 "--admin-api-key-file", str(admin), "--max-tokens-limit", "64"])
+                 "--admin-api-key-file", str(admin), "--max-tokens-limit", "64",
+                 "--http-port", str(HTTP_PORT)])
     yield c
     c.stop()
 
@@ -172,6 +178,34 @@ def test_missing_client_certificate_is_refused(cluster: Cluster, tls_dir: Path) 
                               tls_ca=str(tls_dir / "pki" / "ca.pem"))
     with make_channel(engine, stranger) as ch:
         assert engine_info(ch) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_http_api_takes_the_grpc_ports_tls_and_keys(cluster: Cluster, tls_dir: Path) -> None:
+    pki = tls_dir / "pki"
+    base = f"https://127.0.0.1:{HTTP_PORT}"
+    body = {"model": "tiny-llama-v2", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+    tls = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    tls.load_cert_chain(str(pki / "client.pem"), str(pki / "client.key"))
+    with httpx.Client(base_url=base, verify=tls, timeout=30) as http:
+        assert http.get("/health").status_code == 200  # probes carry no key
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+        reply = http.post("/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {API_KEYS[1]}"})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+        # The limits of the gRPC door hold here too.
+        reply = http.post("/v1/completions", json={**body, "max_tokens": 65},
+                          headers={"Authorization": f"Bearer {API_KEYS[1]}"})
+        assert reply.status_code == 400 and "max_tokens_limit" in reply.json()["error"]["message"]
+    # No client certificate, or no TLS at all: refused before any HTTP is spoken.
+    no_cert = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    with httpx.Client(base_url=base, verify=no_cert, timeout=30) as http, \
+            pytest.raises(httpx.TransportError):
+        http.get("/health")
+    with httpx.Client(base_url=f"http://127.0.0.1:{HTTP_PORT}", timeout=30) as http, \
+            pytest.raises(httpx.TransportError):
+        http.get("/health")
 
 
 def test_plaintext_clients_are_refused(cluster: Cluster) -> None:

@@ -17,6 +17,7 @@ import hmac
 import json
 import math
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -32,6 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend.chat_service import ChatServicer, collect_chat
 from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.grpc_calls import MAX_REQUEST_ID_CHARS
@@ -104,7 +106,7 @@ class OpenAIApi:
         try:
             self._authenticate(request)
         except RequestError as e:
-            return error_response(e)
+            return error_response(e, _header_request_id(request))
         return JSONResponse(responses.models_list(self.model, self._created,
                                                   self._settings.max_model_len))
 
@@ -115,7 +117,7 @@ class OpenAIApi:
             request_id = _request_id(request, body.request_id)
             protos = completion_requests(body)
         except RequestError as e:
-            return error_response(e)
+            return error_response(e, _header_request_id(request))
         metadata = _metadata(request)
         n = max(1, body.n or 1)
         streams = []
@@ -174,7 +176,7 @@ class OpenAIApi:
             request_id = _request_id(request, body.request_id)
             proto = chat_request(body)
         except RequestError as e:
-            return error_response(e)
+            return error_response(e, _header_request_id(request))
         proto.request_id = request_id
         answer = self._chat.answer(request_id, proto, _metadata(request))
         created = int(time.time())
@@ -262,6 +264,16 @@ def _request_id(request: Request, body_id: str | None) -> str:
     request_id = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
     check_request_id(request_id, MAX_REQUEST_ID_CHARS)
     return request_id
+
+
+def _header_request_id(request: Request) -> str | None:
+    """The client's X-Request-Id, to echo on a request refused before its id was settled
+    (auth, body, model), when it is a valid id."""
+    request_id = request.headers.get("x-request-id")
+    try:
+        return _request_id(request, None) if request_id else None
+    except RequestError:
+        return None
 
 
 def _metadata(request: Request) -> dict[str, str]:
@@ -396,15 +408,29 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving the API on the running event loop."""
+    """uvicorn serving the API on the running event loop.
 
-    def __init__(self, api: OpenAIApi, host: str, port: int) -> None:
+    With TLS configured the port serves HTTPS with the gRPC port's certificate and,
+    where the gRPC port requires client certificates, requires them too: the HTTP door
+    must not be a plaintext way around the gRPC port's protection.
+    """
+
+    def __init__(self, api: OpenAIApi, host: str, port: int,
+                 security: SecurityConfig = PLAINTEXT) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port = int(self._sock.getsockname()[1])
+        self.scheme = "https" if security.tls else "http"
+        tls: dict[str, Any] = {}
+        if security.tls:
+            tls = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key,
+                   "ssl_ca_certs": security.tls_ca or None,
+                   "ssl_cert_reqs": ssl.CERT_REQUIRED
+                   if security.mtls and security.require_client_cert else ssl.CERT_NONE}
         self._server = _Server(uvicorn.Config(api.app, log_config=None, access_log=False,
-                                              lifespan="off", timeout_graceful_shutdown=1))
+                                              lifespan="off", timeout_graceful_shutdown=1,
+                                              **tls))
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -183,15 +183,11 @@ def completion_response(
             "choices": choices, "usage": usage_json(usage)}
 
 
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8"))
-
-
 def chat_logprobs(positions: Positions) -> Json:
     return {"content": [
-        {"token": p.token, "logprob": _logprob(p.logprob), "bytes": _token_bytes(p.token),
+        {"token": p.token, "logprob": _logprob(p.logprob), "bytes": list(p.token_bytes),
          "top_logprobs": [{"token": t.token, "logprob": _logprob(t.logprob),
-                           "bytes": _token_bytes(t.token)} for t in p.top]}
+                           "bytes": list(t.token_bytes)} for t in p.top]}
         for p in positions
     ]}
 

@@ -567,6 +567,16 @@ def test_x_request_id_is_used_and_echoed_and_a_running_duplicate_is_409() -> Non
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello"}, headers={"X-Request-Id": "x" * 10000})
             _assert_error(response, 400, "request_id")
+            assert "x-request-id" not in response.headers
+
+            # Refused before the id was settled (the body, the model): echoed all the same.
+            for path, body_json in (("/v1/completions", {"model": MODEL.name}),
+                                    ("/v1/chat/completions", {"model": "gpt-nope",
+                                                              "messages": USER})):
+                response = await http.post(path, json=body_json,
+                                           headers={"X-Request-Id": "early"})
+                assert response.status_code in (400, 404)
+                assert response.headers["x-request-id"] == "early"
 
     _serve(body, engine=engine)
 

@@ -33,9 +33,10 @@ USAGE_JSON = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
 
 def _position(token: str, logprob: float, *top: tuple[str, float],
               token_id: int = 7, rank: int = 1) -> common_pb2.PositionLogprobs:
+    # As the frontend fills them: a whole character's bytes are its text's.
     return common_pb2.PositionLogprobs(
-        token_id=token_id, logprob=logprob, rank=rank, token=token,
-        top=[common_pb2.TopLogprob(token_id=100 + i, logprob=lp, token=t)
+        token_id=token_id, logprob=logprob, rank=rank, token=token, token_bytes=token.encode(),
+        top=[common_pb2.TopLogprob(token_id=100 + i, logprob=lp, token=t, token_bytes=t.encode())
              for i, (t, lp) in enumerate(top)])
 
 
@@ -278,6 +279,14 @@ def test_chat_response_empty_answer_keeps_its_content() -> None:
         choices=[chat_pb2.ChatChoice(finish_reason=chat_pb2.CHAT_FINISH_REASON_LENGTH)])
     [choice] = chat_response(response, logprobs=False, **META)["choices"]
     assert choice["message"]["content"] == ""
+
+
+def test_chat_logprobs_bytes_of_part_of_a_character_are_the_real_ones() -> None:
+    position = _position("\ufffd", -0.5, ("\ufffd", -0.5))
+    position.token_bytes = position.top[0].token_bytes = b"\xe2\x80"
+    choice = _chunk(index=0, content="", logprobs=[position])
+    [entry] = choice["logprobs"]["content"]
+    assert entry["bytes"] == entry["top_logprobs"][0]["bytes"] == [0xE2, 0x80]
 
 
 def test_chat_response_logprobs() -> None:

@@ -67,6 +67,7 @@ def test_unary_completions_with_logprobs_and_token_text(
             assert [lp.rank for lp in completion.logprobs] == [1, 2]
             for lp in completion.logprobs:
                 assert lp.token == tokenizer.token_texts([lp.token_id])[0] != ""
+                assert lp.token_bytes == lp.token.encode()
                 assert [t.token for t in lp.top] == tokenizer.token_texts(
                     [t.token_id for t in lp.top])
                 assert len(lp.top) == 2
