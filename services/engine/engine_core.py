@@ -21,6 +21,15 @@ Pausing stops scheduling, not the engine: it stays RUNNING and healthy, and new
 requests queue up until `resume` (modes: abort = abort everything first; wait =
 admit nothing new but let running requests finish; keep = freeze all requests).
 
+Prefix-cache events: the block pool records its changes in `kv_events`, on the
+loop thread only; each step's StepOutputs carries the events drained at its end,
+and events made outside a step's outputs (a reset, a schedule whose batch is still
+executing) go out as a kv-only StepOutputs at the end of the loop iteration. A
+subscription (`subscribe_kv_events`) travels on `input_queue` like a utility call:
+the loop flushes the pending events, then puts the Session's KvSnapshot on the
+output queue, so the snapshot sits exactly between the events it includes and
+those it does not (see session_router.py).
+
 Structured output: a request with an output constraint first waits outside the
 scheduler while its grammar compiles on the compiler's pool (structured/), so it
 holds back nobody; the result comes back as a GRAMMAR_READY input item, and a
@@ -68,9 +77,16 @@ from services.engine.request import (
     RequestUpdate,
 )
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
+from services.engine.scheduler.kv_events import KvEvent, KvEventLog
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
-from services.engine.session_router import EngineState, SessionRouter, StepOutputs, UtilityReply
+from services.engine.session_router import (
+    EngineState,
+    KvSnapshot,
+    SessionRouter,
+    StepOutputs,
+    UtilityReply,
+)
 from services.engine.structured.compiler import Compiled, GrammarCompiler
 from services.engine.structured.step_mask import StepMasks
 from services.engine.watchdog import Watchdog
@@ -88,6 +104,7 @@ class InputType(enum.Enum):
     UTILITY = enum.auto()
     START_WAVE = enum.auto()
     GRAMMAR_READY = enum.auto()
+    KV_SUBSCRIBE = enum.auto()
 
 
 class PauseMode(enum.Enum):
@@ -141,7 +158,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
         self.config = config
         self.runner = runner
-        kv_cache = KVCacheManager(runner.num_blocks, runner.block_size)
+        self.kv_events = KvEventLog()
+        kv_cache = KVCacheManager(runner.num_blocks, runner.block_size, self.kv_events)
         # A context longer than the whole cache could never be held: cap it.
         self.max_model_len = min(runner.model_info.max_model_len, kv_cache.capacity_tokens)
         if self.max_model_len < runner.model_info.max_model_len:
@@ -155,7 +173,8 @@ class EngineCore:
         )
         self.input_queue: queue.Queue[tuple[InputType, Any]] = queue.Queue()
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
-        self.output_queue: queue.Queue[StepOutputs | UtilityReply | None] = queue.Queue()
+        self.output_queue: queue.Queue[StepOutputs | UtilityReply | KvSnapshot | None] = (
+            queue.Queue())
         self.sessions = SessionRouter()
         self.observer = EngineObserver()  # metrics and tracing hooks (see main.py)
         self.name = f"engine-core dp={config.engine_index}"
@@ -260,6 +279,12 @@ class EngineCore:
             return
         self.input_queue.put((InputType.UTILITY, call))
 
+    def subscribe_kv_events(self, session_id: str) -> None:
+        """Send the Session a snapshot of the prefix cache, then its every change."""
+        # Through the loop thread, the pool's owner: only there are the snapshot and
+        # the event stream consistent.
+        self.input_queue.put((InputType.KV_SUBSCRIBE, session_id))
+
     def wakeup(self) -> None:
         self.input_queue.put((InputType.WAKEUP, None))
 
@@ -289,6 +314,7 @@ class EngineCore:
                 self._process_input_queue()
                 if self._can_step():
                     self.step()
+                self._flush_kv_events()
                 self._publish_stats()
                 if self._state is EngineState.DRAINING and self._drain_over():
                     break
@@ -345,6 +371,8 @@ class EngineCore:
             self._emit(self._abort(payload))
         elif kind is InputType.UTILITY:
             self._run_utility(payload)
+        elif kind is InputType.KV_SUBSCRIBE:
+            self._subscribe_kv(payload)
         elif kind is InputType.START_WAVE and self._wave is not None:
             if self._wave.start(payload):
                 logger.debug("%s: joined wave %d", self.name, payload)
@@ -549,7 +577,8 @@ class EngineCore:
     def _update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         # Aborts that arrived while the batch executed go out before its outputs.
         aborted = self._apply_aborts()
-        self._emit(aborted + self.scheduler.update_from_output(out, result))
+        updates = aborted + self.scheduler.update_from_output(out, result)
+        self._emit(updates, self.kv_events.drain())
 
     def _wait_for_batches(self) -> None:
         """Let batches in flight finish (their outputs are dropped) before the scheduler's
@@ -766,15 +795,29 @@ class EngineCore:
 
     # ---- outputs ---------------------------------------------------------------
 
-    def _emit(self, updates: list[RequestUpdate]) -> None:
-        if not updates:
+    def _emit(self, updates: list[RequestUpdate], kv_events: tuple[KvEvent, ...] = ()) -> None:
+        """Queue one StepOutputs. `kv_events` only from the loop thread: the events'
+        order on the output queue is their seq order (other threads emit too)."""
+        if not updates and not kv_events:
             return
-        self.observer.on_updates(updates)
+        if updates:
+            self.observer.on_updates(updates)
         by_session: dict[str, list[RequestUpdate]] = {}
         for u in updates:
             by_session.setdefault(u.session_id, []).append(u)
         self.output_queue.put(StepOutputs(by_session, self.scheduler.stats(), self._state,
-                                          time.time()))
+                                          time.time(), kv_events=kv_events))
+
+    def _flush_kv_events(self) -> None:
+        if self.kv_events.has_pending:
+            self._emit([], self.kv_events.drain())
+
+    def _subscribe_kv(self, session_id: str) -> None:
+        self._flush_kv_events()
+        kv = self.scheduler.kv_cache
+        self.output_queue.put(KvSnapshot(session_id, self.kv_events.epoch,
+                                         self.kv_events.last_seq, kv.block_size,
+                                         kv.pool.cached_hashes()))
 
     def _broadcast(self) -> None:
         self.output_queue.put(StepOutputs({}, self.scheduler.stats(), self._state, time.time(),
@@ -793,5 +836,7 @@ class EngineCore:
         while (item := self.output_queue.get()) is not None:
             if isinstance(item, UtilityReply):
                 self.sessions.reply(item)
+            elif isinstance(item, KvSnapshot):
+                self.sessions.subscribe_kv(item)
             else:
                 self.sessions.route(item)

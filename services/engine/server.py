@@ -9,6 +9,8 @@ SESSION_HEARTBEAT_S, so that silence means a frozen process. When a Session ends
 or breaks, its unfinished requests are aborted. A DEAD engine ends every Session
 with UNAVAILABLE naming the engine and the reason. Readiness follows the engine
 state: SERVING only while RUNNING (so not before warmup, nor while draining/dead).
+A Hello with kv_cache_events subscribes the Session to the prefix cache: it gets
+a KvCacheSnapshot, then the changes as kv_cache_events on the step responses.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ from services.common.grpc_server import (
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.engine.engine_core import EngineCore, UtilityCall
 from services.engine.request import Request, RequestUpdate
+from services.engine.scheduler.kv_events import BlockRemoved, BlockStored, KvEvent
 from services.engine.scheduler.output import PositionLogprobs
 from services.engine.session_router import (
     EngineState,
+    KvSnapshot,
     SessionItem,
     SessionOutputs,
     UtilityReply,
@@ -98,6 +102,26 @@ def output_to_proto(u: RequestUpdate) -> pb.RequestOutput:
     return out
 
 
+def kv_event_to_proto(e: KvEvent) -> pb.KvCacheEvent:
+    if isinstance(e, BlockStored):
+        return pb.KvCacheEvent(seq=e.seq, stored=pb.BlockStored(
+            block_hash=e.block_hash, parent_hash=e.parent_hash))
+    if isinstance(e, BlockRemoved):
+        return pb.KvCacheEvent(seq=e.seq, removed=pb.BlockRemoved(block_hash=e.block_hash))
+    return pb.KvCacheEvent(seq=e.seq, cleared=pb.CacheCleared())
+
+
+def snapshot_to_proto(snap: KvSnapshot, engine_index: int,
+                      state: EngineState) -> pb.SessionResponse:
+    return pb.SessionResponse(
+        engine_index=engine_index,
+        engine_state=common_pb2.EngineState.ValueType(int(state)),
+        kv_cache_snapshot=pb.KvCacheSnapshot(
+            epoch=snap.epoch, seq=snap.seq, block_size=snap.block_size,
+            block_hashes=snap.block_hashes),
+    )
+
+
 def response_to_proto(msg: SessionOutputs, engine_index: int) -> pb.SessionResponse:
     s = msg.stats
     return pb.SessionResponse(
@@ -110,6 +134,7 @@ def response_to_proto(msg: SessionOutputs, engine_index: int) -> pb.SessionRespo
         ),
         timestamp=msg.timestamp,
         engine_state=common_pb2.EngineState.ValueType(int(msg.state)),
+        kv_cache_events=[kv_event_to_proto(e) for e in msg.kv_events],
     )
 
 
@@ -188,6 +213,9 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
                         failure_message=item.failure_message),
                 )
                 continue
+            if isinstance(item, KvSnapshot):
+                yield snapshot_to_proto(item, self.core.config.engine_index, self.core.state)
+                continue
             with session.lock:
                 session.unfinished.difference_update(
                     u.request_id for u in item.updates if u.finished)
@@ -224,6 +252,8 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
                 elif kind == "hello":
                     logger.info("session %s from frontend %r", session.session_id,
                                 msg.hello.frontend_id)
+                    if msg.hello.kv_cache_events:
+                        self.core.subscribe_kv_events(session.session_id)
         except grpc.RpcError:
             pass  # the client broke the stream; the handler's callback ends the Session
         except Exception:

@@ -11,6 +11,13 @@ restored on the way out (`session_request_id`). State changes (draining,
 stopped, dead) are broadcast to every Session, with or without updates. A
 utility call's reply takes the same queue, so it follows the outputs of the
 steps before it, to the one Session that made the call.
+
+Prefix-cache events (kv_events.py) reach only the Sessions that subscribed, in
+every step that made some, with or without updates for them. A Session
+subscribes when its `KvSnapshot` is routed: the loop puts the snapshot on the
+output queue after every event it includes and before any it does not, and the
+output thread routes in queue order, so the Session then receives exactly the
+events after its snapshot: no gap, no duplicate.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
+from services.common.block_hash import BlockHash
 from services.engine.request import RequestUpdate
+from services.engine.scheduler.kv_events import KvEvent
 from services.engine.scheduler.scheduler import SchedulerStats
 
 
@@ -44,6 +53,8 @@ class StepOutputs:
     timestamp: float
     broadcast: bool = False
     """Deliver to every open Session, even those without updates (state changes)."""
+    kv_events: tuple[KvEvent, ...] = ()
+    """The prefix-cache changes since the previous StepOutputs, for subscribers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +64,7 @@ class SessionOutputs:
     state: EngineState
     timestamp: float
     session_id: str = field(default="")
+    kv_events: tuple[KvEvent, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +75,18 @@ class UtilityReply:
     result_json: str = ""
     failure_message: str = ""
     session_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KvSnapshot:
+    """The prefix cache's content for one subscribing Session."""
+
+    session_id: str
+    epoch: str
+    seq: int
+    """The seq of the last event the snapshot includes."""
+    block_size: int
+    block_hashes: list[BlockHash]
 
 
 def engine_request_id(session_id: str, request_id: str) -> str:
@@ -76,13 +100,14 @@ def session_request_id(session_id: str, engine_request_id: str) -> str:
 
 
 # What a Session's queue carries; None means the engine will send nothing more.
-SessionItem = SessionOutputs | UtilityReply | None
+SessionItem = SessionOutputs | UtilityReply | KvSnapshot | None
 
 
 class SessionRouter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queues: dict[str, queue.Queue[SessionItem]] = {}
+        self._kv_subscribers: set[str] = set()
 
     def open(self, session_id: str) -> queue.Queue[SessionItem]:
         q: queue.Queue[SessionItem] = queue.Queue()
@@ -95,16 +120,28 @@ class SessionRouter:
     def close(self, session_id: str) -> None:
         with self._lock:
             self._queues.pop(session_id, None)
+            self._kv_subscribers.discard(session_id)
 
     def route(self, step: StepOutputs) -> None:
         with self._lock:
             targets = list(self._queues.items())
+            subscribers = set(self._kv_subscribers) if step.kv_events else set()
         for session_id, q in targets:
             updates = step.by_session.get(session_id)
-            if updates or step.broadcast:
+            events = step.kv_events if session_id in subscribers else ()
+            if updates or events or step.broadcast:
                 q.put(SessionOutputs(updates or [], step.stats, step.state, step.timestamp,
-                                     session_id))
+                                     session_id, events))
         # Updates for sessions that closed meanwhile are dropped: nobody is listening.
+
+    def subscribe_kv(self, snapshot: KvSnapshot) -> None:
+        """Deliver the snapshot, then every later step's kv events, to its Session."""
+        with self._lock:
+            q = self._queues.get(snapshot.session_id)
+            if q is None:
+                return  # the Session closed meanwhile: nobody is listening
+            self._kv_subscribers.add(snapshot.session_id)
+        q.put(snapshot)
 
     def reply(self, reply: UtilityReply) -> None:
         with self._lock:

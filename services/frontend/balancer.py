@@ -6,11 +6,14 @@ engine that leaves the snapshot, or stops running, takes no new requests; its
 client stays open until its in-flight requests finish, so a draining engine can
 complete them.
 
-Routing picks the lowest `load_score`. A snapshot lags behind our own routing
-(engine report, then the coordinator's rate limit), so the requests we sent
-since the snapshot before last count too: without them a burst would all land
-on the engine that looked idlest. Equal scores rotate, so an idle cluster
-spreads requests evenly. Without load figures (static engines, or the
+Routing follows the policy (see routing.py): by default the lowest cost of load
+plus the prefill an engine would still do, from the engines' prefix-cache events
+(prefix_index.py); else the lowest `load_score`, or a plain rotation. A load
+snapshot lags behind our own routing (engine report, then the coordinator's rate
+limit), so the requests we sent since the snapshot before last count too, while
+still in flight: without them a burst would all land on the engine that looked
+idlest. Equal scores rotate,
+so an idle cluster spreads requests evenly. Without load figures (static engines, or the
 coordinator out of reach: `degraded`) the score is our own in-flight count on
 each engine, which is exact for a single frontend.
 """
@@ -19,11 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from services.common.block_hash import BlockHash, prompt_block_hashes
+from services.frontend import routing
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import invalid_argument, unavailable
+from services.frontend.prefix_index import PrefixIndex
+from services.frontend.routing import Option, RoutingPolicy
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +41,8 @@ WAITING_WEIGHT = 4.0
 # preemption), so waiting costs up to 1 + KV_PRESSURE_WEIGHT times more at a full cache.
 KV_PRESSURE_THRESHOLD = 0.8
 KV_PRESSURE_WEIGHT = 4.0
-# Scores closer than this are a tie (they are sums of counts and weights).
-_TIE = 1e-9
+# Uncached prompt tokens that weigh as much as one more running request (cache_aware).
+PREFILL_TOKENS_PER_REQUEST = 64.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,16 @@ def load_score(load: EngineLoadInfo, num_unseen: int = 0) -> float:
     return load.num_running + load.num_waiting * cost + num_unseen * unseen_cost
 
 
+@dataclass(frozen=True)
+class Route:
+    """The engine chosen for a request, and why."""
+
+    client: EngineClient
+    reason: str
+    cached_tokens: int = 0
+    """Leading prompt tokens the index says the engine holds (predicted cache hit)."""
+
+
 class _Unseen:
     """Requests sent to one engine in the current and the previous snapshot period.
     Those older than the snapshot before last are in the engine's reported load."""
@@ -92,7 +110,15 @@ class Balancer:
         frontend_id: str,
         on_readiness: Callable[[bool], None] | None = None,
         client_factory: Callable[..., EngineClient] = EngineClient,
+        policy: RoutingPolicy = RoutingPolicy.LEAST_LOAD,
+        prefix_index: PrefixIndex | None = None,
+        prefill_tokens_per_request: float = PREFILL_TOKENS_PER_REQUEST,
     ) -> None:
+        self.policy = policy
+        self.prefix_index = prefix_index
+        if policy is RoutingPolicy.CACHE_AWARE and prefix_index is None:
+            self.prefix_index = PrefixIndex()
+        self._prefill_tokens_per_request = prefill_tokens_per_request
         self._frontend_id = frontend_id
         self._on_readiness = on_readiness
         self._client_factory = client_factory
@@ -155,8 +181,12 @@ class Balancer:
         self._refresh()
 
     def pick(self, data_parallel_rank: int | None = None) -> EngineClient:
-        """The engine for the next request: the pinned rank, else the least loaded one
-        that accepts requests (ties in rotation)."""
+        return self.route(data_parallel_rank).client
+
+    def route(self, data_parallel_rank: int | None = None,
+              prompt_token_ids: Sequence[int] = (), cache_salt: str = "") -> Route:
+        """The engine for the next request, among those accepting requests (the pinned
+        rank's, if any), by the routing policy; ties in rotation."""
         candidates = [
             (address, client) for address, client in self._clients.items()
             if client.accepting and self._routable(address)
@@ -172,18 +202,53 @@ class Balancer:
         start = next((i + 1 for i, (address, _) in enumerate(candidates)
                       if address == self._last_pick), 0)
         ordered = candidates[start:] + candidates[:start]
-        scores = [self._score(address, client) for address, client in ordered]
-        lowest = min(scores)
-        address, client = next(
-            engine for engine, score in zip(ordered, scores, strict=True)
-            if score <= lowest + _TIE)
+        hashes: dict[int, list[BlockHash]] = {}
+        if self.policy is RoutingPolicy.ROUND_ROBIN:
+            choice, cached = routing.Choice(0, "round_robin"), [0] * len(ordered)
+        else:
+            loads = [self._score(address, client) for address, client in ordered]
+            if self.policy is RoutingPolicy.CACHE_AWARE and prompt_token_ids:
+                cached = self._cached_tokens(ordered, prompt_token_ids, cache_salt, hashes)
+                choice = routing.cache_aware(
+                    [Option(load, c) for load, c in zip(loads, cached, strict=True)],
+                    len(prompt_token_ids), self._prefill_tokens_per_request)
+            else:
+                cached = [0] * len(ordered)
+                choice = routing.least_load([Option(load) for load in loads])
+        address, client = ordered[choice.index]
         self._last_pick = address
         self._unseen.setdefault(address, _Unseen()).current += 1
-        return client
+        if self.prefix_index is not None:
+            block_size = self.prefix_index.block_size(address)
+            if block_size in hashes:
+                self.prefix_index.predict(address, hashes[block_size])
+        return Route(client, choice.reason, cached[choice.index])
+
+    def _cached_tokens(self, ordered: list[tuple[str, EngineClient]],
+                       prompt_token_ids: Sequence[int], cache_salt: str,
+                       hashes: dict[int, list[BlockHash]]) -> list[int]:
+        """Each engine's cached prompt tokens by the index; fills `hashes` (the prompt's
+        block hashes by block size, usually one size for all engines)."""
+        index = self.prefix_index
+        assert index is not None
+        by_size: dict[int, list[str]] = {}
+        for address, _ in ordered:
+            block_size = index.block_size(address)
+            if block_size is not None:
+                by_size.setdefault(block_size, []).append(address)
+        tokens: dict[str, int] = {}
+        for block_size, addresses in by_size.items():
+            hashes[block_size] = prompt_block_hashes(prompt_token_ids, block_size, cache_salt)
+            for address, blocks in index.match(hashes[block_size], addresses).items():
+                tokens[address] = blocks * block_size
+        return [tokens.get(address, 0) for address, _ in ordered]
 
     async def close(self) -> None:
         clients, self._clients = self._clients, {}
         await asyncio.gather(*(c.close() for c in clients.values()))
+        if self.prefix_index is not None:
+            for address in clients:
+                self.prefix_index.drop_engine(address)
         self._refresh()
 
     async def _apply(self, engines: list[EngineLoadInfo]) -> None:
@@ -193,7 +258,10 @@ class Balancer:
                 self._seen_ranks.add(load.engine_index)
             if address not in self._clients:
                 log.info("engine %s appeared", address)
-                client = self._client_factory(address, self._frontend_id, self._refresh)
+                extra: dict[str, Any] = (
+                    {"prefix_index": self.prefix_index} if self.prefix_index is not None else {})
+                client = self._client_factory(address, self._frontend_id, self._refresh,
+                                              **extra)
                 self._clients[address] = client
                 client.start()
         await self._close_retired()
@@ -210,7 +278,10 @@ class Balancer:
         if self.degraded or not self._has_load_figures or load is None:
             return float(client.num_in_flight)
         unseen = self._unseen.get(address)
-        return load_score(load, unseen.count if unseen is not None else 0)
+        # Of the requests sent since the snapshot, those already finished load nothing:
+        # at most our in-flight ones are still there.
+        num_unseen = min(unseen.count, client.num_in_flight) if unseen is not None else 0
+        return load_score(load, num_unseen)
 
     def _rank(self, address: str, client: EngineClient) -> int | None:
         load = self._loads.get(address)
@@ -247,6 +318,8 @@ class Balancer:
             log.info("engine %s left; closing its session", address)
             self._unseen.pop(address, None)
             await self._clients.pop(address).close()
+            if self.prefix_index is not None:
+                self.prefix_index.drop_engine(address)
 
     def _refresh(self) -> None:
         # Ready exactly when pick() would find an engine.

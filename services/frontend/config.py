@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from services.common.config import doc
 from services.common.grpc_server import SESSION_HEARTBEAT_S, MiB
 from services.frontend.reasoning_parsers import REASONING_PARSERS
+from services.frontend.routing import RoutingPolicy
 from services.frontend.tool_parsers import TOOL_PARSERS
 from services.frontend.validation import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_ROUTING_POLICIES = tuple(p.value for p in RoutingPolicy)
 TOOL_CALL_PARSER_CHOICES = ("auto", "none", *sorted(TOOL_PARSERS))
 
 
@@ -45,6 +47,20 @@ class FrontendConfig:
     )
     served_model_name: str = doc(
         "Model name reported to clients; empty means the checkpoint's name.", default=""
+    )
+    routing_policy: str = doc(
+        "How requests are spread over the engines: cache_aware (to the engine whose prefix "
+        "cache holds most of the prompt, weighed against its load; engines publish their "
+        "cache on the Session), least_load, or round_robin. A request's "
+        "data_parallel_rank always wins.", default="cache_aware"
+    )
+    prefill_tokens_per_request: float = doc(
+        "cache_aware: uncached prompt tokens that weigh as much as one more request on "
+        "an engine; lower values follow cached prefixes harder.", default=64.0
+    )
+    prefix_index_max_blocks: int = doc(
+        "cache_aware: most block hashes the routing index keeps (about 200 bytes each); "
+        "past it the least recently used are forgotten.", default=1 << 20
     )
     max_prompt_tokens: int = doc(
         "Longest accepted prompt in tokens; 0 means the model's context length.", default=0
@@ -125,6 +141,16 @@ class FrontendConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.routing_policy not in _ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(_ROUTING_POLICIES)}, "
+                             f"got {self.routing_policy!r}")
+        if not (self.prefill_tokens_per_request > 0
+                and math.isfinite(self.prefill_tokens_per_request)):
+            raise ValueError("prefill_tokens_per_request must be > 0, got "
+                             f"{self.prefill_tokens_per_request}")
+        if self.prefix_index_max_blocks < 1:
+            raise ValueError("prefix_index_max_blocks must be >= 1, got "
+                             f"{self.prefix_index_max_blocks}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not -1 <= self.http_port < 65536:

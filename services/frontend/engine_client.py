@@ -16,6 +16,11 @@ has requests of ours, so a Session silent for `watchdog_timeout_s` with requests
 in flight belongs to a frozen process (SIGSTOP, a hung host) that cannot report
 anything itself: the client treats it as dead in the same way.
 
+With a prefix index (cache-aware routing) the client subscribes to the engine's
+prefix-cache events in its Hello and applies the snapshot and the events to the
+index; the engine's entries are dropped whenever the Session ends, since a new
+Session starts with a fresh snapshot (of a new epoch, if the engine restarted).
+
 Utility calls (admin) share the Session: `call_utility` sends one with a fresh
 call id and awaits the UtilityResult carrying that id; a lost session fails the
 calls still waiting.
@@ -42,6 +47,7 @@ from services.common.grpc_server import make_aio_channel
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.common.tasks import cancel_and_wait
 from services.frontend.errors import RequestError, unavailable
+from services.frontend.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +88,11 @@ class EngineClient:
         on_change: Callable[[], None] | None = None,
         watchdog_timeout_s: float = 0.0,
         security: SecurityConfig = PLAINTEXT,
+        prefix_index: PrefixIndex | None = None,
     ) -> None:
         """`watchdog_timeout_s` 0 disables the silence watchdog."""
         self.address = address
+        self._prefix_index = prefix_index
         self._security = security
         self._frontend_id = frontend_id
         self._on_change = on_change
@@ -133,6 +141,7 @@ class EngineClient:
         await cancel_and_wait(self._task)
         self._task = None
         self._set_connected(False)
+        self._forget_cache()
         self._fail_all("the frontend closed its session to the engine")
         if self._channel is not None:
             await self._channel.close()
@@ -216,6 +225,7 @@ class EngineClient:
             self._send_queue = None
             was_connected = self._connected
             self._set_connected(False)
+            self._forget_cache()
             if was_connected or self._streams:
                 log.warning("session to %s lost: %s", self.name, reason)
             self._fail_all(reason)
@@ -228,7 +238,8 @@ class EngineClient:
         send_queue.put_nowait(
             engine_pb2.SessionRequest(
                 hello=engine_pb2.Hello(
-                    frontend_id=self._frontend_id, protocol_version=PROTOCOL_VERSION
+                    frontend_id=self._frontend_id, protocol_version=PROTOCOL_VERSION,
+                    kv_cache_events=self._prefix_index is not None,
                 )
             )
         )
@@ -260,9 +271,12 @@ class EngineClient:
         self._state = common_pb2.ENGINE_STATE_UNSPECIFIED
         async for response in call:
             self._last_heard = time.monotonic()
-            if not self._connected:
-                # The engine's first message: it is up and not frozen. Only now may
-                # requests go there (a frozen engine still accepts TCP connections).
+            if not self._connected and (self._prefix_index is None
+                                        or response.HasField("kv_cache_snapshot")):
+                # The engine's first message (or, cache-aware, the snapshot of its cache
+                # that follows it): it is up and not frozen, and routing knows what it
+                # holds. Only now may requests go there (a frozen engine still accepts
+                # TCP connections).
                 self._engine_index = response.engine_index
                 self._send_queue = send_queue
                 self._set_connected(True)
@@ -288,6 +302,8 @@ class EngineClient:
             future = self._utility_calls.pop(result.call_id, None)
             if future is not None and not future.done():  # else the caller gave up
                 future.set_result(UtilityOutcome(result.result_json, result.failure_message))
+        if self._prefix_index is not None:
+            self._apply_cache_events(self._prefix_index, response)
         for output in response.outputs:
             queue = self._streams.get(output.request_id)
             if queue is None:  # aborted here while the engine was still producing
@@ -302,6 +318,31 @@ class EngineClient:
         if state == common_pb2.ENGINE_STATE_STOPPED:
             raise _SessionEnded(f"{self.name} is shutting down")
         # A DEAD engine ends the Session with UNAVAILABLE and the reason: read on.
+
+    def _apply_cache_events(self, index: PrefixIndex,
+                            response: engine_pb2.SessionResponse) -> None:
+        if response.HasField("kv_cache_snapshot"):
+            snapshot = response.kv_cache_snapshot
+            index.apply_snapshot(self.address, snapshot.epoch, snapshot.seq,
+                                 snapshot.block_size, snapshot.block_hashes)
+        for event in response.kv_cache_events:
+            kind = event.WhichOneof("kind")
+            if kind == "stored":
+                applied = index.stored(self.address, event.seq, event.stored.block_hash)
+            elif kind == "removed":
+                applied = index.removed(self.address, event.seq, event.removed.block_hash)
+            else:
+                applied = index.cleared(self.address, event.seq)
+            if not applied and index.tracks(self.address):
+                # Sessions are ordered streams, so this is a bug, not a network fault:
+                # route on load to this engine until its next Session's snapshot.
+                log.error("%s: prefix-cache event %d out of order; ignoring its cache "
+                          "until the next session", self.name, event.seq)
+                index.drop_engine(self.address)
+
+    def _forget_cache(self) -> None:
+        if self._prefix_index is not None:
+            self._prefix_index.drop_engine(self.address)
 
     def _fail_all(self, reason: str) -> None:
         calls, self._utility_calls = self._utility_calls, {}

@@ -136,9 +136,11 @@ class RequestRunner:
         ]
         by_engine_id = {s.engine_request_id: s for s in samples}
         with telemetry.phase("route") if telemetry else contextlib.nullcontext():
-            client = self._balancer.pick(request.data_parallel_rank)
-        if telemetry:
-            telemetry.on_routed(client.engine_index)
+            route = self._balancer.route(request.data_parallel_rank,
+                                         request.prompt_token_ids, request.cache_salt)
+            if telemetry:
+                telemetry.on_routed(route, self._balancer.policy)
+        client = route.client
         engine = _EngineRequests(
             client, asyncio.Queue(),
             [self._add_request(request, s.index, s.engine_request_id) for s in samples],

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from corestream.common.v1 import common_pb2
@@ -36,6 +36,9 @@ from services.common.metrics import (
 from services.common.sampling import SamplingParams
 from services.common.tracing import Tracing
 from services.frontend.errors import RequestError
+
+if TYPE_CHECKING:
+    from services.frontend.balancer import Route
 
 # One line per request, like an access log (JSON logs carry its request and trace ids).
 log = logging.getLogger("services.frontend.requests")
@@ -71,6 +74,19 @@ class FrontendMetrics:
         self.rejected = Counter(PREFIX + "requests_rejected",
                                 "Requests that ended with an error, by status code and reason.",
                                 ("model_name", "code", "reason"), registry=registry)
+        self.routed = Counter(PREFIX + "routed_requests",
+                              "Requests routed, by policy and whether the chosen engine was "
+                              "predicted to hold a prefix of the prompt (prefix_hit).",
+                              ("model_name", "policy", "prefix_hit"), registry=registry)
+        self.predicted_cached = Counter(
+            PREFIX + "routing_predicted_cached_tokens",
+            "Prompt tokens the routing index predicted the chosen engine holds, for "
+            "requests that finished (compare with routing_actual_cached_tokens).",
+            ("model_name",), registry=registry)
+        self.actual_cached = Counter(
+            PREFIX + "routing_actual_cached_tokens",
+            "Prompt tokens the engines served from their prefix cache, for requests that "
+            "finished.", ("model_name",), registry=registry)
 
 
 class RequestTelemetry:
@@ -84,6 +100,7 @@ class RequestTelemetry:
         self._client_headers = {k: str(metadata[k]) for k in tr.TRACE_HEADERS if k in metadata}
         self._start = time.monotonic()
         self._engine = ""
+        self._predicted_cached: int | None = None
         self._itl: Histogram | None = None  # labelled on first use: labels() is not cheap
         self._first_token = 0.0
         self._last_output: dict[int, float] = {}
@@ -155,9 +172,21 @@ class RequestTelemetry:
         if self._tracing.include_content and prompt is not None:
             span.set_attribute(tr.GEN_AI_PROMPT, prompt)
 
-    def on_routed(self, engine_index: int | None) -> None:
+    def on_routed(self, route: Route, policy: str) -> None:
+        """Call inside the `route` phase: its span records why the engine was chosen."""
+        engine_index = route.client.engine_index
         self._engine = "" if engine_index is None else str(engine_index)
+        self._predicted_cached = route.cached_tokens
         self.span.set_attribute("corestream.engine.index", self._engine)
+        self._metrics.routed.labels(self._metrics.model_name, policy,
+                                    str(route.cached_tokens > 0).lower()).inc()
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({"corestream.route.policy": policy,
+                                 "corestream.route.reason": route.reason,
+                                 "corestream.route.engine": route.client.address,
+                                 "corestream.route.predicted_cached_tokens":
+                                     route.cached_tokens})
 
     def detokenized(self, started: float) -> None:
         """Add the time since `started` (time.monotonic()) to the detokenize phase."""
@@ -195,6 +224,11 @@ class RequestTelemetry:
             self._metrics.e2e.labels(self._metrics.model_name, self._engine).observe(
                 now - self._start)
             usage = self._usage or common_pb2.Usage()
+            if self._predicted_cached is not None:
+                self._metrics.predicted_cached.labels(self._metrics.model_name).inc(
+                    self._predicted_cached)
+                self._metrics.actual_cached.labels(self._metrics.model_name).inc(
+                    usage.cached_tokens)
             log.info("request finished (%s) on engine %s: %d prompt + %d generated tokens "
                      "in %.3f s", ",".join(self._finish_reasons.values()), self._engine,
                      usage.prompt_tokens, usage.completion_tokens, now - self._start)

@@ -55,8 +55,10 @@ from services.frontend.grpc_calls import (
 )
 from services.frontend.load_watcher import LoadWatcher
 from services.frontend.openai_api.app import HttpServer, HttpSettings, OpenAIApi
+from services.frontend.prefix_index import PrefixIndex
 from services.frontend.request_runner import PreparedRequest, RequestRunner, collect_generate
 from services.frontend.request_telemetry import FrontendMetrics, RequestTelemetry
+from services.frontend.routing import RoutingPolicy
 from services.frontend.tokenizer import TextTokenizer
 from services.frontend.validation import (
     RequestLimits,
@@ -311,11 +313,16 @@ class FrontendServer:
         self._security = security
         self._health_server: grpc.aio.Server | None = None
         self._frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
+        policy = RoutingPolicy(config.routing_policy)
         self.balancer = Balancer(
             self._frontend_id, on_readiness=self._on_readiness,
             client_factory=functools.partial(EngineClient,
                                              watchdog_timeout_s=config.watchdog_timeout,
                                              security=security),
+            policy=policy,
+            prefix_index=PrefixIndex(config.prefix_index_max_blocks)
+            if policy is RoutingPolicy.CACHE_AWARE else None,
+            prefill_tokens_per_request=config.prefill_tokens_per_request,
         )
         self._model = model
         self._servicer = GenerateServicer(config, tokenizer, model, self.balancer,

@@ -9,6 +9,9 @@ dict makes reviving a block from the middle of it O(1).
 
 Only full, computed blocks are cached, and a cached block is never written
 again: requests append to their own tail blocks only.
+
+With a KvEventLog, every change of the hash -> block map is recorded (see
+kv_events.py), so that frontends can mirror what this pool caches.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from services.engine.scheduler.block_hash import BlockHash
+from services.common.block_hash import NO_PARENT, BlockHash
+from services.engine.scheduler.kv_events import KvEventLog
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KvEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -28,6 +32,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
+        self._events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,8 +81,10 @@ class BlockPool:
                 del self._free[b]
             self._ref_counts[b] += 1
 
-    def cache(self, block_id: int, block_hash: BlockHash) -> None:
-        """Record that a held, full block holds the contents named by block_hash."""
+    def cache(self, block_id: int, block_hash: BlockHash,
+              parent_hash: BlockHash = NO_PARENT) -> None:
+        """Record that a held, full block holds the contents named by block_hash;
+        parent_hash names the block before it (for the events only)."""
         if block_id in self._hash_of:
             return
         # Two requests that missed on the same prefix computed it twice: the first
@@ -86,12 +93,18 @@ class BlockPool:
             return
         self._cached[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        if self._events is not None:
+            self._events.stored(block_hash, parent_hash)
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every cached block's hash, held or free (a subscriber's snapshot)."""
+        return list(self._cached)
 
     def free_block_ids(self) -> list[int]:
         """The free list in eviction order (first = next evicted)."""
@@ -106,12 +119,16 @@ class BlockPool:
         num_cached = len(self._cached)
         self._cached.clear()
         self._hash_of.clear()
+        if self._events is not None:
+            self._events.cleared()
         return num_cached
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:
             del self._cached[block_hash]
+            if self._events is not None:
+                self._events.removed(block_hash)
 
     def check_integrity(self) -> None:
         for b in range(self.num_blocks):

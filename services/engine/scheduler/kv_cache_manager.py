@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.common.block_hash import NO_PARENT, extend_block_hashes
 from services.engine.request import Request
-from services.engine.scheduler.block_hash import extend_block_hashes
 from services.engine.scheduler.block_pool import BlockPool
+from services.engine.scheduler.kv_events import KvEventLog
 
 
 def cdiv(a: int, b: int) -> int:
@@ -25,11 +26,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 events: KvEventLog | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, events)
         self._tables: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}
         """Leading blocks of each table that the pool already knows by hash."""
@@ -108,8 +110,9 @@ class KVCacheManager:
         if num_full <= first:
             return
         self._hash_up_to(request, request.num_computed_tokens)
+        hashes = request.block_hashes
         for i in range(first, num_full):
-            self.pool.cache(table[i], request.block_hashes[i])
+            self.pool.cache(table[i], hashes[i], hashes[i - 1] if i else NO_PARENT)
         self._num_cached[rid] = num_full
 
     def free(self, request_id: str) -> None:

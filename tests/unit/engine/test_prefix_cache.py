@@ -3,9 +3,9 @@ reusing cached blocks (including a preempted request's own), with its stats."""
 
 from __future__ import annotations
 
+from services.common.block_hash import extend_block_hashes, hash_block
 from services.common.sampling import SamplingParams
 from services.engine.request import Request
-from services.engine.scheduler.block_hash import extend_block_hashes, hash_block
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.scheduler import Scheduler
 from tests.unit.engine.test_scheduler import make_scheduler, run_to_completion, step

@@ -49,10 +49,11 @@ def channel(server: EngineServer) -> Iterator[grpc.Channel]:
 class SessionClient:
     """A Session whose requests are fed from a queue, so the test controls the timing."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, kv_cache_events: bool = False) -> None:
         self._requests: queue.Queue[pb.SessionRequest | None] = queue.Queue()
         stub = engine_core_service_pb2_grpc.EngineCoreServiceStub(channel)
-        self.send(pb.SessionRequest(hello=pb.Hello(frontend_id="test", protocol_version=1)))
+        self.send(pb.SessionRequest(hello=pb.Hello(frontend_id="test", protocol_version=1,
+                                                   kv_cache_events=kv_cache_events)))
         self.responses = stub.Session(iter(self._requests.get, None))
         # The engine opens every Session with its state alone.
         hello = next(self.responses)

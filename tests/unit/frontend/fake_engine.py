@@ -47,6 +47,12 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
                 kind = message.WhichOneof("kind")
                 if kind == "hello":
                     self.hellos.append(message.hello)
+                    if message.hello.kv_cache_events:
+                        # As a real engine does: its (here always empty) prefix cache.
+                        out.put_nowait(engine_pb2.SessionResponse(
+                            engine_state=common_pb2.ENGINE_STATE_RUNNING,
+                            kv_cache_snapshot=engine_pb2.KvCacheSnapshot(
+                                epoch="fake", block_size=16)))
                 elif kind == "add":
                     self.adds.append(message.add)
                     running[message.add.request_id] = asyncio.create_task(

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.block_hash import prompt_block_hashes
 from services.frontend.balancer import (
     KV_PRESSURE_THRESHOLD,
     KV_PRESSURE_WEIGHT,
@@ -20,6 +21,7 @@ from services.frontend.balancer import (
 )
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError
+from services.frontend.routing import RoutingPolicy
 
 
 class _StubClient(EngineClient):
@@ -44,6 +46,16 @@ def _picks(balancer: Balancer, count: int, rank: int | None = None) -> list[str]
     return [balancer.pick(rank).address for _ in range(count)]
 
 
+def _sends(balancer: Balancer, count: int) -> list[str]:
+    """Route `count` requests that stay in flight (unseen ones count while they do)."""
+    addresses = []
+    for _ in range(count):
+        client = balancer.pick()
+        client._streams[f"r{len(client._streams)}"] = asyncio.Queue()
+        addresses.append(client.address)
+    return addresses
+
+
 def test_score_weights_waiting_more_as_the_kv_cache_fills() -> None:
     assert load_score(_load("a", running=3)) == 3
     assert load_score(_load("a", running=3, waiting=2)) == 3 + 2 * WAITING_WEIGHT
@@ -64,7 +76,7 @@ def test_burst_fills_the_idler_engine_counting_unseen_requests() -> None:
     async def main() -> None:
         balancer = Balancer("f", client_factory=_StubClient)
         await balancer.update([_load("busy:1", running=6), _load("idle:1")])
-        picks = _picks(balancer, 12)
+        picks = _sends(balancer, 12)
         # The idle engine takes the first 6 until the scores meet, then they alternate.
         assert picks[:6] == ["idle:1"] * 6
         assert Counter(picks) == {"idle:1": 9, "busy:1": 3}
@@ -101,14 +113,25 @@ def test_snapshots_retire_unseen_counts() -> None:
         balancer = Balancer("f", client_factory=_StubClient)
         snapshot = [_load("a:1"), _load("b:1")]
         await balancer.update(snapshot)
-        assert _picks(balancer, 4) == ["a:1", "b:1", "a:1", "b:1"]
+        assert _sends(balancer, 4) == ["a:1", "b:1", "a:1", "b:1"]
         await balancer.update([_load("a:1", running=2), _load("b:1")])
         # a: 2 reported + 2 unseen (sent before the latest snapshot) vs b: 2 unseen.
-        assert _picks(balancer, 1) == ["b:1"]
+        assert _sends(balancer, 1) == ["b:1"]
         # Two snapshots later the early requests are in the reported load only.
         await balancer.update([_load("a:1", running=2), _load("b:1", running=3)])
         await balancer.update([_load("a:1", running=2), _load("b:1", running=3)])
-        assert _picks(balancer, 1) == ["a:1"]
+        assert _sends(balancer, 1) == ["a:1"]
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_unseen_requests_count_only_while_in_flight() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient)
+        await balancer.update([_load("a:1"), _load("b:1", running=1)])
+        # Sequential requests that finish at once: a stays the idler engine.
+        assert _picks(balancer, 3) == ["a:1"] * 3
         await balancer.close()
 
     asyncio.run(main())
@@ -203,3 +226,63 @@ def test_frontend_never_imports_torch() -> None:
     )
     root = Path(__file__).resolve().parents[3]
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=root)
+
+
+# --- routing policies ------------------------------------------------------------------
+
+BS = 16
+
+
+def _follow(balancer: Balancer, address: str, held: list[bytes] = ()) -> None:
+    """What a client does on its Session's snapshot."""
+    assert balancer.prefix_index is not None
+    balancer.prefix_index.apply_snapshot(address, f"epoch-{address}", 0, BS, held)
+
+
+def test_cache_aware_follows_the_prefix_and_spreads_new_ones() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient, policy=RoutingPolicy.CACHE_AWARE)
+        await balancer.update([_load("a:1", running=3), _load("b:1", running=1)])
+        system = list(range(1024))
+        _follow(balancer, "a:1", prompt_block_hashes(system + [1], BS))
+        _follow(balancer, "b:1")
+        route = balancer.route(None, system + list(range(5000, 5064)))
+        assert route.client.address == "a:1" and route.cached_tokens == 1024
+        assert "holds 1024 of 1088" in route.reason
+        # A burst on a new prefix: the first goes to the least loaded engine, the rest
+        # follow it (its blocks are predicted there) though its load grows.
+        other = list(range(2000, 2000 + 512))
+        picks = [balancer.route(None, other + [9000 + i] * 8).client.address
+                 for i in range(4)]
+        assert picks == ["b:1"] * 4
+        # The pinned rank wins over the cache.
+        await balancer.update([_load("a:1", rank=0, running=3), _load("b:1", rank=1)])
+        assert balancer.route(0, other + [1] * 8).client.address == "a:1"
+        await balancer.close()
+        assert balancer.prefix_index is not None and len(balancer.prefix_index) == 0
+
+    asyncio.run(main())
+
+
+def test_cache_aware_lets_load_win_when_badly_imbalanced() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient, policy=RoutingPolicy.CACHE_AWARE)
+        await balancer.update([_load("a:1", running=20), _load("b:1", running=2)])
+        prompt = list(range(1100))
+        _follow(balancer, "a:1", prompt_block_hashes(prompt, BS))
+        _follow(balancer, "b:1")
+        route = balancer.route(None, prompt)
+        assert route.client.address == "b:1" and "imbalance" in route.reason
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_round_robin_ignores_load() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient, policy=RoutingPolicy.ROUND_ROBIN)
+        await balancer.update([_load("a:1", running=30), _load("b:1")])
+        assert _picks(balancer, 4) == ["a:1", "b:1", "a:1", "b:1"]
+        await balancer.close()
+
+    asyncio.run(main())

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from corestream.common.v1 import common_pb2 as corestream_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.corestream/engine/v1/engine_core_service.proto\x12\x14\x63orestream.engine.v1\x1a!corestream/common/v1/common.proto\"\xe3\x01\n\x0eSessionRequest\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.corestream.engine.v1.HelloH\x00\x12/\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32 .corestream.engine.v1.AddRequestH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.corestream.engine.v1.AbortRequestsH\x00\x12\x34\n\x07utility\x18\x04 \x01(\x0b\x32!.corestream.engine.v1.UtilityCallH\x00\x42\x06\n\x04kind\"6\n\x05Hello\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\"\xc5\x02\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.corestream.common.v1.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12I\n\rtrace_headers\x18\x07 \x03(\x0b\x32\x32.corestream.engine.v1.AddRequest.TraceHeadersEntry\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\rAbortRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"A\n\x0bUtilityCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x11\n\targs_json\x18\x03 \x01(\t\"\xbd\x02\n\x0fSessionResponse\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\x34\n\x07outputs\x18\x02 \x03(\x0b\x32#.corestream.engine.v1.RequestOutput\x12=\n\x0fscheduler_stats\x18\x03 \x01(\x0b\x32$.corestream.engine.v1.SchedulerStats\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12@\n\x0eutility_result\x18\x05 \x01(\x0b\x32#.corestream.engine.v1.UtilityResultH\x00\x88\x01\x01\x12\x37\n\x0c\x65ngine_state\x18\x06 \x01(\x0e\x32!.corestream.common.v1.EngineStateB\x11\n\x0f_utility_result\"\xe8\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".corestream.common.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x12\n\nerror_code\x18\x06 \x01(\x05\x12\x15\n\rerror_message\x18\x07 \x01(\t\x12<\n\x0cnew_logprobs\x18\x08 \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12?\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32&.corestream.common.v1.PositionLogprobsB\x10\n\x0e_stop_token_id\"\xa1\x01\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x14\n\x0cstep_counter\x18\x04 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\"N\n\rUtilityResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x13\n\x0bresult_json\x18\x02 \x01(\t\x12\x17\n\x0f\x66\x61ilure_message\x18\x03 \x01(\t\"\x16\n\x14GetEngineInfoRequest\"\xe3\x01\n\x15GetEngineInfoResponse\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x30\n\x05state\x18\t \x01(\x0e\x32!.corestream.common.v1.EngineState2\xd9\x01\n\x11\x45ngineCoreService\x12Z\n\x07Session\x12$.corestream.engine.v1.SessionRequest\x1a%.corestream.engine.v1.SessionResponse(\x01\x30\x01\x12h\n\rGetEngineInfo\x12*.corestream.engine.v1.GetEngineInfoRequest\x1a+.corestream.engine.v1.GetEngineInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.corestream/engine/v1/engine_core_service.proto\x12\x14\x63orestream.engine.v1\x1a!corestream/common/v1/common.proto\"\xe3\x01\n\x0eSessionRequest\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.corestream.engine.v1.HelloH\x00\x12/\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32 .corestream.engine.v1.AddRequestH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.corestream.engine.v1.AbortRequestsH\x00\x12\x34\n\x07utility\x18\x04 \x01(\x0b\x32!.corestream.engine.v1.UtilityCallH\x00\x42\x06\n\x04kind\"O\n\x05Hello\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x17\n\x0fkv_cache_events\x18\x03 \x01(\x08\"\xc5\x02\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.corestream.common.v1.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12I\n\rtrace_headers\x18\x07 \x03(\x0b\x32\x32.corestream.engine.v1.AddRequest.TraceHeadersEntry\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\rAbortRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"A\n\x0bUtilityCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x11\n\targs_json\x18\x03 \x01(\t\"\xbc\x03\n\x0fSessionResponse\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\x34\n\x07outputs\x18\x02 \x03(\x0b\x32#.corestream.engine.v1.RequestOutput\x12=\n\x0fscheduler_stats\x18\x03 \x01(\x0b\x32$.corestream.engine.v1.SchedulerStats\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12@\n\x0eutility_result\x18\x05 \x01(\x0b\x32#.corestream.engine.v1.UtilityResultH\x00\x88\x01\x01\x12\x37\n\x0c\x65ngine_state\x18\x06 \x01(\x0e\x32!.corestream.common.v1.EngineState\x12@\n\x11kv_cache_snapshot\x18\x07 \x01(\x0b\x32%.corestream.engine.v1.KvCacheSnapshot\x12;\n\x0fkv_cache_events\x18\x08 \x03(\x0b\x32\".corestream.engine.v1.KvCacheEventB\x11\n\x0f_utility_result\"W\n\x0fKvCacheSnapshot\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\"\xc6\x01\n\x0cKvCacheEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x33\n\x06stored\x18\x02 \x01(\x0b\x32!.corestream.engine.v1.BlockStoredH\x00\x12\x35\n\x07removed\x18\x03 \x01(\x0b\x32\".corestream.engine.v1.BlockRemovedH\x00\x12\x35\n\x07\x63leared\x18\x04 \x01(\x0b\x32\".corestream.engine.v1.CacheClearedH\x00\x42\x06\n\x04kind\"6\n\x0b\x42lockStored\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\"\"\n\x0c\x42lockRemoved\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\"\x0e\n\x0c\x43\x61\x63heCleared\"\xe8\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".corestream.common.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x12\n\nerror_code\x18\x06 \x01(\x05\x12\x15\n\rerror_message\x18\x07 \x01(\t\x12<\n\x0cnew_logprobs\x18\x08 \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12?\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32&.corestream.common.v1.PositionLogprobsB\x10\n\x0e_stop_token_id\"\xa1\x01\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x14\n\x0cstep_counter\x18\x04 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\"N\n\rUtilityResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x13\n\x0bresult_json\x18\x02 \x01(\t\x12\x17\n\x0f\x66\x61ilure_message\x18\x03 \x01(\t\"\x16\n\x14GetEngineInfoRequest\"\xe3\x01\n\x15GetEngineInfoResponse\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x30\n\x05state\x18\t \x01(\x0e\x32!.corestream.common.v1.EngineState2\xd9\x01\n\x11\x45ngineCoreService\x12Z\n\x07Session\x12$.corestream.engine.v1.SessionRequest\x1a%.corestream.engine.v1.SessionResponse(\x01\x30\x01\x12h\n\rGetEngineInfo\x12*.corestream.engine.v1.GetEngineInfoRequest\x1a+.corestream.engine.v1.GetEngineInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONREQUEST']._serialized_start=108
   _globals['_SESSIONREQUEST']._serialized_end=335
   _globals['_HELLO']._serialized_start=337
-  _globals['_HELLO']._serialized_end=391
-  _globals['_ADDREQUEST']._serialized_start=394
-  _globals['_ADDREQUEST']._serialized_end=719
-  _globals['_ADDREQUEST_TRACEHEADERSENTRY']._serialized_start=668
-  _globals['_ADDREQUEST_TRACEHEADERSENTRY']._serialized_end=719
-  _globals['_ABORTREQUESTS']._serialized_start=721
-  _globals['_ABORTREQUESTS']._serialized_end=757
-  _globals['_UTILITYCALL']._serialized_start=759
-  _globals['_UTILITYCALL']._serialized_end=824
-  _globals['_SESSIONRESPONSE']._serialized_start=827
-  _globals['_SESSIONRESPONSE']._serialized_end=1144
-  _globals['_REQUESTOUTPUT']._serialized_start=1147
-  _globals['_REQUESTOUTPUT']._serialized_end=1507
-  _globals['_SCHEDULERSTATS']._serialized_start=1510
-  _globals['_SCHEDULERSTATS']._serialized_end=1671
-  _globals['_UTILITYRESULT']._serialized_start=1673
-  _globals['_UTILITYRESULT']._serialized_end=1751
-  _globals['_GETENGINEINFOREQUEST']._serialized_start=1753
-  _globals['_GETENGINEINFOREQUEST']._serialized_end=1775
-  _globals['_GETENGINEINFORESPONSE']._serialized_start=1778
-  _globals['_GETENGINEINFORESPONSE']._serialized_end=2005
-  _globals['_ENGINECORESERVICE']._serialized_start=2008
-  _globals['_ENGINECORESERVICE']._serialized_end=2225
+  _globals['_HELLO']._serialized_end=416
+  _globals['_ADDREQUEST']._serialized_start=419
+  _globals['_ADDREQUEST']._serialized_end=744
+  _globals['_ADDREQUEST_TRACEHEADERSENTRY']._serialized_start=693
+  _globals['_ADDREQUEST_TRACEHEADERSENTRY']._serialized_end=744
+  _globals['_ABORTREQUESTS']._serialized_start=746
+  _globals['_ABORTREQUESTS']._serialized_end=782
+  _globals['_UTILITYCALL']._serialized_start=784
+  _globals['_UTILITYCALL']._serialized_end=849
+  _globals['_SESSIONRESPONSE']._serialized_start=852
+  _globals['_SESSIONRESPONSE']._serialized_end=1296
+  _globals['_KVCACHESNAPSHOT']._serialized_start=1298
+  _globals['_KVCACHESNAPSHOT']._serialized_end=1385
+  _globals['_KVCACHEEVENT']._serialized_start=1388
+  _globals['_KVCACHEEVENT']._serialized_end=1586
+  _globals['_BLOCKSTORED']._serialized_start=1588
+  _globals['_BLOCKSTORED']._serialized_end=1642
+  _globals['_BLOCKREMOVED']._serialized_start=1644
+  _globals['_BLOCKREMOVED']._serialized_end=1678
+  _globals['_CACHECLEARED']._serialized_start=1680
+  _globals['_CACHECLEARED']._serialized_end=1694
+  _globals['_REQUESTOUTPUT']._serialized_start=1697
+  _globals['_REQUESTOUTPUT']._serialized_end=2057
+  _globals['_SCHEDULERSTATS']._serialized_start=2060
+  _globals['_SCHEDULERSTATS']._serialized_end=2221
+  _globals['_UTILITYRESULT']._serialized_start=2223
+  _globals['_UTILITYRESULT']._serialized_end=2301
+  _globals['_GETENGINEINFOREQUEST']._serialized_start=2303
+  _globals['_GETENGINEINFOREQUEST']._serialized_end=2325
+  _globals['_GETENGINEINFORESPONSE']._serialized_start=2328
+  _globals['_GETENGINEINFORESPONSE']._serialized_end=2555
+  _globals['_ENGINECORESERVICE']._serialized_start=2558
+  _globals['_ENGINECORESERVICE']._serialized_end=2775
 # @@protoc_insertion_point(module_scope)

@@ -20,12 +20,14 @@ class SessionRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., utility: _Optional[_Union[UtilityCall, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("frontend_id", "protocol_version")
+    __slots__ = ("frontend_id", "protocol_version", "kv_cache_events")
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     frontend_id: str
     protocol_version: int
-    def __init__(self, frontend_id: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    kv_cache_events: bool
+    def __init__(self, frontend_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., kv_cache_events: _Optional[bool] = ...) -> None: ...
 
 class AddRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_time", "priority", "cache_salt", "trace_headers", "eos_token_ids")
@@ -71,20 +73,66 @@ class UtilityCall(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., method: _Optional[str] = ..., args_json: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_result", "engine_state")
+    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_result", "engine_state", "kv_cache_snapshot", "kv_cache_events")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_STATS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     UTILITY_RESULT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     scheduler_stats: SchedulerStats
     timestamp: float
     utility_result: UtilityResult
     engine_state: _common_pb2.EngineState
-    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_result: _Optional[_Union[UtilityResult, _Mapping]] = ..., engine_state: _Optional[_Union[_common_pb2.EngineState, str]] = ...) -> None: ...
+    kv_cache_snapshot: KvCacheSnapshot
+    kv_cache_events: _containers.RepeatedCompositeFieldContainer[KvCacheEvent]
+    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_result: _Optional[_Union[UtilityResult, _Mapping]] = ..., engine_state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., kv_cache_snapshot: _Optional[_Union[KvCacheSnapshot, _Mapping]] = ..., kv_cache_events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ...) -> None: ...
+
+class KvCacheSnapshot(_message.Message):
+    __slots__ = ("epoch", "seq", "block_size", "block_hashes")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    block_size: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvCacheEvent(_message.Message):
+    __slots__ = ("seq", "stored", "removed", "cleared")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stored: BlockStored
+    removed: BlockRemoved
+    cleared: CacheCleared
+    def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[BlockStored, _Mapping]] = ..., removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., cleared: _Optional[_Union[CacheCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hash", "parent_hash")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    parent_hash: bytes
+    def __init__(self, block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hash",)
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    def __init__(self, block_hash: _Optional[bytes] = ...) -> None: ...
+
+class CacheCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "num_cached_tokens", "error_code", "error_message", "new_logprobs", "prompt_logprobs")

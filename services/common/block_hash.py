@@ -7,6 +7,9 @@ cache_salt enters the first block, and through the chain every later one, so
 requests with different salts never share a block. sha256 rather than Python's
 hash(): a collision would silently hand one request another's keys and values,
 and across salts (tenants) that is a leak, not just a wrong answer.
+
+It lives in common because two services hash: engines name the blocks they cache,
+and frontends hash prompts the same way to find which engine already holds them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from array import array
 from collections.abc import Callable, Sequence
 
 BlockHash = bytes
+NO_PARENT = b""
+"""How events name the missing parent of a request's first block."""
 
 _ROOT = b"\x00" * 32
 
@@ -50,3 +55,13 @@ def extend_block_hashes(
         parent = hashes[i - 1] if i else None
         tokens = token_slice(i * block_size, (i + 1) * block_size)
         hashes.append(hash_block(parent, tokens, cache_salt))
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
+                        cache_salt: str = "") -> list[BlockHash]:
+    """The hashes of the prompt's blocks that an engine could serve from its cache: the
+    full blocks before the last token, whose logits must always be computed."""
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, lambda start, end: token_ids[start:end],
+                        max(len(token_ids) - 1, 0), block_size, cache_salt)
+    return hashes
