@@ -81,6 +81,13 @@ def test_without_tracing_the_clients_traceparent_reaches_the_engine_unchanged(
     assert obs.registry.get_sample_value(
         "corestream:request_success_total",
         {"model_name": model_info.name, "engine": "0", "finished_reason": "stop"}) == 1
+    assert obs.registry.get_sample_value(
+        "corestream:routed_requests_total",
+        {"model_name": model_info.name, "policy": "cache_aware", "prefix_hit": "false"}) == 1
+    # The fake engine has no cache to publish, yet says it served 2 cached tokens.
+    assert [obs.registry.get_sample_value(f"corestream:routing_{kind}_cached_tokens_total",
+                                          {"model_name": model_info.name})
+            for kind in ("predicted", "actual")] == [0, 2]
 
 
 @pytest.mark.timeout(60)
@@ -106,6 +113,12 @@ def test_spans_continue_the_clients_trace_and_the_engine_continues_ours(
     assert request.parent.span_id == rpc.context.span_id
     for phase in ("validate", "tokenize", "route", "detokenize"):
         assert spans[phase].parent.span_id == request.context.span_id
+    # The route span says which engine was chosen and why.
+    route = spans["route"].attributes
+    assert route["corestream.route.policy"] == "cache_aware"
+    assert route["corestream.route.reason"].startswith("least_load: no engine holds")
+    assert route["corestream.route.predicted_cached_tokens"] == 0
+    assert ":" in route["corestream.route.engine"]
     attrs = request.attributes
     assert attrs["gen_ai.request.max_tokens"] == 50
     assert attrs["gen_ai.request.temperature"] == 0
