@@ -170,6 +170,8 @@ def run_policy(policy: str, model: Path, args: argparse.Namespace
     metrics_port = free_port()
     cluster = Cluster(["--model", str(model), "--engines", "2", "--routing-policy", policy,
                        "--kv-cache-memory", str(args.kv_tokens * KV_BYTES_PER_TOKEN),
+                       "--max-model-len", str(args.prefix_len + args.turns * (
+                           args.question_len + args.answer_len) + BLOCK_SIZE),
                        "--max-num-seqs", "64", "--log-level", "warning",
                        "--metrics-port", str(metrics_port)], startup_timeout=600)
     try:

@@ -2,6 +2,10 @@
 
 Torch-free: it needs only grpc and the generated protos. Exits 1 when any engine
 reports a failure, so that scripts can tell.
+
+Under `corestream serve`, `stats` also shows serve's restarts: each engine's entry
+gets `restarts` and `last_exit`, and the coordinator and frontend follow the
+engines as entries of their own (`part`, `ok` false once serve gave up on it).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -65,6 +70,19 @@ def _result_to_dict(r: admin_pb2.EngineResult) -> dict[str, Any]:
     return out
 
 
+def _with_restarts(results: list[dict[str, Any]],
+                   restarts: Iterable[admin_pb2.ProcessRestarts]) -> list[dict[str, Any]]:
+    parts = {r.part: {"restarts": r.restarts, "last_exit": r.last_exit, "given_up": r.given_up}
+             for r in restarts}
+    for result in results:
+        # An MoE group restarts as one part ("engines").
+        part = parts.get(f"engine-{result['engine_index']}", parts.get("engines"))
+        if part is not None:
+            result.update(restarts=part["restarts"], last_exit=part["last_exit"])
+    return results + [{"part": name, "ok": not part["given_up"], **part}
+                      for name, part in parts.items() if not name.startswith("engine")]
+
+
 def run(args: argparse.Namespace) -> int:
     security = from_args(SecurityConfig, args, exclude=_SERVER_ONLY)
     with make_channel(args.address, security) as plain:
@@ -81,5 +99,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 1
     results = [_result_to_dict(r) for r in reply.results]
+    if args.action == "stats":
+        results = _with_restarts(results, reply.restarts)
     print(json.dumps(results, indent=2))
     return 0 if all(r["ok"] for r in results) else 1

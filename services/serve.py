@@ -7,11 +7,20 @@ children. Stop order is the reverse, each child getting SIGTERM and the drain
 timeout (--shutdown-timeout) plus --stop-timeout-s before SIGKILL, so that the
 frontend drains while the engines still run and nothing is left behind.
 
-An engine that dies on its own is logged and left dead while another engine
-still serves (the frontend routes around it); when the last engine, the
-frontend or the coordinator dies, the cluster is stopped and serve exits
-non-zero, so that a supervisor restarts it. Every child gets SIGTERM when serve
-dies, even by SIGKILL (PR_SET_PDEATHSIG), and then drains as on any SIGTERM.
+serve is the supervisor on one machine (what the kubelet is in Kubernetes): a
+child that exits without being asked to (a crash, SIGKILL, an OOM kill, the
+watchdog) is restarted with exactly its old flags after a backoff (policy in
+services/supervisor.py). The coordinator keeps its port, so engines re-register
+and frontends leave degraded mode; an engine keeps its --engine-index (an MoE
+expert-parallel group restarts as a whole, on a new rendezvous port); the
+frontend keeps its port. A crash loop gives the part up: serve serves on
+without an engine, and stops the cluster and exits non-zero for the coordinator,
+the frontend or the last engine. Restarts are logged with their cause, counted
+in `corestream:serve_restarts_total{part}` (serve's own /metrics port, after the
+engines' with --metrics-port) and written to a status file that the frontend
+reports in AdminService/GetEngineStats. Every child gets SIGTERM when serve
+dies, even by SIGKILL (PR_SET_PDEATHSIG), and then drains as on any SIGTERM;
+while serve stops the cluster nothing is restarted.
 
 With --tls-auto, serve writes a throwaway CA and one certificate per process and
 every link (the public port too, unless --no-require-client-cert) is mTLS; the
@@ -23,16 +32,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
-import os
-import signal
+import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -42,13 +48,14 @@ from corestream.coordinator.v1 import coordinator_service_pb2_grpc as coord_grpc
 from corestream.generate.v1 import generate_service_pb2 as gen_pb
 from corestream.generate.v1 import generate_service_pb2_grpc as gen_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from services.common.auth import load_keys
 from services.common.config import from_args, to_argv
 from services.common.grpc_server import make_channel
 from services.common.logs import setup_logging
+from services.common.metrics import MetricsServer, new_registry, serve_metrics
 from services.common.observability_config import ObservabilityConfig
-from services.common.parent_death import child_env
 from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
@@ -59,57 +66,30 @@ from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import threads_set_by_environment, usable_cpus
 from services.frontend.config import FrontendConfig
 from services.serve_config import SERVE_OWNED, ServeConfig
+from services.serve_supervision import GROUP_STOP_S, Child, Part, Supervision
+from services.supervisor import RestartPolicy
 
 log = logging.getLogger("services.serve")
 
 HOST = "127.0.0.1"
 FRONTEND_SERVICE = "corestream.generate.v1.GenerateService"
+DP_MASTER_FLAG = "--data-parallel-master"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
 
 
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen[bytes] | None = field(default=None)
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "services.cli", *self.argv]
-        log.info("starting %s: %s", self.name, " ".join(self.argv))
-        # A session of its own: a terminal's Ctrl-C reaches serve alone, which
-        # then stops the children in order.
-        # Children get SIGTERM if serve itself is killed, even with SIGKILL (set up by the
-        # child: see services/common/parent_death.py).
-        self.proc = subprocess.Popen(cmd, start_new_session=True,
-                                     env={**os.environ, **child_env()})
-
-    def exited(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    def stop(self, timeout: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not exit within %.0fs of SIGTERM; killing it", self.name, timeout)
-            self.proc.kill()
-            self.proc.wait()
-
-
-def wait_until(
-    check: Callable[[], bool], children: Sequence[Child], deadline: float, stop: ShutdownSignal
-) -> bool:
-    """Poll `check` until it holds; False on the deadline, shutdown or a dead child."""
+def wait_until(check: Callable[[], bool], supervision: Supervision, deadline: float,
+               stop: ShutdownSignal) -> bool:
+    """Poll `check` until it holds, restarting children meanwhile; False on the deadline,
+    shutdown or a part given up that the cluster cannot do without."""
     while time.monotonic() < deadline and not stop.is_set():
-        for child in children:
-            if child.exited() is not None:
-                log.error("%s exited with code %s during startup", child.name, child.exited())
-                return False
+        if reason := supervision.check():
+            log.error("the cluster cannot start: %s", reason)
+            return False
         try:
             if check():
                 return True
@@ -127,24 +107,24 @@ def serving(channel: grpc.Channel, service: str) -> Callable[[], bool]:
     )
 
 
-def engines_running(channel: grpc.Channel, count: int) -> Callable[[], bool]:
+def engines_running(channel: grpc.Channel, count: Callable[[], int]) -> Callable[[], bool]:
     stub = coord_grpc.CoordinatorServiceStub(channel)
 
     def check() -> bool:
         engines = stub.ListEngines(coord_pb.ListEnginesRequest(), timeout=1.0).engines
-        return sum(e.state == common_pb2.ENGINE_STATE_RUNNING for e in engines) >= count
+        return sum(e.state == common_pb2.ENGINE_STATE_RUNNING for e in engines) >= count()
 
     return check
 
 
-def frontend_sees(channel: grpc.Channel, count: int, frontend: FrontendConfig
+def frontend_sees(channel: grpc.Channel, count: Callable[[], int], frontend: FrontendConfig
                   ) -> Callable[[], bool]:
     stub = gen_grpc.GenerateServiceStub(channel)
     # With client auth on, serve asks with one of the frontend's own keys.
     key_file = frontend.api_key_file or frontend.admin_api_key_file
     metadata = (("authorization", "Bearer " + load_keys(key_file)[0].decode()),) if key_file else ()
     return lambda: stub.GetModelInfo(gen_pb.GetModelInfoRequest(), timeout=1.0,
-                                     metadata=metadata).num_engines >= count
+                                     metadata=metadata).num_engines >= count()
 
 
 def security_plan(serve: ServeConfig, args: argparse.Namespace) -> dict[str, SecurityConfig]:
@@ -174,10 +154,10 @@ def security_plan(serve: ServeConfig, args: argparse.Namespace) -> dict[str, Sec
 
 
 def plan(
-    args: argparse.Namespace, model: str
+    args: argparse.Namespace, model: str, restart_status_file: str = ""
 ) -> tuple[ServeConfig, list[Child], str, SecurityConfig]:
     """The children to start, each with exactly its own flags, and how serve itself
-    dials them."""
+    dials them. The coordinator's port is fixed here, so that a restart reuses it."""
     serve = from_args(ServeConfig, args)
     security = security_plan(serve, args)
     coordinator_port = serve.coordinator_port or free_port()
@@ -190,7 +170,12 @@ def plan(
         # their operators would keep waiting on threads the others displaced.
         runner = dataclasses.replace(runner,
                                      num_threads=max(1, usable_cpus() // serve.engines))
-    frontend = from_args(FrontendConfig, args, exclude=SERVE_OWNED)
+    frontend = dataclasses.replace(from_args(FrontendConfig, args, exclude=SERVE_OWNED),
+                                   restart_status_file=restart_status_file)
+    if frontend.http_port == 0:
+        # Chosen here, like the coordinator's, so the banner can name it and a restarted
+        # frontend keeps it.
+        frontend = dataclasses.replace(frontend, http_port=free_port())
     engine = from_args(EngineConfig, args, exclude=SERVE_OWNED)
     observability = to_argv(from_args(ObservabilityConfig, args, exclude=SERVE_OWNED))
 
@@ -206,7 +191,7 @@ def plan(
     dp = to_argv(from_args(DataParallelConfig, args, exclude=SERVE_OWNED))
     if serve.engines > 1:
         dp += ["--data-parallel-size", str(serve.engines),
-               "--data-parallel-master", f"{HOST}:{free_port()}"]
+               DP_MASTER_FLAG, f"{HOST}:{free_port()}"]
     for index in range(serve.engines):
         children.append(Child(f"engine-{index}", [
             "engine", *to_argv(engine), *to_argv(runner), *dp, *to_argv(security["engine"]),
@@ -222,52 +207,115 @@ def plan(
     return serve, children, coordinator_addr, security["client"]
 
 
+def splits_experts(model: str) -> bool:
+    """Whether the checkpoint is an MoE model, whose experts the engines split (read
+    from config.json: serve stays torch-free)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    return max(config.get("num_local_experts", 0), config.get("num_experts", 0)) > 1
+
+
+def parts(children: list[Child], moe_group: bool) -> list[Part]:
+    """What restarts as one: each process, except the ranks of an MoE group, which
+    can only rendezvous together, on a fresh port (the old one may still be held)."""
+    coordinator, *engines, frontend = children
+
+    def new_group() -> None:
+        address = f"{HOST}:{free_port()}"
+        for engine in engines:
+            engine.argv[engine.argv.index(DP_MASTER_FLAG) + 1] = address
+        # NOTE: the coordinator's wave relay replays the last wave start it relayed to
+        # a rank that subscribes; a fresh rank (at wave 0) would join the old group's
+        # wave alone and time out in its first collective. A fresh coordinator (same
+        # port; the frontend is degraded for a moment) has no such memory.
+        log.info("restarting the coordinator with the MoE group (it holds the old "
+                 "group's wave state)")
+        coordinator.stop(GROUP_STOP_S)
+        coordinator.start()
+
+    engine_parts = ([Part("engines", engines, essential=False, before_restart=new_group)]
+                    if moe_group else [Part(e.name, [e], essential=False) for e in engines])
+    return [Part("coordinator", [coordinator], essential=True), *engine_parts,
+            Part("frontend", [frontend], essential=True)]
+
+
+def serve_metrics_registry(serve: ServeConfig, args: argparse.Namespace
+                           ) -> tuple[CollectorRegistry | None, MetricsServer | None]:
+    """serve's own /metrics (restart counts) on the port after the last engine's."""
+    if not serve.metrics_port:
+        return None, None
+    config = dataclasses.replace(from_args(ObservabilityConfig, args, exclude=SERVE_OWNED),
+                                 metrics_port=serve.metrics_port + 2 + serve.engines)
+    registry = new_registry()
+    try:
+        return registry, serve_metrics("serve", config, HOST, [serve], registry)
+    except OSError as e:
+        raise SystemExit(f"corestream serve: its metrics port {config.metrics_port}: {e}") from e
+
+
+def _http_banner(frontend_argv: list[str]) -> str:
+    """Where the frontend serves the HTTP API, from its own flags ('' when off)."""
+    if "--http-port" not in frontend_argv:
+        return ""
+    port = frontend_argv[frontend_argv.index("--http-port") + 1]
+    if int(port) < 0:
+        return ""
+    # The HTTP port serves TLS exactly when the frontend's gRPC port does.
+    scheme = "https" if "--tls-cert" in frontend_argv else "http"
+    return f", OpenAI-compatible HTTP on {scheme}://{HOST}:{port}/v1"
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging("serve", getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
     stop = ShutdownSignal.install()
     # Write the built-in checkpoint once here, not racily in every child.
     model = str(resolve_model(args.model or None))
-    serve, children, coordinator_addr, client = plan(args, model)
+    state_dir = Path(tempfile.mkdtemp(prefix="corestream-serve-"))
+    status_file = state_dir / "restarts.json"
+    serve, children, coordinator_addr, client = plan(args, model, str(status_file))
     frontend_addr = f"{HOST}:{serve.port}"
-    http_port = getattr(args, "http_port", -1)
     coordinator, *engines, frontend = children
+    registry, metrics_server = serve_metrics_registry(serve, args)
+    policy = RestartPolicy(serve.max_restarts, serve.restart_window_s, serve.restart_backoff_max_s)
+    supervision = Supervision(parts(children, serve.engines > 1 and splits_experts(model)),
+                              policy, status_file, registry)
+    coordinator_part, *engine_parts, frontend_part = supervision.parts
     deadline = time.monotonic() + serve.startup_timeout_s
     try:
         with make_channel(coordinator_addr, client) as to_coordinator, \
                 make_channel(frontend_addr, client) as to_frontend:
-            # Each stage waits for the one before, so "serving" means every engine is in.
+            # Each stage waits for the one before, so "serving" means every engine is in
+            # (but one given up in a crash loop).
             stages = [
-                ([coordinator], serving(to_coordinator, "")),
-                (engines, engines_running(to_coordinator, len(engines))),
-                ([frontend], serving(to_frontend, FRONTEND_SERVICE)),
-                ([], frontend_sees(to_frontend, len(engines),
+                ([coordinator_part], serving(to_coordinator, "")),
+                (engine_parts, engines_running(to_coordinator, lambda: supervision.num_engines)),
+                ([frontend_part], serving(to_frontend, FRONTEND_SERVICE)),
+                ([], frontend_sees(to_frontend, lambda: supervision.num_engines,
                                    from_args(FrontendConfig, args, exclude=SERVE_OWNED))),
             ]
             for to_start, ready in stages:
-                for child in to_start:
-                    child.start()
-                if not wait_until(ready, children, deadline, stop):
-                    if not stop.is_set():
+                for part in to_start:
+                    supervision.start(part)
+                if not wait_until(ready, supervision, deadline, stop):
+                    if not stop.is_set() and time.monotonic() >= deadline:
                         log.error("the cluster did not become ready within %.0fs",
                                   serve.startup_timeout_s)
                     return 0 if stop.is_set() else 1
-        http = (f", OpenAI-compatible HTTP on http://{HOST}:{http_port}/v1"
-                if http_port > 0 else "")
+        http = _http_banner(frontend.argv)
         print(f"corestream is serving on {frontend_addr} "
-              f"(model {model}, {serve.engines} engine(s){http}); Ctrl-C stops it", flush=True)
-        reported: set[str] = set()
-        while not stop.wait(0.5):
-            for c in children:
-                if c.exited() is not None and c.name not in reported:
-                    reported.add(c.name)
-                    log.error("%s exited unexpectedly with code %s", c.name, c.exited())
-            if any(c.exited() is not None for c in (coordinator, frontend)) or all(
-                    e.exited() is not None for e in engines):
+              f"(model {model}, {supervision.num_engines} engine(s){http}); Ctrl-C stops it",
+              flush=True)
+        while not stop.wait(0.2):
+            if reason := supervision.check():
+                log.error("stopping the cluster: %s", reason)
                 return 1
         return 0
     finally:
+        # Nothing is restarted from here on: supervision.check() is not called again.
         drain_s = from_args(FrontendConfig, args, exclude=SERVE_OWNED).shutdown_timeout
         log.info("stopping the cluster (drain timeout %g s)", drain_s)
         for child in reversed(children):
             child.stop(drain_s + serve.stop_timeout_s)
+        if metrics_server is not None:
+            metrics_server.stop()
+        shutil.rmtree(state_dir, ignore_errors=True)
         log.info("all processes stopped")

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import doc
+from services.supervisor import INITIAL_BACKOFF_S
 
 # Fields of the services' configs that `serve` sets per child process rather
 # than passing through (the frontend's static `engines` list clashes with
 # serve's engine count).
 SERVE_OWNED = ("host", "port", "coordinator", "engine_index", "engines", "advertise_address",
                "health_host", "health_port", "metrics_port", "data_parallel_size",
-               "data_parallel_master")
+               "data_parallel_master", "restart_status_file")
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,24 @@ class ServeConfig:
         "drain), before it is killed.", default=15.0
     )
 
+    max_restarts: int = doc(
+        "Restarts of one process (an MoE engine group counts as one) allowed within "
+        "--restart-window-s; one more exit is a crash loop and serve gives it up: it serves "
+        "on without an engine, and stops the cluster for the coordinator or frontend. "
+        "0 never restarts.", default=5
+    )
+    restart_window_s: float = doc(
+        "The crash-loop window of --max-restarts, in seconds.", default=120.0
+    )
+    restart_backoff_max_s: float = doc(
+        "Longest wait before a restart; the wait starts at 0.5 s and doubles with each "
+        "exit within --restart-window-s.", default=30.0
+    )
+
     metrics_port: int = doc(
         "First of the Prometheus /metrics ports (0 = off): the coordinator gets P, the "
-        "frontend P+1, engine i P+2+i.", default=0
+        "frontend P+1, engine i P+2+i, and serve itself (restart counts) the port after "
+        "the last engine's.", default=0
     )
 
     tls_auto: bool = doc(
@@ -54,7 +70,14 @@ class ServeConfig:
         if self.metrics_port and not 1 <= self.metrics_port <= 65535 - 2 - self.engines:
             raise ValueError(
                 f"metrics_port must be in [1, {65535 - 2 - self.engines}] (it is followed by "
-                f"one port per process), got {self.metrics_port}")
+                f"one port per process and one for serve), got {self.metrics_port}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if self.restart_window_s <= 0:
+            raise ValueError(f"restart_window_s must be > 0, got {self.restart_window_s}")
+        if self.restart_backoff_max_s < INITIAL_BACKOFF_S:
+            raise ValueError(f"restart_backoff_max_s must be >= {INITIAL_BACKOFF_S}, got "
+                             f"{self.restart_backoff_max_s}")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if self.stop_timeout_s <= 0:

@@ -7,6 +7,8 @@ once at engine start, arms one fault:
 
     raise_after_steps:N[@I]   the execute after N successful ones raises
     hang_after_steps:N[@I]    the execute after N successful ones never returns
+    crash_at_start[@I]        the engine exits with code 1 once its model is loaded,
+                              before it serves (every start: a crash loop for serve)
 
 `@I` limits the fault to the engine with engine_index I (all engines otherwise).
 Never set it in production; the engine logs a warning when a fault is armed.
@@ -25,7 +27,7 @@ from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "CORESTREAM_FAULT_INJECT"
-KINDS = ("raise_after_steps", "hang_after_steps")
+KINDS = ("raise_after_steps", "hang_after_steps", "crash_at_start")
 
 
 class InjectedFault(RuntimeError):
@@ -42,6 +44,8 @@ class FaultSpec:
     def parse(cls, text: str) -> FaultSpec:
         spec, _, index = text.partition("@")
         kind, _, steps = spec.partition(":")
+        if kind == "crash_at_start" and not steps:
+            steps = "0"
         if kind not in KINDS or not steps.isdigit() or (index and not index.isdigit()):
             raise ValueError(
                 f"{ENV_VAR} must be KIND:N[@ENGINE_INDEX] with KIND one of {KINDS}, got {text!r}"
@@ -93,4 +97,6 @@ def maybe_inject(runner: ModelRunner, env_value: str | None, engine_index: int) 
     if not spec.applies_to(engine_index):
         return runner
     logger.warning("TEST-ONLY fault injection armed: %s", spec)
+    if spec.kind == "crash_at_start":
+        raise SystemExit(f"injected crash at start ({ENV_VAR}={env_value})")
     return FaultInjectingRunner(runner, spec)

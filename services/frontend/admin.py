@@ -5,17 +5,23 @@ the request names), sends the utility over each engine's Session concurrently an
 returns one EngineResult per engine. One engine failing, refusing or not answering
 in time is reported in its own result; the RPC itself fails only when there is no
 engine to ask (UNAVAILABLE) or the named one is unknown (NOT_FOUND).
+
+Under `corestream serve` (--restart-status-file), GetEngineStats also reports how
+often serve restarted each process, and an engine serve gave up on (a crash loop)
+as a failed result of its own: it is gone for good, not merely slow to answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
 
+from services.common.restart_status import PartStatus, read_status
 from services.frontend.balancer import Balancer
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError
@@ -40,9 +46,11 @@ class _EngineFilter(Protocol):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, balancer: Balancer, timeout_s: float = UTILITY_TIMEOUT_S) -> None:
+    def __init__(self, balancer: Balancer, timeout_s: float = UTILITY_TIMEOUT_S,
+                 restart_status_file: str = "") -> None:
         self._balancer = balancer
         self._timeout_s = timeout_s
+        self._restart_status = Path(restart_status_file) if restart_status_file else None
 
     async def ResetPrefixCache(  # noqa: N802 (gRPC method name)
         self, request: admin_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
@@ -53,8 +61,19 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def GetEngineStats(  # noqa: N802 (gRPC method name)
         self, request: admin_pb2.GetEngineStatsRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetEngineStatsResponse:
-        results = await self._call_all(request, context, "get_stats", {})
-        return admin_pb2.GetEngineStatsResponse(results=results)
+        parts = read_status(self._restart_status) if self._restart_status else []
+        lost = [_given_up_result(p) for p in parts if p.given_up and p.part.startswith("engine-")]
+        lost = [r for r in lost if not request.HasField("engine_index")
+                or r.engine_index == request.engine_index]
+        if lost and (request.HasField("engine_index") or not self._balancer.num_connected):
+            results = lost  # nothing else to ask
+        else:
+            results = await self._call_all(request, context, "get_stats", {}) + lost
+        return admin_pb2.GetEngineStatsResponse(
+            results=sorted(results, key=lambda r: r.engine_index),
+            restarts=[admin_pb2.ProcessRestarts(part=p.part, restarts=p.restarts,
+                                                last_exit=p.last_exit, given_up=p.given_up)
+                      for p in parts])
 
     async def PauseScheduling(  # noqa: N802 (gRPC method name)
         self, request: admin_pb2.PauseSchedulingRequest, context: grpc.aio.ServicerContext
@@ -119,3 +138,11 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             result.ok = True
             result.result_json = outcome.result_json
         return result
+
+
+def _given_up_result(part: PartStatus) -> admin_pb2.EngineResult:
+    return admin_pb2.EngineResult(
+        engine_index=int(part.part.removeprefix("engine-")),
+        code=grpc.StatusCode.UNAVAILABLE.value[0],
+        message=f"corestream serve gave up on {part.part} after {part.restarts} restart(s) "
+                f"(a crash loop; last exit {part.last_exit}); the cluster serves without it")

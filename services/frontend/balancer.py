@@ -184,12 +184,15 @@ class Balancer:
         return self.route(data_parallel_rank).client
 
     def route(self, data_parallel_rank: int | None = None,
-              prompt_token_ids: Sequence[int] = (), cache_salt: str = "") -> Route:
+              prompt_token_ids: Sequence[int] = (), cache_salt: str = "",
+              exclude: Iterable[str] = ()) -> Route:
         """The engine for the next request, among those accepting requests (the pinned
-        rank's, if any), by the routing policy; ties in rotation."""
+        rank's, if any) but the `exclude`d addresses, by the routing policy; ties in
+        rotation."""
+        excluded = set(exclude)
         candidates = [
             (address, client) for address, client in self._clients.items()
-            if client.accepting and self._routable(address)
+            if client.accepting and self._routable(address) and address not in excluded
         ]
         if data_parallel_rank is not None:
             candidates = self._pinned(data_parallel_rank, candidates)

@@ -80,6 +80,11 @@ class FrontendConfig:
         default=120.0,
     )
 
+    restart_status_file: str = doc(
+        "Set by `corestream serve`: its JSON record of restarted processes, reported by "
+        "AdminService/GetEngineStats. Empty: not started by serve.", default=""
+    )
+
     api_key_file: str = doc(
         "File of API keys, one per line (blank lines and # comments ignored); when set, "
         "every RPC but health needs 'authorization: Bearer <key>' metadata, else "

@@ -63,6 +63,9 @@ class EngineFailure:
 
     code: grpc.StatusCode
     message: str
+    engine_lost: bool = False
+    """The engine died or the Session to it broke: a request that had no output yet
+    may run again elsewhere."""
 
 
 EngineEvent = engine_pb2.RequestOutput | EngineFailure
@@ -355,6 +358,7 @@ class EngineClient:
                 EngineFailure(
                     grpc.StatusCode.UNAVAILABLE,
                     f"{self.name} failed ({reason}); the request did not complete",
+                    engine_lost=True,
                 )
             )
 

@@ -6,6 +6,12 @@ with their `index`. Sample 0 goes first; the others follow once it has produced 
 token, so that its prompt blocks are in the engine's prefix cache by then and the
 siblings compute only what they sample. Only sample 0 asks for prompt logprobs.
 
+An engine that dies (or whose Session breaks) before the request had any output
+fails it with `engine_lost`: nothing reached the client, so the request runs again
+on another engine, up to MAX_REROUTES times, instead of failing for a death that
+the router had not heard of when it chose. Once a token has arrived it is never
+replayed.
+
 The runner owns the registry of running request ids (for ALREADY_EXISTS and the
 Abort RPC, which both take the client's id). Whatever way a request ends early
 (client cancel, deadline, failure) the engine is told to abort every sample, and a
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -53,7 +60,10 @@ class PreparedRequest:
     trace_headers: Mapping[str, str] = field(default_factory=dict)
 
 
+log = logging.getLogger(__name__)
+
 _INT64_MASK = (1 << 64) - 1
+MAX_REROUTES = 2
 
 
 class _EngineRequests:
@@ -140,18 +150,21 @@ class RequestRunner:
                                          request.prompt_token_ids, request.cache_salt)
             if telemetry:
                 telemetry.on_routed(route, self._balancer.policy)
-        client = route.client
-        engine = _EngineRequests(
-            client, asyncio.Queue(),
-            [self._add_request(request, s.index, s.engine_request_id) for s in samples],
-        )
-        engine.send(1)
-        self._running[request_id] = engine
+        engine = self._start(request, samples, route.client)
+        lost: list[str] = []  # engines that died under this request before any output
+        delivered = False
         unfinished = n
         try:
             prompt_logprobs: list[common_pb2.PositionLogprobs] = []
             while unfinished:
-                output = _raise_on_failure(await engine.events.get())
+                event = await engine.events.get()
+                if (isinstance(event, EngineFailure) and event.engine_lost and not delivered
+                        and len(lost) < MAX_REROUTES):
+                    lost.append(engine.client.address)
+                    engine = self._reroute(request, samples, lost, event)
+                    continue
+                output = _raise_on_failure(event)
+                delivered = True
                 sample = by_engine_id.get(output.request_id)
                 if sample is None or sample.finished:
                     continue
@@ -179,6 +192,29 @@ class RequestRunner:
             if unfinished:
                 # Cancelled, timed out or failed: free the engine's slots.
                 engine.abort()
+
+    def _start(self, request: PreparedRequest, samples: list[SampleStream],
+               client: EngineClient) -> _EngineRequests:
+        engine = _EngineRequests(
+            client, asyncio.Queue(),
+            [self._add_request(request, s.index, s.engine_request_id) for s in samples],
+        )
+        engine.send(1)
+        self._running[request.request_id] = engine
+        return engine
+
+    def _reroute(self, request: PreparedRequest, samples: list[SampleStream],
+                 lost: list[str], failure: EngineFailure) -> _EngineRequests:
+        """Run the request again on an engine not in `lost`; the failure's error when
+        there is none."""
+        try:
+            route = self._balancer.route(request.data_parallel_rank, request.prompt_token_ids,
+                                         request.cache_salt, exclude=lost)
+        except RequestError:
+            raise RequestError(failure.code, failure.message) from None
+        log.warning("request %s: %s before any output; running it on %s instead",
+                    request.request_id, failure.message, route.client.name)
+        return self._start(request, samples, route.client)
 
     def _add_request(
         self, request: PreparedRequest, index: int, engine_request_id: str

@@ -353,7 +353,8 @@ class FrontendServer:
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self._servicer, server)
         chat_pb2_grpc.add_ChatServiceServicer_to_server(self._chat, server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
-            admin.AdminServicer(self.balancer), server)
+            admin.AdminServicer(self.balancer,
+                                restart_status_file=self._config.restart_status_file), server)
         self._health = await add_aio_health_and_reflection(
             server, [SERVICE_NAME, chat_service.SERVICE_NAME, admin.SERVICE_NAME],
             self._security.reflection)

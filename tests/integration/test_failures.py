@@ -1,5 +1,6 @@
 """How the real cluster fails: engine death (exception, SIGKILL), a stuck or frozen
-engine (watchdog), SIGTERM drain and the death of `corestream serve` itself.
+engine (watchdog), SIGTERM drain and the death of `corestream serve` itself, with
+serve's restarts off (--max-restarts 0; test_serve_healing.py covers them).
 
 Faults come from the test-only CORESTREAM_FAULT_INJECT variable (see
 services/engine/fault_injection.py) and from signals sent to the real processes.
@@ -106,7 +107,8 @@ def exit_code_logged(c: Cluster, name: str) -> Callable[[], bool]:
 
 @pytest.mark.timeout(300)
 def test_engine_death_by_exception_and_by_sigkill() -> None:
-    with cluster(["--engines", "2", "--shutdown-timeout", "5"],
+    # Without restarts (test_serve_healing.py covers them): a dead engine stays dead.
+    with cluster(["--engines", "2", "--shutdown-timeout", "5", "--max-restarts", "0"],
                  fault="raise_after_steps:40@0") as (c, children):
         with grpc.insecure_channel(c.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
@@ -141,7 +143,8 @@ def test_engine_death_by_exception_and_by_sigkill() -> None:
             assert running.code is grpc.StatusCode.UNAVAILABLE
             assert "engine-core dp=1" in running.details
             assert latency < DEATH_TO_UNAVAILABLE_S
-        # No engine left: serve stops the cluster and says so with its exit code.
+        # No engine left (none is restarted): serve stops the cluster and says so with
+        # its exit code.
         assert c.proc.wait(60) == 1, c.output()
         wait_for(lambda: not any(alive(p) for p in children), 30, "every process to exit")
 
@@ -149,7 +152,8 @@ def test_engine_death_by_exception_and_by_sigkill() -> None:
 @pytest.mark.timeout(300)
 def test_watchdog_stuck_and_frozen_engines_then_serve_sigkill() -> None:
     timeout_s = 3.0
-    args = ["--engines", "2", "--watchdog-timeout", str(timeout_s), "--shutdown-timeout", "5"]
+    args = ["--engines", "2", "--watchdog-timeout", str(timeout_s), "--shutdown-timeout", "5",
+            "--max-restarts", "0"]  # the stuck engine stays dead
     with cluster(args, fault="hang_after_steps:300@0") as (c, children), \
             grpc.insecure_channel(c.address) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)

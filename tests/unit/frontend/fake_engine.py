@@ -33,6 +33,9 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         DEAD then ends the Session with UNAVAILABLE, as a real engine does."""
         self.frozen = False
         """Send nothing at all (a SIGSTOPped process), not even a new Session's state."""
+        self.die_on_add = False
+        """End the Session with UNAVAILABLE on the next add, before any output (a
+        process killed just as a request arrived)."""
 
     async def Session(
         self,
@@ -55,6 +58,9 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
                                 epoch="fake", block_size=16)))
                 elif kind == "add":
                     self.adds.append(message.add)
+                    if self.die_on_add:
+                        out.put_nowait(None)
+                        return
                     running[message.add.request_id] = asyncio.create_task(
                         self._generate(message.add, out)
                     )

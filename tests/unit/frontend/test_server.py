@@ -313,6 +313,51 @@ def test_tokenize_detokenize_model_info(tokenizer: TextTokenizer, model_info: Mo
     _serve(tokenizer, model_info, engine, body, served_model_name="served-name")
 
 
+@pytest.mark.timeout(60)
+def test_a_request_whose_engine_dies_before_any_output_runs_elsewhere(
+    tokenizer: TextTokenizer, model_info: ModelInfo
+) -> None:
+    async def main() -> None:
+        dying, healthy = FakeEngine(_script(tokenizer)), FakeEngine(_script(tokenizer))
+        servers = [await start_fake_engine(e) for e in (dying, healthy)]
+        frontend = FrontendServer(
+            FrontendConfig(port=0, engines=tuple(a for _, a in servers),
+                           routing_policy="round_robin"), tokenizer, model_info)
+        port = await frontend.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                async with asyncio.timeout(10):
+                    while frontend.balancer.num_connected < 2:
+                        await asyncio.sleep(0.02)
+                stub = pb_grpc.GenerateServiceStub(channel)
+                dying.die_on_add = True
+                # Round robin sends one of the two to the dying engine: both succeed.
+                for _ in range(2):
+                    response = await stub.Generate(pb.GenerateRequest(text="hello"))
+                    assert response.completions[0].text == TEXT
+                assert len(dying.adds) == 1 and len(healthy.adds) == 2
+                # Once a token has arrived the request is not replayed: it fails.
+                dying.die_on_add = False
+                healthy.final_state = common_pb2.ENGINE_STATE_DEAD
+                async with asyncio.timeout(10):
+                    while frontend.balancer.num_connected < 2:
+                        await asyncio.sleep(0.02)
+                codes = set()
+                for _ in range(2):
+                    try:
+                        await stub.Generate(pb.GenerateRequest(text="hello"))
+                        codes.add(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as e:
+                        codes.add(e.code())
+                assert codes == {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
+        finally:
+            await frontend.stop(0)
+            for server, _ in servers:
+                await server.stop(0)
+
+    asyncio.run(main())
+
+
 class _Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, address: str) -> None:
         self.address = address

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*corestream/generate/v1/admin_service.proto\x12\x16\x63orestream.generate.v1\"u\n\x0c\x45ngineResult\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x13\n\x0bresult_json\x18\x06 \x01(\t\"E\n\x17ResetPrefixCacheRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"Q\n\x18ResetPrefixCacheResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\"C\n\x15GetEngineStatsRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"O\n\x16GetEngineStatsResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\"u\n\x16PauseSchedulingRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x12/\n\x04mode\x18\x02 \x01(\x0e\x32!.corestream.generate.v1.PauseModeB\x0f\n\r_engine_index\"P\n\x17PauseSchedulingResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\"E\n\x17ResumeSchedulingRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"Q\n\x18ResumeSchedulingResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\"A\n\x13StartProfileRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"M\n\x14StartProfileResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\"@\n\x12StopProfileRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"L\n\x13StopProfileResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x03\x32\xb4\x05\n\x0c\x41\x64minService\x12u\n\x10ResetPrefixCache\x12/.corestream.generate.v1.ResetPrefixCacheRequest\x1a\x30.corestream.generate.v1.ResetPrefixCacheResponse\x12o\n\x0eGetEngineStats\x12-.corestream.generate.v1.GetEngineStatsRequest\x1a..corestream.generate.v1.GetEngineStatsResponse\x12r\n\x0fPauseScheduling\x12..corestream.generate.v1.PauseSchedulingRequest\x1a/.corestream.generate.v1.PauseSchedulingResponse\x12u\n\x10ResumeScheduling\x12/.corestream.generate.v1.ResumeSchedulingRequest\x1a\x30.corestream.generate.v1.ResumeSchedulingResponse\x12i\n\x0cStartProfile\x12+.corestream.generate.v1.StartProfileRequest\x1a,.corestream.generate.v1.StartProfileResponse\x12\x66\n\x0bStopProfile\x12*.corestream.generate.v1.StopProfileRequest\x1a+.corestream.generate.v1.StopProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*corestream/generate/v1/admin_service.proto\x12\x16\x63orestream.generate.v1\"u\n\x0c\x45ngineResult\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x13\n\x0bresult_json\x18\x06 \x01(\t\"E\n\x17ResetPrefixCacheRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"Q\n\x18ResetPrefixCacheResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\"C\n\x15GetEngineStatsRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"\x8a\x01\n\x16GetEngineStatsResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\x12\x39\n\x08restarts\x18\x02 \x03(\x0b\x32\'.corestream.generate.v1.ProcessRestarts\"V\n\x0fProcessRestarts\x12\x0c\n\x04part\x18\x01 \x01(\t\x12\x10\n\x08restarts\x18\x02 \x01(\r\x12\x11\n\tlast_exit\x18\x03 \x01(\t\x12\x10\n\x08given_up\x18\x04 \x01(\x08\"u\n\x16PauseSchedulingRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x12/\n\x04mode\x18\x02 \x01(\x0e\x32!.corestream.generate.v1.PauseModeB\x0f\n\r_engine_index\"P\n\x17PauseSchedulingResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\"E\n\x17ResumeSchedulingRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"Q\n\x18ResumeSchedulingResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\"A\n\x13StartProfileRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"M\n\x14StartProfileResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult\"@\n\x12StopProfileRequest\x12\x19\n\x0c\x65ngine_index\x18\x01 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_engine_index\"L\n\x13StopProfileResponse\x12\x35\n\x07results\x18\x01 \x03(\x0b\x32$.corestream.generate.v1.EngineResult*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x03\x32\xb4\x05\n\x0c\x41\x64minService\x12u\n\x10ResetPrefixCache\x12/.corestream.generate.v1.ResetPrefixCacheRequest\x1a\x30.corestream.generate.v1.ResetPrefixCacheResponse\x12o\n\x0eGetEngineStats\x12-.corestream.generate.v1.GetEngineStatsRequest\x1a..corestream.generate.v1.GetEngineStatsResponse\x12r\n\x0fPauseScheduling\x12..corestream.generate.v1.PauseSchedulingRequest\x1a/.corestream.generate.v1.PauseSchedulingResponse\x12u\n\x10ResumeScheduling\x12/.corestream.generate.v1.ResumeSchedulingRequest\x1a\x30.corestream.generate.v1.ResumeSchedulingResponse\x12i\n\x0cStartProfile\x12+.corestream.generate.v1.StartProfileRequest\x1a,.corestream.generate.v1.StartProfileResponse\x12\x66\n\x0bStopProfile\x12*.corestream.generate.v1.StopProfileRequest\x1a+.corestream.generate.v1.StopProfileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'corestream.generate.v1.admin_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAUSEMODE']._serialized_start=1138
-  _globals['_PAUSEMODE']._serialized_end=1241
+  _globals['_PAUSEMODE']._serialized_start=1286
+  _globals['_PAUSEMODE']._serialized_end=1389
   _globals['_ENGINERESULT']._serialized_start=70
   _globals['_ENGINERESULT']._serialized_end=187
   _globals['_RESETPREFIXCACHEREQUEST']._serialized_start=189
@@ -41,24 +41,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESETPREFIXCACHERESPONSE']._serialized_end=341
   _globals['_GETENGINESTATSREQUEST']._serialized_start=343
   _globals['_GETENGINESTATSREQUEST']._serialized_end=410
-  _globals['_GETENGINESTATSRESPONSE']._serialized_start=412
-  _globals['_GETENGINESTATSRESPONSE']._serialized_end=491
-  _globals['_PAUSESCHEDULINGREQUEST']._serialized_start=493
-  _globals['_PAUSESCHEDULINGREQUEST']._serialized_end=610
-  _globals['_PAUSESCHEDULINGRESPONSE']._serialized_start=612
-  _globals['_PAUSESCHEDULINGRESPONSE']._serialized_end=692
-  _globals['_RESUMESCHEDULINGREQUEST']._serialized_start=694
-  _globals['_RESUMESCHEDULINGREQUEST']._serialized_end=763
-  _globals['_RESUMESCHEDULINGRESPONSE']._serialized_start=765
-  _globals['_RESUMESCHEDULINGRESPONSE']._serialized_end=846
-  _globals['_STARTPROFILEREQUEST']._serialized_start=848
-  _globals['_STARTPROFILEREQUEST']._serialized_end=913
-  _globals['_STARTPROFILERESPONSE']._serialized_start=915
-  _globals['_STARTPROFILERESPONSE']._serialized_end=992
-  _globals['_STOPPROFILEREQUEST']._serialized_start=994
-  _globals['_STOPPROFILEREQUEST']._serialized_end=1058
-  _globals['_STOPPROFILERESPONSE']._serialized_start=1060
-  _globals['_STOPPROFILERESPONSE']._serialized_end=1136
-  _globals['_ADMINSERVICE']._serialized_start=1244
-  _globals['_ADMINSERVICE']._serialized_end=1936
+  _globals['_GETENGINESTATSRESPONSE']._serialized_start=413
+  _globals['_GETENGINESTATSRESPONSE']._serialized_end=551
+  _globals['_PROCESSRESTARTS']._serialized_start=553
+  _globals['_PROCESSRESTARTS']._serialized_end=639
+  _globals['_PAUSESCHEDULINGREQUEST']._serialized_start=641
+  _globals['_PAUSESCHEDULINGREQUEST']._serialized_end=758
+  _globals['_PAUSESCHEDULINGRESPONSE']._serialized_start=760
+  _globals['_PAUSESCHEDULINGRESPONSE']._serialized_end=840
+  _globals['_RESUMESCHEDULINGREQUEST']._serialized_start=842
+  _globals['_RESUMESCHEDULINGREQUEST']._serialized_end=911
+  _globals['_RESUMESCHEDULINGRESPONSE']._serialized_start=913
+  _globals['_RESUMESCHEDULINGRESPONSE']._serialized_end=994
+  _globals['_STARTPROFILEREQUEST']._serialized_start=996
+  _globals['_STARTPROFILEREQUEST']._serialized_end=1061
+  _globals['_STARTPROFILERESPONSE']._serialized_start=1063
+  _globals['_STARTPROFILERESPONSE']._serialized_end=1140
+  _globals['_STOPPROFILEREQUEST']._serialized_start=1142
+  _globals['_STOPPROFILEREQUEST']._serialized_end=1206
+  _globals['_STOPPROFILERESPONSE']._serialized_start=1208
+  _globals['_STOPPROFILERESPONSE']._serialized_end=1284
+  _globals['_ADMINSERVICE']._serialized_start=1392
+  _globals['_ADMINSERVICE']._serialized_end=2084
 # @@protoc_insertion_point(module_scope)

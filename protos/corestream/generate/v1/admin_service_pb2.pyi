@@ -53,10 +53,24 @@ class GetEngineStatsRequest(_message.Message):
     def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
 
 class GetEngineStatsResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "restarts")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[EngineResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+    restarts: _containers.RepeatedCompositeFieldContainer[ProcessRestarts]
+    def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ..., restarts: _Optional[_Iterable[_Union[ProcessRestarts, _Mapping]]] = ...) -> None: ...
+
+class ProcessRestarts(_message.Message):
+    __slots__ = ("part", "restarts", "last_exit", "given_up")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EXIT_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
+    part: str
+    restarts: int
+    last_exit: str
+    given_up: bool
+    def __init__(self, part: _Optional[str] = ..., restarts: _Optional[int] = ..., last_exit: _Optional[str] = ..., given_up: _Optional[bool] = ...) -> None: ...
 
 class PauseSchedulingRequest(_message.Message):
     __slots__ = ("engine_index", "mode")

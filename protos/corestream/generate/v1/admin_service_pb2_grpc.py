@@ -85,7 +85,8 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetEngineStats(self, request, context):
-        """Scheduler and KV-cache statistics of each engine, as JSON.
+        """Scheduler and KV-cache statistics of each engine, as JSON, and the restarts
+        of every process under `corestream serve`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

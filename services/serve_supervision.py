@@ -1,0 +1,171 @@
+"""The processes of `corestream serve` and their supervision: a child that exits without
+being asked to is restarted as its part's RestartTracker says (services/supervisor.py).
+
+Everything here runs on serve's main thread: PR_SET_PDEATHSIG fires when the *thread*
+that started a child ends, so a child started from a helper thread would get
+SIGTERM as soon as that thread returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter
+
+from services.common.metrics import PREFIX
+from services.common.parent_death import child_env
+from services.common.restart_status import PartStatus, write_status
+from services.supervisor import RestartPolicy, RestartTracker, describe_exit
+
+log = logging.getLogger("services.serve")
+
+# The ranks left of a broken MoE group are restarted with it; they cannot finish a
+# collective without the dead rank, so they get little time to drain.
+GROUP_STOP_S = 5.0
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = field(default=None)
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "services.cli", *self.argv]
+        log.info("starting %s: %s", self.name, " ".join(self.argv))
+        # A session of its own: a terminal's Ctrl-C reaches serve alone, which
+        # then stops the children in order.
+        # Children get SIGTERM if serve itself is killed, even with SIGKILL (set up by the
+        # child: see services/common/parent_death.py).
+        self.proc = subprocess.Popen(cmd, start_new_session=True,
+                                     env={**os.environ, **child_env()})
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, timeout: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not exit within %.0fs of SIGTERM; killing it", self.name, timeout)
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Part:
+    """What serve restarts as one: a process, or an MoE group (all its ranks)."""
+
+    name: str
+    children: list[Child]
+    essential: bool
+    """The cluster cannot serve without it (coordinator, frontend)."""
+    before_restart: Callable[[], None] | None = None
+    """Run before each restart (an MoE group takes a fresh rendezvous port)."""
+    restart_at: float | None = None
+
+    @property
+    def is_engine(self) -> bool:
+        return not self.essential
+
+    def exit_cause(self) -> str | None:
+        """Why the part went, or None while every child runs. In an MoE group a rank's
+        death takes the others down: a signal is the likelier first cause."""
+        exited = [(c, code) for c in self.children if (code := c.exited()) is not None]
+        if not exited:
+            return None
+        child, code = min(exited, key=lambda e: e[1] >= 0)
+        cause = describe_exit(code)
+        return cause if len(self.children) == 1 else f"{cause} ({child.name})"
+
+
+class Supervision:
+    """Restarts the parts of the cluster; `check` runs once per poll of serve's loop."""
+
+    def __init__(self, parts: Sequence[Part], policy: RestartPolicy,
+                 status_file: Path | None = None,
+                 registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.parts = list(parts)
+        self._clock = clock
+        self._trackers = {p.name: RestartTracker(p.name, policy, clock) for p in self.parts}
+        self._status_file = status_file
+        self._restarts = None if registry is None else Counter(
+            f"{PREFIX}serve_restarts", "Processes corestream serve restarted after they "
+            "exited on their own (an MoE engine group counts once).", ["part"],
+            registry=registry)
+        for p in self.parts:
+            if self._restarts is not None:
+                self._restarts.labels(p.name)  # every series exists from the start, at 0
+        self._write_status()
+
+    @property
+    def num_engines(self) -> int:
+        """Engine processes not given up: the ones the cluster should have."""
+        return sum(len(p.children) for p in self.parts
+                   if p.is_engine and not self._trackers[p.name].given_up)
+
+    def start(self, part: Part) -> None:
+        for child in part.children:
+            child.start()
+
+    def check(self) -> str | None:
+        """Notice exits and start the restarts that are due; why the cluster must stop,
+        or None."""
+        for part in self.parts:
+            tracker = self._trackers[part.name]
+            if tracker.given_up:
+                continue
+            if part.restart_at is None:
+                cause = part.exit_cause()
+                if cause is not None and (reason := self._on_exit(part, tracker, cause)):
+                    return reason
+            elif self._clock() >= part.restart_at:
+                part.restart_at = None
+                if part.before_restart is not None:
+                    part.before_restart()
+                self.start(part)
+        return None
+
+    def _on_exit(self, part: Part, tracker: RestartTracker, cause: str) -> str | None:
+        delay = tracker.on_exit(cause)
+        # An MoE group is broken by any rank's exit: its other ranks go too.
+        for child in part.children:
+            child.stop(GROUP_STOP_S)
+        if delay is not None:
+            log.error("%s exited unexpectedly with %s; restart %d in %.1f s", part.name, cause,
+                      tracker.restarts, delay)
+            part.restart_at = self._clock() + delay
+            if self._restarts is not None:
+                self._restarts.labels(part.name).inc()
+            self._write_status()
+            return None
+        self._write_status()
+        crash_loop = (f"{tracker.recent_exits} exits within {tracker.policy.window_s:g} s"
+                      if tracker.policy.max_restarts else "restarts are off (--max-restarts 0)")
+        log.error("%s exited unexpectedly with %s; giving it up: %s", part.name, cause,
+                  crash_loop)
+        if part.essential:
+            return f"{part.name} is gone ({crash_loop})"
+        if not self.num_engines:
+            return "no engine is left"
+        log.error("serving on without %s, on %d engine(s)", part.name, self.num_engines)
+        return None
+
+    def _write_status(self) -> None:
+        if self._status_file is None:
+            return
+        write_status(self._status_file, [
+            PartStatus(t.part, t.restarts, t.last_exit, t.given_up)
+            for t in self._trackers.values()])
