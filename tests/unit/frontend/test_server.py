@@ -331,11 +331,12 @@ def test_a_request_whose_engine_dies_before_any_output_runs_elsewhere(
                         await asyncio.sleep(0.02)
                 stub = pb_grpc.GenerateServiceStub(channel)
                 dying.die_on_add = True
-                # Round robin sends one of the two to the dying engine: both succeed.
+                # Round robin sends the first to the dying engine (the second too if its
+                # Session is back by then): both succeed, on the healthy one.
                 for _ in range(2):
                     response = await stub.Generate(pb.GenerateRequest(text="hello"))
                     assert response.completions[0].text == TEXT
-                assert len(dying.adds) == 1 and len(healthy.adds) == 2
+                assert len(healthy.adds) == 2 and 1 <= len(dying.adds) <= 2
                 # Once a token has arrived the request is not replayed: it fails.
                 dying.die_on_add = False
                 healthy.final_state = common_pb2.ENGINE_STATE_DEAD
