@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 
@@ -12,5 +11,11 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     if task is None:
         return
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    try:
         await task
+    except asyncio.CancelledError:
+        # The task's own end, expected; but a cancel of the caller while it waited must
+        # go on, or the caller would carry on as if nobody had cancelled it.
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise

@@ -29,7 +29,6 @@ calls still waiting.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -258,12 +257,13 @@ class EngineClient:
                 return
             raise _SessionEnded(watchdog.result())
         finally:
-            for task in (reader, watchdog):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
             send_queue.put_nowait(None)
             call.cancel()
+            for task in (reader, watchdog):
+                # cancel_and_wait, not suppress(CancelledError): that would swallow a
+                # cancel of this task itself too (close() racing the session's end), and
+                # the client would reconnect forever instead of closing.
+                await cancel_and_wait(task)
 
     async def _read(
         self,
