@@ -52,21 +52,12 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    @property
-    def block_sizes(self) -> set[int]:
-        return {view.block_size for view in self._engines.values()}
-
     def tracks(self, engine: str) -> bool:
         return engine in self._engines
 
     def block_size(self, engine: str) -> int | None:
         view = self._engines.get(engine)
         return None if view is None else view.block_size
-
-    def num_blocks(self, engine: str) -> int:
-        """Blocks the index holds for the engine, confirmed or predicted (for tests and
-        stats: a full scan)."""
-        return sum(engine in holders for holders in self._blocks.values())
 
     # ---- the engines' events -----------------------------------------------------
 
@@ -99,9 +90,7 @@ class PrefixIndex:
     def cleared(self, engine: str, seq: int) -> bool:
         if not self._next(engine, seq):
             return False
-        view = self._engines[engine]
-        self._forget(engine)
-        self._engines[engine] = view
+        self._forget(engine)  # its blocks; the engine is still followed
         return True
 
     def drop_engine(self, engine: str) -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import queue
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import grpc
 import pytest
 from corestream.engine.v1 import engine_core_service_pb2 as pb
 
 from services.common.block_hash import NO_PARENT, BlockHash
-from services.common.grpc_server import channel_options
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
@@ -196,21 +195,9 @@ def test_subscriber_mirrors_the_cache_in_every_step_path(path: str) -> None:
 # ---- end to end, through EngineCoreService ---------------------------------------------
 
 @pytest.fixture
-def server() -> Iterator[EngineServer]:
-    runner = FakeRunner(num_blocks=16)
-    core = EngineCore(EngineConfig(), runner)
-    srv = EngineServer(core, runner, "127.0.0.1", 0)
-    srv.start()
-    core.start()
-    yield srv
-    core.shutdown()
-    srv.stop(0.5)
-
-
-@pytest.fixture
-def channel(server: EngineServer) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.address, options=channel_options()) as ch:
-        yield ch
+def runner() -> FakeRunner:
+    """What conftest's `server` serves here: a small cache, so requests evict."""
+    return FakeRunner(num_blocks=16)
 
 
 def event_from_proto(e: pb.KvCacheEvent) -> KvEvent:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -14,9 +13,6 @@ from corestream.engine.v1 import engine_core_service_pb2 as pb
 from corestream.engine.v1 import engine_core_service_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import channel_options
-from services.engine.config import EngineConfig
-from services.engine.engine_core import EngineCore
 from services.engine.server import SERVICE_NAME, EngineServer
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
@@ -27,23 +23,6 @@ def runner() -> ModelRunner:
     r = ModelRunner(RunnerConfig(kv_cache_memory=8 << 20))
     r.warmup()
     return r
-
-
-@pytest.fixture
-def server(runner: ModelRunner) -> Iterator[EngineServer]:
-    core = EngineCore(EngineConfig(), runner)
-    srv = EngineServer(core, runner, "127.0.0.1", 0)
-    srv.start()
-    core.start()
-    yield srv
-    core.shutdown()
-    srv.stop(0.5)
-
-
-@pytest.fixture
-def channel(server: EngineServer) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.address, options=channel_options()) as ch:
-        yield ch
 
 
 class SessionClient:
