@@ -259,11 +259,17 @@ class EngineClient:
         finally:
             send_queue.put_nowait(None)
             call.cancel()
-            for task in (reader, watchdog):
-                # cancel_and_wait, not suppress(CancelledError): that would swallow a
-                # cancel of this task itself too (close() racing the session's end), and
-                # the client would reconnect forever instead of closing.
-                await cancel_and_wait(task)
+            tasks = (reader, watchdog)
+            for task in tasks:
+                task.cancel()
+            # Wait for both to unwind without raising what they raised (the reader's end
+            # was raised above already): awaiting them one by one would raise it again,
+            # replacing a cancel of this task (close() racing the session's end), and
+            # the client would reconnect forever instead of closing.
+            await asyncio.wait(tasks)
+            for task in tasks:
+                if not task.cancelled():
+                    task.exception()  # retrieved: no "never retrieved" warning
 
     async def _read(
         self,

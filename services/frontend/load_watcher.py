@@ -70,6 +70,11 @@ class LoadWatcher:
                     reason = "its WatchLoad stream ended"
                 except grpc.aio.AioRpcError as e:
                     reason = f"{e.code().name}: {e.details()}"
+                except Exception as e:
+                    # A bug while applying a snapshot must not end the watch: routing
+                    # would then never learn of an engine again. Log it, follow anew.
+                    log.exception("applying the coordinator's load snapshot failed")
+                    reason = repr(e)
                 rejoining = True
                 self._balancer.set_degraded(f"coordinator {self._coordinator} lost ({reason})")
                 delay = backoff.next_delay()

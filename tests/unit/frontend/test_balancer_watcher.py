@@ -78,3 +78,34 @@ def test_coordinator_loss_degrades_then_recovers(monkeypatch: pytest.MonkeyPatch
         server.stop(0)
 
     asyncio.run(main())
+
+
+class _FailingOnce(Balancer):
+    """A Balancer whose first snapshot fails to apply, as a bug in it would."""
+
+    failed = False
+
+    async def update(self, *args: object, **kwargs: object) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("a bug while applying a snapshot")
+        await super().update(*args, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_applying_a_snapshot_does_not_end_the_watch() -> None:
+    port = free_port()
+
+    async def main() -> None:
+        server, registry = start_coordinator(port, ["a:1"])
+        balancer = _FailingOnce("f", client_factory=_StubClient)
+        watcher = LoadWatcher(f"127.0.0.1:{port}", balancer)
+        watcher.start()
+        await until(lambda: {c.address for c in balancer.clients} == {"a:1"})
+        assert balancer.failed
+        await watcher.close()
+        await balancer.close()
+        registry.close()
+        server.stop(0)
+
+    asyncio.run(main())
