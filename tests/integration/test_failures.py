@@ -45,10 +45,11 @@ class Stream:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def start_stream(stub: pb_grpc.GenerateServiceStub, max_tokens: int, text: str = "x") -> Stream:
+def start_stream(stub: pb_grpc.GenerateServiceStub, max_tokens: int, text: str = "x",
+                 rank: int | None = None) -> Stream:
     s = Stream()
-    request = pb.GenerateStreamRequest(text=text, sampling=common_pb2.SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    request = pb.GenerateStreamRequest(text=text, data_parallel_rank=rank, sampling=(
+        common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
 
     def consume() -> None:
         try:
@@ -112,10 +113,11 @@ def test_engine_death_by_exception_and_by_sigkill() -> None:
                  fault="raise_after_steps:40@0") as (c, children):
         with grpc.insecure_channel(c.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
-            streams = [start_stream(stub, 400, f"p{i}") for i in range(6)]
+            # Pinned, so that both engines hold streams whatever the routing policy does.
+            streams = [start_stream(stub, 400, f"p{i}", rank=i % 2) for i in range(6)]
             wait_all(streams, 120)
             failed = [s for s in streams if s.code is not grpc.StatusCode.OK]
-            assert failed and len(failed) < len(streams), [(s.code, s.details) for s in streams]
+            assert failed == streams[::2], [(s.code, s.details) for s in streams]
             # The last chunk came at most a step before the death: an upper bound.
             latencies = [s.ended_at - s.last_chunk_at for s in failed if s.chunks]
             print(f"\nexception: death -> UNAVAILABLE <= {max(latencies):.3f} s "
@@ -161,13 +163,21 @@ def test_watchdog_stuck_and_frozen_engines_then_serve_sigkill() -> None:
         assert readiness(channel) == health_pb2.HealthCheckResponse.SERVING
         assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_engines == 2
 
-        # Long enough that the stuck engine hangs (after 300 steps) before any finishes.
-        streams = [start_stream(stub, 1000, f"p{i}") for i in range(6)]
-        for s in streams:
-            assert s.first.wait(60) and s.code is None, s.details
+        # Each engine's streams are pinned to it and the frozen engine's start (and are
+        # frozen) first: the tiny model makes ~1,000 tokens a second, so a stream routed
+        # freely to engine 1 could finish before the freeze while we wait for the others.
         engine1 = c.engine_pid(1)
+        frozen_streams = [start_stream(stub, 2000, f"f{i}", rank=1) for i in range(3)]
+        for s in frozen_streams:
+            assert s.first.wait(60) and s.code is None, s.details
         os.kill(engine1, signal.SIGSTOP)  # alive but frozen, watchdog thread included
         stopped_at = time.monotonic()
+        assert not any(s.done.is_set() for s in frozen_streams)
+        # Long enough that the stuck engine hangs (after 300 steps) before any finishes.
+        streams = [start_stream(stub, 1000, f"p{i}", rank=0) for i in range(3)]
+        for s in streams:
+            assert s.first.wait(60) and s.code is None, s.details
+        streams += frozen_streams
         wait_all(streams, 60)
         stuck = [s for s in streams if "dp=0" in s.details]
         frozen = [s for s in streams if "dp=1" in s.details]
