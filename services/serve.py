@@ -35,7 +35,6 @@ import dataclasses
 import json
 import logging
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -56,6 +55,7 @@ from services.common.grpc_server import make_channel
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsServer, new_registry, serve_metrics
 from services.common.observability_config import ObservabilityConfig
+from services.common.ports import free_port
 from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
@@ -74,12 +74,6 @@ log = logging.getLogger("services.serve")
 HOST = "127.0.0.1"
 FRONTEND_SERVICE = "corestream.generate.v1.GenerateService"
 DP_MASTER_FLAG = "--data-parallel-master"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_until(check: Callable[[], bool], supervision: Supervision, deadline: float,

@@ -21,7 +21,7 @@ import threading
 from dataclasses import dataclass
 
 from services.common.model_info import ModelInfo
-from services.engine.engine_core import ModelRunner
+from services.engine.executor import Executor
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class FaultSpec:
 class FaultInjectingRunner:
     """The runner, with the fault of `spec` armed; forwards everything else."""
 
-    def __init__(self, runner: ModelRunner, spec: FaultSpec) -> None:
+    def __init__(self, runner: Executor, spec: FaultSpec) -> None:
         self._runner = runner
         self._spec = spec
         self._steps = 0
@@ -89,7 +89,7 @@ class FaultInjectingRunner:
         return self._runner.execute(out)
 
 
-def maybe_inject(runner: ModelRunner, env_value: str | None, engine_index: int) -> ModelRunner:
+def maybe_inject(runner: Executor, env_value: str | None, engine_index: int) -> Executor:
     """`runner` wrapped when `env_value` (the env var's value) arms a fault for this engine."""
     if not env_value:
         return runner

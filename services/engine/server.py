@@ -42,7 +42,7 @@ from services.common.grpc_server import (
     start_health_port,
 )
 from services.common.security_config import PLAINTEXT, SecurityConfig
-from services.engine.engine_core import EngineCore, UtilityCall
+from services.engine.engine_core import EngineCore
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.kv_events import BlockRemoved, BlockStored, KvEvent
 from services.engine.scheduler.output import PositionLogprobs
@@ -55,6 +55,7 @@ from services.engine.session_router import (
     engine_request_id,
     session_request_id,
 )
+from services.engine.utilities import UtilityCall
 
 logger = logging.getLogger(__name__)
 

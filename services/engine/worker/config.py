@@ -37,6 +37,12 @@ class RunnerConfig:
         "Kubernetes CPU limit (or OMP_NUM_THREADS when set). serve --engines N gives each "
         "engine its share.", default=0
     )
+    tensor_parallel_size: int = doc(
+        "Ranks the model is split over (tensor parallelism): each holds 1/N of the weights "
+        "and of every KV block, on its own CUDA device or its own share of the CPUs. "
+        "1 runs the model in the engine process; N > 1 adds N-1 worker processes.",
+        default=1,
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,6 +58,9 @@ class RunnerConfig:
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0 (0 = one per usable CPU), got "
                              f"{self.num_threads}")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be in [1, 64], got "
+                             f"{self.tensor_parallel_size}")
         if self.max_model_len < 0:
             raise ValueError(
                 f"max_model_len must be >= 0 (0 = the checkpoint's), got {self.max_model_len}"

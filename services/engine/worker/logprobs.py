@@ -43,21 +43,19 @@ def position_logprobs(
 
 
 def prompt_logprobs(
-    hidden: torch.Tensor,
     rows: list[int],
     next_token_ids: list[int],
     num_top: list[int],
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    logits_at: Callable[[list[int]], torch.Tensor],
 ) -> list[PositionLogprobs]:
     """Logprobs of each prompt row's next prompt token, a slice of rows at a time.
 
-    hidden: `[T, hidden_size]` of the whole step; rows index into it.
+    `logits_at(rows)`: the step's logits at those rows of its flattened batch.
     """
     out: list[PositionLogprobs] = []
-    device = hidden.device
     for start in range(0, len(rows), PROMPT_ROWS_PER_SLICE):
         end = start + PROMPT_ROWS_PER_SLICE
-        index = torch.tensor(rows[start:end], device=device)
-        targets = torch.tensor(next_token_ids[start:end], device=device)
-        out += position_logprobs(compute_logits(hidden[index]), targets, num_top[start:end])
+        logits = logits_at(rows[start:end])
+        targets = torch.tensor(next_token_ids[start:end], device=logits.device)
+        out += position_logprobs(logits, targets, num_top[start:end])
     return out

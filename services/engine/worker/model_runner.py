@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -53,12 +53,45 @@ def pick_device(name: str) -> torch.device:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class StepArrays:
+    """A step's flattened batch on the host: all that a forward reads, on any rank."""
+
+    input_ids: np.ndarray
+    """[T] int64"""
+    positions: np.ndarray
+    """[T] int64"""
+    slot_mapping: np.ndarray
+    """[T] int64"""
+    block_tables: np.ndarray
+    """[B, max_blocks] int32"""
+    seq_lens: np.ndarray
+    """[B] int32"""
+    query_start_loc: np.ndarray
+    """[B + 1] int32"""
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Followers(Protocol):
+    """The other tensor-parallel ranks, which mirror this runner's model calls (see
+    `services.engine.parallel.step_channel`); None at tensor_parallel_size 1."""
+
+    def forward(self, arrays: StepArrays) -> None: ...
+
+    def logits(self, rows: Sequence[int]) -> None: ...
+
+    def dummy(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Batch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: torch.Tensor
-    """[N] row in the flattened batch of each sampled request's last token."""
+    arrays: StepArrays
+    sample_rows: list[int]
+    """Row in the flattened batch of each sampled request's last token."""
     sampled: list[ScheduledRequest]
     prompt: _PromptRows
 
@@ -86,8 +119,11 @@ class _PromptRows:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig) -> None:
+    def __init__(self, config: RunnerConfig, followers: Followers | None = None) -> None:
+        """`followers`: the tensor-parallel ranks that mirror this one's model calls,
+        when this runner is rank 0 of several."""
         self.config = config
+        self._followers = followers
         path = resolve_model(config.model)
         info = load_model_info(path)
         if config.max_model_len > info.max_model_len:
@@ -117,7 +153,20 @@ class ModelRunner:
 
     def execute_dummy(self) -> None:
         """A forward over zero tokens: an idle expert-parallel rank's share of a step."""
+        if self._followers is not None:
+            self._followers.dummy()
         dummy_forward(self.model, self.kv_caches)
+
+    def close(self) -> None:
+        """Nothing to release: the model and cache go with the process."""
+
+    def limit_num_blocks(self, num_blocks: int) -> None:
+        """Keep only the first `num_blocks` KV blocks: tensor-parallel ranks allocate
+        the least that any of them can afford, so that one block table fits all."""
+        if num_blocks < self.num_blocks:
+            self.kv_caches = [cache[:, :num_blocks].clone() for cache in self.kv_caches]
+            logger.info("KV cache: %d blocks, the least any tensor-parallel rank affords",
+                        num_blocks)
 
     def any_rank_has_work(self, has_work: bool) -> bool:
         """Whether any rank of the DP group has work (this rank's answer alone without
@@ -223,11 +272,13 @@ class ModelRunner:
         if out.is_empty:
             return RunnerOutput()
         batch = self._prepare(out.requests)
+        if self._followers is not None:
+            self._followers.forward(batch.arrays)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
         result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, batch.prompt))
         if not batch.sampled:
             return result
-        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        logits = self.logits_at(hidden, batch.sample_rows)
         mask = self._token_mask(out.grammar_mask, batch.sampled)
         token_tensor = self.sampler(logits, batch.sampled, mask)
         tokens = token_tensor.tolist()
@@ -265,14 +316,37 @@ class ModelRunner:
     ) -> dict[str, list[PositionLogprobs]]:
         if not prompt.spans:
             return {}
-        found = prompt_logprobs(hidden, prompt.rows, prompt.next_token_ids, prompt.num_top,
-                                self.model.compute_logits)
+        found = prompt_logprobs(prompt.rows, prompt.next_token_ids, prompt.num_top,
+                                lambda rows: self.logits_at(hidden, rows))
         out: dict[str, list[PositionLogprobs]] = {}
         start = 0
         for request_id, count in prompt.spans:
             out[request_id] = found[start : start + count]
             start += count
         return out
+
+    def logits_at(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """float32 logits `[len(rows), vocab]` at `rows` of a forward's hidden states."""
+        if self._followers is not None:
+            self._followers.logits(rows)
+        index = self._to_device(np.asarray(rows, dtype=np.int64))
+        return self.model.compute_logits(hidden[index])
+
+    @torch.inference_mode()
+    def forward(self, arrays: StepArrays) -> torch.Tensor:
+        """A follower's forward over the batch its leader sent: hidden states `[T, H]`."""
+        seq_lens = arrays.seq_lens
+        query_start_loc = arrays.query_start_loc
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(arrays.slot_mapping),
+            block_tables=self._to_device(arrays.block_tables),
+            seq_lens=self._to_device(seq_lens),
+            query_start_loc=self._to_device(query_start_loc),
+            seq_lens_host=seq_lens.tolist(),
+            query_start_loc_host=query_start_loc.tolist(),
+        )
+        return self.model(self._to_device(arrays.input_ids), self._to_device(arrays.positions),
+                          meta, self.kv_caches)
 
     def _prepare(self, requests: Sequence[ScheduledRequest]) -> _Batch:
         # One Python pass over requests for the per-request values; the per-token
@@ -314,20 +388,28 @@ class ModelRunner:
         shift = np.array(start_pos, dtype=np.int64) - query_start_loc[:-1]
         positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(shift, query_lens)
         blocks = tables[seq_of_token, positions // block_size].astype(np.int64)
-        slots = blocks * block_size + positions % block_size
+        arrays = StepArrays(
+            input_ids=np.array(input_ids, dtype=np.int64),
+            positions=positions,
+            slot_mapping=blocks * block_size + positions % block_size,
+            block_tables=tables,
+            seq_lens=np.array(seq_lens, dtype=np.int32),
+            query_start_loc=np.array(query_start_loc, dtype=np.int32),
+        )
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
+            slot_mapping=self._to_device(arrays.slot_mapping),
             block_tables=self._to_device(tables),
-            seq_lens=self._to_device(np.array(seq_lens, dtype=np.int32)),
-            query_start_loc=self._to_device(np.array(query_start_loc, dtype=np.int32)),
+            seq_lens=self._to_device(arrays.seq_lens),
+            query_start_loc=self._to_device(arrays.query_start_loc),
             seq_lens_host=seq_lens,
             query_start_loc_host=query_start_loc,
         )
         return _Batch(
-            input_ids=self._to_device(np.array(input_ids, dtype=np.int64)),
+            input_ids=self._to_device(arrays.input_ids),
             positions=self._to_device(positions),
             meta=meta,
-            sample_rows=self._to_device(np.array(sample_rows, dtype=np.int64)),
+            arrays=arrays,
+            sample_rows=sample_rows,
             sampled=sampled,
             prompt=prompt,
         )

@@ -12,14 +12,16 @@ import pytest
 from services.common.model_info import ModelInfo
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.engine_core import (
+from services.engine.engine_core import EngineCore
+from services.engine.executor import Executor
+from services.engine.request import (
     INTERNAL,
     INVALID_ARGUMENT,
     UNAVAILABLE,
-    EngineCore,
-    ModelRunner,
+    FinishReason,
+    Request,
+    RequestUpdate,
 )
-from services.engine.request import FinishReason, Request, RequestUpdate
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.session_router import EngineState, SessionItem, SessionOutputs
 
@@ -38,6 +40,8 @@ class FakeRunner:
         self.gate: threading.Event | None = None
         self.steps = 0
         self.delay_s = 0.0
+        self.closed_on: list[str] = []
+        """The thread of each close() call."""
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.steps += 1
@@ -48,6 +52,9 @@ class FakeRunner:
             raise RuntimeError("device lost")
         return RunnerOutput(
             {r.request_id: (r.token_ids[-1] + 1) % VOCAB for r in out.requests if r.sample})
+
+    def close(self) -> None:
+        self.closed_on.append(threading.current_thread().name)
 
 
 def request(rid: str, session: str = "s", prompt: tuple[int, ...] = (1, 2, 3),
@@ -159,11 +166,14 @@ def test_execute_failure_kills_engine_and_fails_requests() -> None:
         assert by_id["late"][-1].error_code == UNAVAILABLE
     finally:
         core.shutdown()
+    core._loop_thread.join(5)  # it closes the executor after telling the Sessions
+    assert runner.closed_on == ["engine-loop"]
 
 
 @pytest.mark.timeout(30)
 def test_shutdown_drains_then_stops() -> None:
-    core = EngineCore(EngineConfig(), FakeRunner())
+    runner = FakeRunner()
+    core = EngineCore(EngineConfig(), runner)
     q = core.sessions.open("s")
     core.start()
     core.add_request(request("r", max_tokens=5))
@@ -175,7 +185,8 @@ def test_shutdown_drains_then_stops() -> None:
     while isinstance(m := q.get(timeout=5), SessionOutputs):
         states.append(m.state)
     assert states[-1] is EngineState.STOPPED
-    assert not core._loop_thread.is_alive() and not core._output_thread.is_alive()
+    assert not core._loop_thread.is_alive() and not core.outputs.is_alive()
+    assert runner.closed_on == ["engine-loop"]  # once the loop was done with it
 
 
 @pytest.mark.timeout(30)
@@ -236,11 +247,18 @@ def test_watchdog_kills_a_stuck_loop_but_not_an_idle_one() -> None:
         print(f"watchdog detection: {detected_s:.2f} s (timeout 0.3 s)")
         assert detected_s < 0.3 + 1.0
         assert "watchdog" in core.death_reason
+        # Closed while the loop is still stuck in execute: a TP executor must stop
+        # its workers then, so the watchdog's thread does it.
+        deadline = time.monotonic() + 5
+        while not runner.closed_on and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runner.closed_on == ["engine-watchdog"] and not runner.gate.is_set()
     finally:
         if runner.gate is not None:
             runner.gate.set()
         core.shutdown(join_timeout_s=2)
     assert core.state is EngineState.DEAD  # final, even after the loop came back
+    assert runner.closed_on == ["engine-watchdog"]  # once
 
 
 @pytest.mark.timeout(30)
@@ -260,7 +278,7 @@ def test_a_request_that_breaks_the_scheduler_fails_alone(core: EngineCore) -> No
 # ---- the real tiny model ------------------------------------------------------------
 
 
-def tiny_runner_for_tests() -> ModelRunner:
+def tiny_runner_for_tests() -> Executor:
     """The real model runner on the built-in tiny checkpoint, warm."""
     from services.engine.worker.config import RunnerConfig
     from services.engine.worker.model_runner import ModelRunner as TorchModelRunner
@@ -271,7 +289,7 @@ def tiny_runner_for_tests() -> ModelRunner:
 
 
 @pytest.fixture(scope="module")
-def tiny_runner() -> ModelRunner:
+def tiny_runner() -> Executor:
     return tiny_runner_for_tests()
 
 
@@ -279,7 +297,7 @@ class RecordingRunner:
     """Wraps a runner: can report fewer blocks than it has (a small KV cache that
     forces preemption), and records the tokens each request was fed."""
 
-    def __init__(self, runner: ModelRunner, num_blocks: int | None = None) -> None:
+    def __init__(self, runner: Executor, num_blocks: int | None = None) -> None:
         self.runner = runner
         self.num_blocks = num_blocks or runner.num_blocks
         self.block_size = runner.block_size
@@ -287,6 +305,9 @@ class RecordingRunner:
         self.num_fed: dict[str, int] = {}
         self.num_preemptions = 0
         self._end: dict[str, int] = {}
+
+    def close(self) -> None:
+        pass  # the wrapped runner outlives this core: the module's tests share it
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for r in out.requests:
@@ -297,7 +318,7 @@ class RecordingRunner:
         return self.runner.execute(out)
 
 
-def run_core(runner: ModelRunner, *waves: list[Request],
+def run_core(runner: Executor, *waves: list[Request],
              **config: int) -> tuple[dict[str, list[RequestUpdate]], EngineCore]:
     """Run each wave of requests to completion in turn on one fresh EngineCore."""
     core = EngineCore(EngineConfig(**config), runner)  # type: ignore[arg-type]
@@ -326,7 +347,7 @@ def real_request(rid: str, prompt: tuple[int, ...], max_tokens: int = 8,
 
 
 @pytest.mark.timeout(60)
-def test_real_tiny_runner_matches_itself_across_batching(tiny_runner: ModelRunner) -> None:
+def test_real_tiny_runner_matches_itself_across_batching(tiny_runner: Executor) -> None:
     prompt = (1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 8)
     # A small token budget forces chunked prefill and mixed batches.
     alone, _ = run_core(tiny_runner, [real_request("alone", prompt, 6)],
@@ -339,7 +360,7 @@ def test_real_tiny_runner_matches_itself_across_batching(tiny_runner: ModelRunne
 
 @pytest.mark.timeout(60)
 def test_prefix_cache_hit_skips_recompute_and_matches_a_cold_run(
-    tiny_runner: ModelRunner,
+    tiny_runner: Executor,
 ) -> None:
     vocab = tiny_runner.model_info.vocab_size
     shared = prompt_of(64, 1, vocab)
@@ -366,7 +387,7 @@ def varied_requests(vocab: int, **sampling: object) -> list[Request]:
 
 
 @pytest.mark.timeout(60)
-def test_chunked_prefill_matches_unchunked(tiny_runner: ModelRunner) -> None:
+def test_chunked_prefill_matches_unchunked(tiny_runner: Executor) -> None:
     vocab = tiny_runner.model_info.vocab_size
     whole, _ = run_core(tiny_runner, varied_requests(vocab), max_num_batched_tokens=2048)
     chunked, _ = run_core(tiny_runner, varied_requests(vocab), max_num_batched_tokens=16)
@@ -376,7 +397,7 @@ def test_chunked_prefill_matches_unchunked(tiny_runner: ModelRunner) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 1234}],
                          ids=["greedy", "seeded"])
-def test_preemption_matches_no_preemption(tiny_runner: ModelRunner,
+def test_preemption_matches_no_preemption(tiny_runner: Executor,
                                           sampling: dict[str, object]) -> None:
     vocab = tiny_runner.model_info.vocab_size
     roomy, _ = run_core(tiny_runner, varied_requests(vocab, **sampling))
@@ -448,7 +469,7 @@ def test_batch_queue_applies_aborts_before_the_outputs_of_the_executing_step() -
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 1234},
                                       {"logprobs": 2, "prompt_logprobs": 1}],
                          ids=["greedy", "seeded", "logprobs"])
-def test_batch_queue_outputs_equal_depth_one(tiny_runner: ModelRunner,
+def test_batch_queue_outputs_equal_depth_one(tiny_runner: Executor,
                                              sampling: dict[str, object]) -> None:
     vocab = tiny_runner.model_info.vocab_size
 
@@ -474,7 +495,7 @@ def test_batch_queue_outputs_equal_depth_one(tiny_runner: ModelRunner,
 
 
 @pytest.mark.timeout(120)
-def test_preemption_keeps_prompt_logprobs_exact(tiny_runner: ModelRunner) -> None:
+def test_preemption_keeps_prompt_logprobs_exact(tiny_runner: Executor) -> None:
     # Preempted requests lose their cache and recompute: the prompt logprobs they return
     # must be those of an unpreempted run, each position exactly once, whether they were
     # preempted after their prompt or in the middle of its chunked prefill.

@@ -23,9 +23,10 @@ from tokenizers import Tokenizer
 from services.common.constraints import ConstraintKind, OutputConstraint
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.engine_core import INVALID_ARGUMENT, EngineCore, ModelRunner
+from services.engine.engine_core import EngineCore
+from services.engine.executor import Executor
 from services.engine.metrics import EngineMetrics
-from services.engine.request import FinishReason, Request, RequestUpdate
+from services.engine.request import INVALID_ARGUMENT, FinishReason, Request, RequestUpdate
 from services.engine.scheduler.scheduler import SchedulerStats
 from services.engine.session_router import EngineState
 from services.engine.structured.compiler import GrammarCompiler
@@ -77,16 +78,16 @@ LARK = lark.Lark(GRAMMAR)
 
 
 @pytest.fixture(scope="module")
-def runner() -> ModelRunner:
+def runner() -> Executor:
     return tiny_runner_for_tests()
 
 
 @pytest.fixture(scope="module")
-def detok(runner: ModelRunner) -> Tokenizer:
+def detok(runner: Executor) -> Tokenizer:
     return Tokenizer.from_file(str(Path(runner.model_info.path) / "tokenizer.json"))
 
 
-def constrained(rid: str, name: str, runner: ModelRunner, seed: int, max_tokens: int = 48,
+def constrained(rid: str, name: str, runner: Executor, seed: int, max_tokens: int = 48,
                 **sampling: Any) -> Request:
     params = SamplingParams(**{"temperature": 1.0, "seed": seed, "max_tokens": max_tokens,
                                "constraint": CONSTRAINTS[name], **sampling})
@@ -94,7 +95,7 @@ def constrained(rid: str, name: str, runner: ModelRunner, seed: int, max_tokens:
                    params, eos_token_ids=runner.model_info.eos_token_ids, session_id="s")
 
 
-def run(runner: ModelRunner, requests: list[Request], observer: Any = None,
+def run(runner: Executor, requests: list[Request], observer: Any = None,
         **config: Any) -> dict[str, list[RequestUpdate]]:
     core = EngineCore(EngineConfig(**config), runner)
     if observer is not None:
@@ -124,7 +125,7 @@ def assert_valid(name: str, text: str) -> None:
 
 @pytest.mark.timeout(240)
 def test_hundreds_of_seeded_requests_follow_their_constraints(
-        runner: ModelRunner, detok: Tokenizer) -> None:
+        runner: Executor, detok: Tokenizer) -> None:
     registry = CollectorRegistry()
     metrics = EngineMetrics(registry, "tiny", 0, SchedulerStats, lambda: EngineState.RUNNING)
     names = list(CONSTRAINTS)
@@ -157,7 +158,7 @@ def test_hundreds_of_seeded_requests_follow_their_constraints(
 
 @pytest.mark.timeout(120)
 def test_unconstrained_outputs_are_unchanged_by_constrained_neighbours(
-        runner: ModelRunner) -> None:
+        runner: Executor) -> None:
     def free(i: int, **sampling: Any) -> Request:
         params = SamplingParams(**{"temperature": 0.0, "max_tokens": 24, "ignore_eos": True,
                                    **sampling})
@@ -174,7 +175,7 @@ def test_unconstrained_outputs_are_unchanged_by_constrained_neighbours(
         assert tokens(mixed[rid]) == tokens(updates), rid
 
 
-def exactness_requests(runner: ModelRunner) -> list[Request]:
+def exactness_requests(runner: Executor) -> list[Request]:
     return [constrained(f"x{i}", name, runner, seed=40 + i, max_tokens=32)
             for i, name in enumerate(list(CONSTRAINTS) * 2)]
 
@@ -185,7 +186,7 @@ def seen(outputs: dict[str, list[RequestUpdate]]) -> dict[str, tuple[list[int], 
 
 @pytest.mark.timeout(180)
 def test_preemption_chunked_prefill_batch_queue_and_prefix_cache_keep_outputs_exact(
-        runner: ModelRunner) -> None:
+        runner: Executor) -> None:
     baseline = seen(run(runner, exactness_requests(runner)))
     small = RecordingRunner(runner, num_blocks=14)  # forces preemptions
     assert seen(run(small, exactness_requests(runner))) == baseline  # type: ignore[arg-type]
@@ -204,7 +205,7 @@ def test_preemption_chunked_prefill_batch_queue_and_prefix_cache_keep_outputs_ex
 
 @pytest.mark.timeout(60)
 def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(
-        runner: ModelRunner, detok: Tokenizer) -> None:
+        runner: Executor, detok: Tokenizer) -> None:
     requests = [constrained(f"e{i}", "choice", runner, seed=i, ignore_eos=True, min_tokens=3)
                 for i in range(8)]
     requests.append(constrained("cut", "tags", runner, seed=1, max_tokens=5))
@@ -217,7 +218,7 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(
 
 
 @pytest.mark.timeout(60)
-def test_logprobs_are_of_the_raw_distribution(runner: ModelRunner, detok: Tokenizer) -> None:
+def test_logprobs_are_of_the_raw_distribution(runner: Executor, detok: Tokenizer) -> None:
     # The reported logprobs are before the mask: the constrained request reports the
     # same alternatives as an unconstrained one on the same prompt.
     request = constrained("lp", "regex", runner, seed=3, logprobs=5, temperature=0.0)
@@ -236,7 +237,7 @@ def test_logprobs_are_of_the_raw_distribution(runner: ModelRunner, detok: Tokeni
 
 
 @pytest.mark.timeout(60)
-def test_logit_bias_cannot_beat_the_mask(runner: ModelRunner, detok: Tokenizer) -> None:
+def test_logit_bias_cannot_beat_the_mask(runner: Executor, detok: Tokenizer) -> None:
     z = detok.token_to_id("z")
     assert z is not None
     requests = [constrained(f"b{i}", "choice", runner, seed=i, logit_bias=((z, 1e6),))
@@ -259,21 +260,21 @@ class GatedCompiler(GrammarCompiler):
         return super()._compile_pristine(constraint)
 
 
-def gated_core(runner: ModelRunner, **config: Any) -> tuple[EngineCore, GatedCompiler]:
+def gated_core(runner: Executor, **config: Any) -> tuple[EngineCore, GatedCompiler]:
     core = EngineCore(EngineConfig(**config), runner)
     compiler = GatedCompiler(runner.model_info)
-    core._grammars = compiler
+    core.compiles.compiler = compiler
     return core, compiler
 
 
-def free_request(runner: ModelRunner, rid: str) -> Request:
+def free_request(runner: Executor, rid: str) -> Request:
     return Request(rid, list(prompt_of(8, 7, runner.model_info.vocab_size)),
                    SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                    session_id="s")
 
 
 @pytest.mark.timeout(60)
-def test_a_compiling_request_holds_back_nobody_and_can_be_aborted(runner: ModelRunner) -> None:
+def test_a_compiling_request_holds_back_nobody_and_can_be_aborted(runner: Executor) -> None:
     core, compiler = gated_core(runner)
     q = core.sessions.open("s")
     core.start()
@@ -290,14 +291,14 @@ def test_a_compiling_request_holds_back_nobody_and_can_be_aborted(runner: ModelR
         compiler.gate.set()
         slow = collect(q, {"slow"}, timeout=30)[0]["slow"]
         assert slow[-1].finish_reason is FinishReason.STOP
-        assert core.stats.num_running == 0 and not core._compiling
+        assert core.stats.num_running == 0 and not core.compiles
     finally:
         compiler.gate.set()
         core.shutdown()
 
 
 @pytest.mark.timeout(60)
-def test_a_compile_past_the_timeout_fails_only_its_request(runner: ModelRunner) -> None:
+def test_a_compile_past_the_timeout_fails_only_its_request(runner: Executor) -> None:
     core, compiler = gated_core(runner, grammar_compile_timeout_s=0.3)
     q = core.sessions.open("s")
     core.start()
@@ -321,7 +322,7 @@ def test_a_compile_past_the_timeout_fails_only_its_request(runner: ModelRunner) 
 
 
 @pytest.mark.timeout(60)
-def test_a_constraint_that_does_not_compile_fails_alone(runner: ModelRunner) -> None:
+def test_a_constraint_that_does_not_compile_fails_alone(runner: Executor) -> None:
     # The frontend refuses these; an engine reached directly must too, and serve on.
     bad = [
         ("regex", OutputConstraint(ConstraintKind.REGEX, "a(b")),
@@ -346,7 +347,7 @@ class LockstepTinyRunner:
     """The real tiny runner stepping in lockstep with another rank (see
     test_engine_waves.py): every forward, real or dummy, meets the other rank's."""
 
-    def __init__(self, runner: ModelRunner, barrier: threading.Barrier, votes: list[bool],
+    def __init__(self, runner: Executor, barrier: threading.Barrier, votes: list[bool],
                  rank: int) -> None:
         self.runner, self.barrier, self.votes, self.rank = runner, barrier, votes, rank
         self.num_blocks, self.block_size = runner.num_blocks, runner.block_size
@@ -355,6 +356,9 @@ class LockstepTinyRunner:
     def execute(self, out: Any) -> Any:
         self.barrier.wait(20)
         return self.runner.execute(out)
+
+    def close(self) -> None:
+        pass  # the module's tests share the wrapped runner
 
     def execute_dummy(self) -> None:
         self.barrier.wait(20)
@@ -368,7 +372,7 @@ class LockstepTinyRunner:
 
 
 @pytest.mark.timeout(120)
-def test_constrained_outputs_are_exact_in_lockstep_waves(runner: ModelRunner) -> None:
+def test_constrained_outputs_are_exact_in_lockstep_waves(runner: Executor) -> None:
     baseline = seen(run(runner, exactness_requests(runner)))
     barrier, votes = threading.Barrier(2), [False, False]
     ranks = [LockstepTinyRunner(r, barrier, votes, i)
