@@ -28,6 +28,8 @@ class CorestreamFixedLogitsForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.logits = nn.Parameter(torch.zeros(config.vocab_size), requires_grad=False)
+        # Replicated whole under tensor parallelism too: it has nothing to shard.
+        self.local_kv_heads = config.num_key_value_heads
 
     def tie_weights(self) -> None:
         pass

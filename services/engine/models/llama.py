@@ -17,6 +17,12 @@ On CPU, a step in which every sequence decodes one token skips the Python layers
 op runs them all (`kernels.decoder_layers`), with the same ops in the same order, so the
 outputs are the same bits; prefills, and mixture-of-experts layers, run the code below.
 
+Under tensor parallelism (a current TP group of more than one rank, `current_tp_group`)
+the model is built from `tp_layers`: this rank's query and KV heads, its share of the
+MLP, its slice of the vocabulary, and an all-reduce after o_proj and after down_proj.
+The C++ decode op cannot all-reduce between layers, so such a model always runs the
+Python layers. Without a group, the modules and paths are exactly the unsharded ones.
+
 NOTE: inside a decoder layer, submodules are called through `.forward`, not
 `__call__`: nn.Module's hook dispatch costs about as much as a small op, and a step
 makes some 70 such calls, which shows in a single-stream decode step.
@@ -37,6 +43,15 @@ from kernels.rotary import rotate_and_store_kv
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.rotary_embedding import RotaryEmbedding
+from services.engine.models.tp_layers import (
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    kv_heads_of_rank,
+    row_linear,
+    sharding_group,
+    split_evenly,
+)
+from services.engine.parallel.tp_group import TPGroup, current_tp_group
 
 
 class RMSNorm(nn.Module):
@@ -56,18 +71,21 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: DecoderConfig, layer: int) -> None:
+    def __init__(self, config: DecoderConfig, layer: int, tp: TPGroup | None = None) -> None:
+        """`tp`: the group this layer's heads are split over (None: all heads here)."""
         super().__init__()
         # Mistral slides every layer, Qwen2/3 may slide only some (see DecoderConfig).
         self.sliding_window = config.layer_window(layer)
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # This rank's heads: all of them without a group.
+        world, rank = (tp.world_size, tp.rank) if tp is not None else (1, 0)
+        self.num_heads = split_evenly(config.num_attention_heads, world, "num_attention_heads")
+        self.num_kv_heads = len(kv_heads_of_rank(config.num_key_value_heads, rank, world))
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         hidden, bias = config.hidden_size, config.qkv_bias
         qkv_heads = self.num_heads + 2 * self.num_kv_heads
         self.qkv_proj = nn.Linear(hidden, qkv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_bias)
+        self.o_proj = row_linear(self.num_heads * self.head_dim, hidden, config.o_bias, tp)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -108,25 +126,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(
+        self, config: DecoderConfig, tp: TPGroup | None = None, reduce_output: bool = True
+    ) -> None:
+        """`tp`: the group the intermediate features are split over; `reduce_output`
+        False leaves the sum over its ranks to the caller (a MoE block sums once)."""
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported")
-        hidden, inter, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        hidden, bias = config.hidden_size, config.mlp_bias
+        world = tp.world_size if tp is not None else 1
+        inter = split_evenly(config.intermediate_size, world, "intermediate_size")
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.down_proj = row_linear(inter, hidden, bias, tp if reduce_output else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, layer: int) -> None:
+    def __init__(self, config: DecoderConfig, layer: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer)
+        self.self_attn = LlamaAttention(config, layer, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -175,15 +199,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Module = (
+            nn.Embedding(config.vocab_size, config.hidden_size) if tp is None
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._windows = [config.layer_window(i) or 0 for i in range(config.num_hidden_layers)]
-        self._flat_weights: list[torch.Tensor] | None = None
+        # [] (never the C++ decode op) when sharded: it cannot all-reduce between layers.
+        self._flat_weights: list[torch.Tensor] | None = None if tp is None else []
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -246,11 +274,20 @@ class LlamaForCausalLM(nn.Module):
         """This family's reading of config.json; relatives override it, not the layers."""
         return DecoderConfig.from_hf(hf_config)
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, tp_group: TPGroup | None = None) -> None:
+        """Sharded over `tp_group`, or else over the process's current TP group, if
+        either has more than one rank."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = sharding_group(tp_group if tp_group is not None else current_tp_group())
+        self.model = LlamaModel(config, self.tp)
+        self.lm_head: nn.Linear = (
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.tp is None
+            else VocabParallelLMHead(config.hidden_size, config.vocab_size, self.tp)
+        )
+        world, rank = (self.tp.world_size, self.tp.rank) if self.tp is not None else (1, 0)
+        self.local_kv_heads = len(kv_heads_of_rank(config.num_key_value_heads, rank, world))
+        """KV heads in this rank's cache: all of them without tensor parallelism."""
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -270,5 +307,6 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """float32 logits `[N, vocab]` for hidden states `[N, hidden]`."""
+        """float32 logits `[N, vocab]` for hidden states `[N, hidden]`; the full
+        vocabulary on every rank under tensor parallelism (the head all-gathers)."""
         return self.lm_head(hidden_states).float()

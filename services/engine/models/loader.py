@@ -11,6 +11,9 @@ Mixture-of-experts classes also stack each layer's per-expert tensors (`packed_e
 rename modules their checkpoints name differently (`checkpoint_renames`), and, when the
 experts are split over DP ranks, say which ones this rank holds (`local_experts`): the
 others are never read.
+A model sharded over a tensor-parallel group (its `tp`, from `current_tp_group`) reads
+only this rank's slice of each tensor (`tp_sharding.ShardPlan`, through safetensors'
+`get_slice`), before the packing above, so a rank never holds the whole model.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from services.engine.models.decoder_config import DecoderConfig
+from services.engine.models.tp_sharding import ShardPlan
 
 if TYPE_CHECKING:
     from services.engine.models.llama import LlamaForCausalLM
@@ -89,8 +93,11 @@ def load_model(
     # The experts this rank holds; None for dense models.
     experts: range | None = getattr(model, "local_experts", None)
     renames: Mapping[str, str] = getattr(cls, "checkpoint_renames", {})
+    # The tensor-parallel group the model was built for; None: read every tensor whole.
+    tp = getattr(model, "tp", None)
+    plan = ShardPlan(config, tp.rank, tp.world_size) if tp is not None else None
     state = _read_safetensors(
-        folder, dtype, device, lambda name: _model_tensor_name(name, renames, experts)
+        folder, dtype, device, lambda name: _model_tensor_name(name, renames, experts), plan
     )
     if experts is not None:
         pack_experts(state, getattr(cls, "packed_experts", {}), experts)
@@ -108,8 +115,9 @@ def load_model(
     model.tie_weights()
     if device.type == "cpu" and dtype == torch.float32:
         transpose_linear_storage(model)
-    logger.info("loaded %s (%s) from %s onto %s as %s", cls.__name__,
-                ", ".join(hf_config.get("architectures", [])), folder, device, dtype)
+    logger.info("loaded %s (%s) from %s onto %s as %s%s", cls.__name__,
+                ", ".join(hf_config.get("architectures", [])), folder, device, dtype,
+                f", tensor-parallel shard {tp.rank} of {tp.world_size}" if tp else "")
     return model.eval()
 
 
@@ -212,6 +220,7 @@ def _read_safetensors(
     dtype: torch.dtype,
     device: torch.device,
     model_name: Callable[[str], str | None] = lambda name: name,
+    plan: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -226,7 +235,11 @@ def _read_safetensors(
                 ours = model_name(name)
                 if ours is None:
                     continue
-                tensor = f.get_tensor(name)
+                if plan is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    part = f.get_slice(name)
+                    tensor = plan.read(ours, part, tuple(part.get_shape()))
                 if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 state[ours] = tensor.to(device)

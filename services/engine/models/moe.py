@@ -10,6 +10,14 @@ The experts' weights are stacked per layer, `w13` `[E, 2I, H]` (gate and up) and
 (`packed_experts`). Only this rank's experts are stacked when the experts are split
 over DP ranks (`services.engine.parallel.expert_parallel`); routing always sees all
 experts, since the router is replicated.
+
+Under tensor parallelism every expert's intermediate features are split over the TP
+ranks (w13 holds this rank's gate and up rows, w2 the matching columns), and so are
+the shared expert's; the block sums its partial output over the ranks once, after the
+experts and the shared expert. Combined with expert parallelism, a rank holds its TP
+share of its DP rank's experts: the DP group then joins the ranks of one TP rank (the
+same shard of every expert), so the expert dispatch sums over experts and the TP
+all-reduce over shards, in either order.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ from kernels.activation import silu_and_mul
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig, MoEConfig
 from services.engine.models.llama import LlamaForCausalLM, LlamaMLP
+from services.engine.models.tp_layers import all_reduce, split_evenly
 from services.engine.parallel.dp_group import DPGroup, current_dp_group
 from services.engine.parallel.expert_parallel import ExpertParallel
+from services.engine.parallel.tp_group import TPGroup
 
 
 def route(
@@ -75,7 +85,10 @@ class StackedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: DecoderConfig, ep: ExpertParallel) -> None:
+    def __init__(
+        self, config: DecoderConfig, ep: ExpertParallel, tp: TPGroup | None = None
+    ) -> None:
+        """`tp`: the group each expert's intermediate features are split over."""
         super().__init__()
         moe = config.moe
         assert moe is not None
@@ -83,24 +96,34 @@ class SparseMoeBlock(nn.Module):
         self.top_k = moe.num_experts_per_tok
         self.renormalize = moe.norm_topk_prob
         self.ep = ep
+        self.tp = tp
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        world = tp.world_size if tp is not None else 1
         self.experts = StackedExperts(
-            ep.local_experts(moe.num_experts), hidden, moe.intermediate_size
+            ep.local_experts(moe.num_experts), hidden,
+            split_evenly(moe.intermediate_size, world, "the experts' intermediate_size"),
         )
         self.shared_expert: LlamaMLP | None = None
         if moe.shared_expert_intermediate_size:
             shared = dataclasses.replace(
                 config, intermediate_size=moe.shared_expert_intermediate_size, mlp_bias=False
             )
-            self.shared_expert = LlamaMLP(shared)
+            # Named here: LlamaMLP's own check would blame intermediate_size.
+            split_evenly(moe.shared_expert_intermediate_size, world,
+                         "shared_expert_intermediate_size")
+            # Its partial sum joins the experts' in the block's one all-reduce.
+            self.shared_expert = LlamaMLP(shared, tp, reduce_output=False)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.ep.dispatch(x, self._run_local_experts)
         if self.shared_expert is not None:
-            # Replicated on every rank, so it runs on this rank's tokens only.
+            # Replicated over the DP ranks, so it runs on this rank's tokens only; the
+            # gate is replicated over TP ranks too, and scales each partial sum alike.
             gate = torch.sigmoid(self.shared_expert_gate.forward(x))
             out = out + gate * self.shared_expert.forward(x)
+        if self.tp is not None:
+            out = all_reduce(self.tp, out)
         return out
 
     def _run_local_experts(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +135,8 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     """The Llama decoder with `SparseMoeBlock` as the MLP of `config.moe.sparse_layers`.
 
     Built under the process's DP group (`current_dp_group`), if any, it holds only that
-    rank's share of the experts (`local_experts`), which is all the loader reads.
+    rank's share of the experts (`local_experts`), which is all the loader reads; under
+    a TP group, only this TP rank's shard of each of them.
     """
 
     packed_experts: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -123,8 +147,13 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
     checkpoint_renames: ClassVar[dict[str, str]] = {}
     """Checkpoint module name -> ours, where a family names a module differently."""
 
-    def __init__(self, config: DecoderConfig, dp_group: DPGroup | None = None) -> None:
-        super().__init__(config)
+    def __init__(
+        self,
+        config: DecoderConfig,
+        dp_group: DPGroup | None = None,
+        tp_group: TPGroup | None = None,
+    ) -> None:
+        super().__init__(config, tp_group)
         moe: MoEConfig | None = config.moe
         if moe is None:
             raise ValueError(f"{type(self).__name__} needs a config with moe set")
@@ -133,7 +162,7 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
         )
         self.local_experts = self.expert_parallel.local_experts(moe.num_experts)
         for i in moe.sparse_layers:
-            self.model.layers[i].mlp = SparseMoeBlock(config, self.expert_parallel)
+            self.model.layers[i].mlp = SparseMoeBlock(config, self.expert_parallel, self.tp)
 
     def forward(
         self,

@@ -1,12 +1,13 @@
-"""NcclCommunicator: the DP group's CUDA transport, NCCL through cupy.
+"""NcclCommunicator: a collective group's CUDA transport, NCCL through cupy.
 
 UNTESTED: written against cupy.cuda.nccl's documented API, but no machine this project
-tests on has a GPU, so no test runs it. Importing this module needs cupy; `dp_group`
+tests on has a GPU, so no test runs it. Importing this module needs cupy; `collectives`
 imports it only for a CUDA device and falls back to gloo through host memory without it.
 
 Rank 0 creates the NCCL unique id and publishes it in the group's TCPStore, where the
-other ranks read it. Collectives are enqueued on torch's current stream of the tensor's
-device, so they order with the kernels around them without a host sync.
+other ranks read it; each group (DP, TP) has its own store, so one key serves both.
+Collectives are enqueued on torch's current stream of the tensor's device, so they
+order with the kernels around them without a host sync.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 from cupy.cuda import Device, nccl
 
-_UNIQUE_ID_KEY = "corestream/dp/nccl_unique_id"
+_UNIQUE_ID_KEY = "corestream/nccl_unique_id"
 
 
 def _nccl_dtype(dtype: torch.dtype) -> int:

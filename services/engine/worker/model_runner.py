@@ -209,11 +209,16 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, model_config: DecoderConfig) -> list[torch.Tensor]:
         per_token = (
-            2 * model_config.num_key_value_heads * model_config.head_dim
+            2 * self.model.local_kv_heads * model_config.head_dim
             * self._dtype.itemsize * model_config.num_hidden_layers
         )
         block_bytes = per_token * self.block_size
         kv_bytes = self.config.kv_cache_budget.resolve(self._free_memory)
+        tp = getattr(self.model, "tp", None)
+        if tp is not None and self._device.type == "cpu":
+            # Tensor-parallel ranks on CPU share the host's memory: the budget is the
+            # engine's, and each rank holds 1/N of it (on CUDA each rank has a device).
+            kv_bytes //= tp.world_size
         num_blocks = kv_bytes // block_bytes
         needed = -(-self.model_info.max_model_len // self.block_size)
         if num_blocks < needed:
@@ -227,7 +232,7 @@ class ModelRunner:
                     self.config.kv_cache_memory, kv_bytes, num_blocks, self.block_size)
         shape = (
             2, num_blocks, self.block_size,
-            model_config.num_key_value_heads, model_config.head_dim,
+            self.model.local_kv_heads, model_config.head_dim,
         )
         # Zeros, not empty: attention multiplies masked-out slots by zero weights, and
         # uninitialized memory may hold NaN, which would survive that product.

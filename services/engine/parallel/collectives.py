@@ -1,0 +1,130 @@
+"""Collectives: the all-reduce and all-gather of one process group, shared by the
+data-parallel group (`dp_group`) and the tensor-parallel group (`tp_group`).
+
+A group is a gloo process group over a TCPStore that rank 0 hosts; on CUDA the tensors
+travel instead over an NCCL communicator from cupy (see `nccl`), which the store
+bootstraps. Groups are built directly rather than through
+`torch.distributed.init_process_group`: there is no default group to share, so one
+process can be in a DP group and a TP group at once, each on its own store and port.
+
+Every rank must call the collectives of a group in the same order with tensors of the
+same shape; the group's timeout bounds each of them, so a rank that stops joining fails
+its peers instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from services.engine.parallel.nccl import NcclCommunicator
+
+logger = logging.getLogger(__name__)
+
+
+class Collectives:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout: datetime.timedelta,
+        nccl: NcclCommunicator | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size {world_size}), got {rank}")
+        self.rank = rank
+        self.world_size = world_size
+        self._store = store
+        self._gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self._nccl = nccl
+
+    @property
+    def transport(self) -> str:
+        return "nccl" if self._nccl is not None else "gloo"
+
+    def close(self) -> None:
+        """Wait until every rank is leaving, then close the group's connections.
+
+        NOTE: a rank that simply exits while a peer's gloo threads still hold the
+        connection open sometimes takes that peer down with SIGABRT ("terminate called
+        without an active exception") as its interpreter shuts down; every rank must
+        call this, as with any collective.
+        """
+        self._gloo.barrier().wait()
+        del self._gloo
+        del self._store
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`[world_size, *tensor.shape]`: every rank's `tensor`, in rank order.
+
+        Every rank must pass a tensor of the same shape and dtype.
+        """
+        out = tensor.new_empty((self.world_size, *tensor.shape))
+        if tensor.is_cuda:
+            if self._nccl is not None:
+                self._nccl.all_gather(tensor.contiguous(), out)
+                return out
+            return self.all_gather(tensor.cpu()).to(tensor.device)
+        self._gloo.allgather([list(out.unbind(0))], [tensor.contiguous()]).wait()
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place; returns it."""
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce needs a contiguous tensor (it reduces in place)")
+        if tensor.is_cuda:
+            if self._nccl is not None:
+                self._nccl.all_reduce(tensor)
+            else:
+                tensor.copy_(self.all_reduce(tensor.cpu()))
+            return tensor
+        self._gloo.allreduce([tensor]).wait()
+        return tensor
+
+
+GroupT = TypeVar("GroupT", bound=Collectives)
+
+
+def connect(
+    cls: type[GroupT],
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device | None,
+    timeout_s: float,
+) -> GroupT:
+    """A `cls` group of `world_size` ranks joined as `rank`.
+
+    Rank 0 listens on `master_addr:master_port`; the call returns once every rank has
+    joined, or raises after `timeout_s`, which also bounds every later collective. On a
+    CUDA `device` with cupy installed, tensors travel over NCCL; otherwise over gloo.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout
+    )
+    nccl = None
+    if device is not None and device.type == "cuda":
+        nccl = _try_nccl(store, rank, world_size, device, cls.__name__)
+    return cls(store, rank, world_size, timeout, nccl)
+
+
+def _try_nccl(
+    store: dist.Store, rank: int, world_size: int, device: torch.device, group: str
+) -> NcclCommunicator | None:
+    try:
+        from services.engine.parallel.nccl import NcclCommunicator
+        return NcclCommunicator(store, rank, world_size, device)
+    except ImportError:
+        logger.warning("cupy is not installed: %s collectives on %s go through host "
+                       "memory and gloo; install corestream[gpu] for NCCL", group, device)
+        return None
