@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -62,7 +63,7 @@ from services.common.tiny_checkpoint import resolve_model
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
 from services.engine.dp_config import DataParallelConfig
-from services.engine.worker.config import RunnerConfig
+from services.engine.worker.config import RunnerConfig, format_cpu_list
 from services.engine.worker.cpu_threads import threads_set_by_environment, usable_cpus
 from services.frontend.config import FrontendConfig
 from services.serve_config import SERVE_OWNED, ServeConfig
@@ -158,7 +159,7 @@ def plan(
     coordinator_addr = f"{HOST}:{coordinator_port}"
     coordinator = from_args(CoordinatorConfig, args, exclude=SERVE_OWNED)
     runner = from_args(RunnerConfig, args, exclude=SERVE_OWNED)
-    if (serve.engines > 1 and runner.num_threads == 0 and runner.device != "cuda"
+    if (serve.engines > 1 and runner.num_threads == 0 and not runner.device.startswith("cuda")
             and not threads_set_by_environment()):
         # Engines on one machine share its CPUs: each gets its own share of threads, or
         # their operators would keep waiting on threads the others displaced.
@@ -186,9 +187,9 @@ def plan(
     if serve.engines > 1:
         dp += ["--data-parallel-size", str(serve.engines),
                DP_MASTER_FLAG, f"{HOST}:{free_port()}"]
-    for index in range(serve.engines):
+    for index, placed in enumerate(place_engines(runner, serve.engines)):
         children.append(Child(f"engine-{index}", [
-            "engine", *to_argv(engine), *to_argv(runner), *dp, *to_argv(security["engine"]),
+            "engine", *to_argv(engine), *to_argv(placed), *dp, *to_argv(security["engine"]),
             *observability, *metrics_port(2 + index), "--model", model,
             "--host", HOST, "--port", "0", "--engine-index", str(index),
             "--coordinator", coordinator_addr,
@@ -199,6 +200,24 @@ def plan(
         "--host", HOST, "--port", str(serve.port), "--coordinator", coordinator_addr,
     ]))
     return serve, children, coordinator_addr, security["client"]
+
+
+def place_engines(runner: RunnerConfig, engines: int) -> list[RunnerConfig]:
+    """Each engine's runner settings, on hardware of its own: on CUDA its
+    tensor_parallel_size devices after the previous engine's; on CPU (unless the operator
+    chose a cpu_set) an equal share of serve's CPUs, which its ranks split again, so
+    that no two engines' threads compete for a CPU."""
+    tp = runner.tensor_parallel_size
+    if runner.device.startswith("cuda"):
+        first = int(runner.device.removeprefix("cuda").removeprefix(":") or 0)
+        return [dataclasses.replace(runner, device=f"cuda:{first + e * tp}")
+                for e in range(engines)]
+    cpus = sorted(os.sched_getaffinity(0))
+    if engines == 1 or runner.cpu_set or len(cpus) < engines:
+        return [runner] * engines
+    share = len(cpus) // engines
+    return [dataclasses.replace(runner, cpu_set=format_cpu_list(tuple(cpus[e * share:][:share])))
+            for e in range(engines)]
 
 
 def splits_experts(model: str) -> bool:

@@ -187,6 +187,12 @@ class EngineCore:
     def wakeup(self) -> None:
         self.input_queue.put((InputType.WAKEUP, None))
 
+    def fail(self, reason: str) -> None:
+        """Declare the engine DEAD from outside the loop (a tensor-parallel worker died):
+        the Sessions end every stream, and the executor is closed, which makes a step
+        waiting on the lost worker fail."""
+        self.lifecycle.die(reason, fail_requests=False)
+
     def shutdown(self, drain_timeout_s: float = 0.0, join_timeout_s: float = 10.0) -> None:
         """Stop accepting, finish in-flight requests for up to drain_timeout_s, abort the
         rest with UNAVAILABLE, tell every Session STOPPED and join the threads."""

@@ -56,6 +56,12 @@ class Executor(Protocol):
 
     def stop_profile(self) -> dict[str, Any]: ...
 
+    def describe_stall(self) -> str:
+        """For the watchdog, when a step never ends: what the executor waits for (e.g.
+        the tensor-parallel workers that have not finished the step); "" if nothing
+        beyond the step itself."""
+        ...
+
     def close(self) -> None:
         """Release what the executor holds (a TP executor stops its workers). The
         engine calls it once, when it stops or dies: after the loop has exited, or

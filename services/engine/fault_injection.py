@@ -7,6 +7,9 @@ once at engine start, arms one fault:
 
     raise_after_steps:N[@I]   the execute after N successful ones raises
     hang_after_steps:N[@I]    the execute after N successful ones never returns
+    worker_raise_after_steps:N[@I]  with --tensor-parallel-size > 1: the last worker
+                              raises in the forward after N (its own process fails)
+    worker_hang_after_steps:N[@I]   ... the last worker's forward never returns
     crash_at_start[@I]        the engine exits with code 1 once its model is loaded,
                               before it serves (every start: a crash loop for serve)
 
@@ -27,7 +30,9 @@ from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "CORESTREAM_FAULT_INJECT"
-KINDS = ("raise_after_steps", "hang_after_steps", "crash_at_start")
+KINDS = ("raise_after_steps", "hang_after_steps", "crash_at_start",
+         "worker_raise_after_steps", "worker_hang_after_steps")
+WORKER_KINDS = ("worker_raise_after_steps", "worker_hang_after_steps")
 
 
 class InjectedFault(RuntimeError):
@@ -89,12 +94,23 @@ class FaultInjectingRunner:
         return self._runner.execute(out)
 
 
+def worker_fault(env_value: str | None, engine_index: int) -> str:
+    """The `KIND:N` a tensor-parallel worker of this engine arms ("" for none)."""
+    if not env_value:
+        return ""
+    spec = FaultSpec.parse(env_value)
+    if spec.kind not in WORKER_KINDS or not spec.applies_to(engine_index):
+        return ""
+    logger.warning("TEST-ONLY fault injection armed in a worker: %s", spec)
+    return f"{spec.kind}:{spec.after_steps}"
+
+
 def maybe_inject(runner: Executor, env_value: str | None, engine_index: int) -> Executor:
     """`runner` wrapped when `env_value` (the env var's value) arms a fault for this engine."""
     if not env_value:
         return runner
     spec = FaultSpec.parse(env_value)
-    if not spec.applies_to(engine_index):
+    if not spec.applies_to(engine_index) or spec.kind in WORKER_KINDS:
         return runner
     logger.warning("TEST-ONLY fault injection armed: %s", spec)
     if spec.kind == "crash_at_start":

@@ -175,6 +175,8 @@ class Lifecycle:
         assert self._watchdog is not None
         reason = (f"watchdog: the busy loop made no progress for {silent_s:.1f} s "
                   f"(limit {self._watchdog.timeout_s:g} s) with work pending")
+        if stall := self._executor.describe_stall():
+            reason += f"; {stall}"
         logger.critical("%s: %s; the stack of every thread follows", self.name, reason)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         # The stuck loop thread owns the scheduler: leave it alone; the Sessions end

@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from corestream.coordinator.v1 import coordinator_service_pb2 as coordinator_pb
 
@@ -32,7 +33,7 @@ from services.engine.config import EngineConfig
 from services.engine.dp_config import DataParallelConfig
 from services.engine.engine_core import EngineCore
 from services.engine.fault_injection import ENV_VAR as FAULT_INJECT_ENV
-from services.engine.fault_injection import maybe_inject
+from services.engine.fault_injection import maybe_inject, worker_fault
 from services.engine.load_reporter import LoadReporter
 from services.engine.metrics import EngineMetrics
 from services.engine.server import EngineServer
@@ -58,16 +59,16 @@ def run(args: argparse.Namespace) -> int:
     logger.info("config: %s %s %s", config, runner_config, obs_config)
     shutdown = ShutdownSignal.install()
 
-    # Imported here: torch loads only in the process that runs a model.
-    from services.engine.worker.model_runner import ModelRunner
-
     expert_parallel = dp.data_parallel_size > 1 and splits_experts(runner_config)
     if expert_parallel:
         join_expert_parallel_group(config, runner_config, dp)
-    runner = ModelRunner(runner_config)
+    runner = build_executor(config, runner_config, obs_config)
     runner.warmup()
     core = EngineCore(config, maybe_inject(runner, os.environ.get(FAULT_INJECT_ENV),
                                            config.engine_index))
+    if hasattr(runner, "on_failure"):
+        # A tensor-parallel worker that dies or raises makes the engine DEAD at once.
+        runner.on_failure = core.fail
     relay = None
     if expert_parallel:
         if config.coordinator:
@@ -135,6 +136,25 @@ def run(args: argparse.Namespace) -> int:
         os._exit(EXIT_DEAD)
     logger.info("%s stopped", core.name)
     return 0
+
+
+def build_executor(config: EngineConfig, runner_config: RunnerConfig,
+                   obs_config: ObservabilityConfig) -> Any:
+    """The model's executor: in this process at tensor_parallel_size 1, else rank 0 here
+    and a worker process per other rank. Imported here: torch loads only in the process
+    that runs a model."""
+    if runner_config.cpus:
+        # Before any thread starts: threads inherit the CPUs of the thread that starts them.
+        os.sched_setaffinity(0, runner_config.cpus)
+    if runner_config.tensor_parallel_size == 1:
+        from services.engine.worker.model_runner import ModelRunner
+        return ModelRunner(runner_config)
+    from services.engine.parallel.tp_executor import TensorParallelExecutor
+    return TensorParallelExecutor(
+        runner_config, runner_config.tensor_parallel_size, engine_index=config.engine_index,
+        log_level=config.log_level, log_format=obs_config.log_format,
+        worker_fault=worker_fault(os.environ.get(FAULT_INJECT_ENV), config.engine_index),
+    )
 
 
 def splits_experts(runner_config: RunnerConfig) -> bool:

@@ -26,6 +26,7 @@ NAMESPACE = "llm"
 CASES: dict[str, tuple[Path, ...]] = {
     "default": (),
     "gpu-mtls-dp2": (CHART / "ci" / "gpu-mtls-dp2-values.yaml",),
+    "cpu-tp2": (CHART / "ci" / "cpu-tp2-values.yaml",),
 }
 
 

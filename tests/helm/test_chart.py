@@ -214,8 +214,11 @@ def test_engines_are_ranks_behind_a_headless_service(rendered: Any) -> None:
     assert "--data-parallel-size=2" in engine["args"]
     assert (f"--data-parallel-master={sts['metadata']['name']}-0.{service['metadata']['name']}"
             ".$(POD_NAMESPACE).svc.cluster.local:29500") in engine["args"]
-    gpu = engine["resources"]["limits"]["nvidia.com/gpu"]
-    assert gpu == engine["resources"]["requests"]["nvidia.com/gpu"] == 1
+    # One tensor-parallel group of two ranks per pod: a GPU and 4 CPUs for each rank.
+    assert "--tensor-parallel-size=2" in engine["args"]
+    for kind in ("requests", "limits"):
+        assert engine["resources"][kind]["nvidia.com/gpu"] == 2
+        assert engine["resources"][kind]["cpu"] == "8"
     spec = sts["spec"]["template"]["spec"]
     assert spec["runtimeClassName"] == "nvidia"
     assert spec["priorityClassName"] == "llm-serving"
@@ -320,3 +323,41 @@ def test_public_port_without_client_certificates_and_no_reflection(helm_binary: 
     # Between the services client certificates stay required.
     assert "--no-require-client-cert" not in args["engine"] + args["coordinator"]
     assert all("--no-reflection" in a for a in args.values())
+
+
+def _engine(objs: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine StatefulSet's pod spec and its engine container."""
+    (sts,) = by_kind(objs, "StatefulSet").values()
+    spec = sts["spec"]["template"]["spec"]
+    (engine,) = spec["containers"]
+    return spec, engine
+
+
+def test_tensor_parallel_on_cpu(rendered: Any) -> None:
+    spec, engine = _engine(rendered("cpu-tp2"))
+    assert "--tensor-parallel-size=2" in engine["args"]
+    assert "--device=cpu" in engine["args"]
+    assert engine["image"].endswith("-cpu")
+    # engine.cpusPerRank=4 for each of the two ranks; no GPU.
+    assert engine["resources"] == {"requests": {"cpu": "8", "memory": "8Gi"},
+                                   "limits": {"cpu": "8", "memory": "12Gi"}}
+    # The ranks exchange step batches through a memory-backed /dev/shm.
+    shm = {v["name"]: v for v in spec["volumes"]}["shm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "512Mi"}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+
+
+def test_one_rank_by_default(rendered: Any) -> None:
+    _, engine = _engine(rendered("default"))
+    assert not [a for a in engine["args"] if a.startswith("--tensor-parallel-size")]
+    # engine.cpusPerRank=2 x one rank.
+    assert engine["resources"]["requests"]["cpu"] == engine["resources"]["limits"]["cpu"] == "2"
+
+
+def test_cpus_from_engine_resources_are_not_multiplied(helm_binary: None) -> None:
+    objs = render(set_json=["parallelism.tensorParallelSize=2", "engine.cpusPerRank=0",
+                            'engine.resources={"requests": {"cpu": "1500m"}}'])
+    _, engine = _engine(tuple(objs))
+    assert "--tensor-parallel-size=2" in engine["args"]
+    assert engine["resources"]["requests"]["cpu"] == "1500m"
+    assert "cpu" not in engine["resources"]["limits"]

@@ -41,6 +41,12 @@ def refused(*overrides: tuple[str, object]) -> str:
     ("frontend.http.port", 0, "/frontend/http/port"),
     ("frontend.http.enabled", "yes", "/frontend/http/enabled"),
     ("frontend.service.httpPort", 70000, "/frontend/service/httpPort"),
+    ("parallelism.tensorParallelSize", 0, "/parallelism/tensorParallelSize"),
+    ("parallelism.tensorParallelSize", 65, "/parallelism/tensorParallelSize"),
+    ("parallelism.tensorParallelSize", "2", "/parallelism/tensorParallelSize"),
+    ("engine.cpusPerRank", -1, "/engine/cpusPerRank"),
+    ("engine.cpusPerRank", 1.5, "/engine/cpusPerRank"),
+    ("engine.cpusPerRank", "4", "/engine/cpusPerRank"),
 ])
 def test_schema_rejects_wrong_values(key: str, value: object, where: str) -> None:
     message = refused((key, value))
@@ -59,10 +65,14 @@ def test_schema_rejects_wrong_values(key: str, value: object, where: str) -> Non
     ({"coordinator.termination": {"gracePeriodSeconds": 14}},
      "coordinator: termination.gracePeriodSeconds=14 is shorter than preStopSleepSeconds (10) "
      "+ drainTimeoutSeconds (0) + 5 s = 15"),
-    ({"parallelism.tensorParallelSize": 2, "engine.accelerator.count": 2},
-     "parallelism.tensorParallelSize=2: tensor parallelism is not supported by the engine yet"),
     ({"engine.accelerator.count": 2},
      "engine.accelerator.count=2 must equal parallelism.tensorParallelSize=1"),
+    ({"parallelism.tensorParallelSize": 2, "engine.accelerator.count": 1},
+     "engine.accelerator.count=1 must equal parallelism.tensorParallelSize=2"),
+    ({"engine.resources": {"requests": {"cpu": "4"}}},
+     "engine.cpusPerRank=2 and engine.resources.requests.cpu=4 both set the engine's CPUs"),
+    ({"engine.cpusPerRank": 1, "engine.resources": {"limits": {"cpu": "500m"}}},
+     "engine.cpusPerRank=1 and engine.resources.limits.cpu=500m both set the engine's CPUs"),
     ({"model.path": "llama"}, "model.revision is required with model.path"),
     ({"model.path": "a/../../etc", "model.revision": "main"},
      'model.path="a/../../etc" must stay inside the model volume'),
@@ -90,6 +100,10 @@ def test_template_rules_fail_with_a_clear_message(
     {"termination.gracePeriodSeconds": 55},
     {"engine.termination": {"gracePeriodSeconds": 400, "drainTimeoutSeconds": 385}},
     {"engine.accelerator.count": 1, "parallelism.dataParallelSize": 4},
+    {"engine.accelerator.count": 8, "parallelism.tensorParallelSize": 8},
+    {"parallelism.tensorParallelSize": 64, "engine.cpusPerRank": 1},
+    {"engine.cpusPerRank": 0, "engine.resources": {"requests": {"cpu": "500m"},
+                                                   "limits": {"cpu": "1"}}},
     {"networkPolicy.enabled": False, "podDisruptionBudget.enabled": False,
      "serviceAccount.create": False, "metrics.enabled": False, "bindPodIP": False},
 ])

@@ -38,6 +38,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -115,6 +116,8 @@ class TensorParallelExecutor:
             self._channel.after_start()
             if cpus[0] is not None:
                 os.sched_setaffinity(0, cpus[0])
+            if devices[0] is not None:
+                torch.cuda.set_device(devices[0])  # rank 0's runner takes the current one
             init_tp_group(0, size, "127.0.0.1", port,
                           torch.device("cuda", devices[0]) if devices[0] is not None else None,
                           timeout_s=startup_timeout_s)
@@ -275,7 +278,6 @@ class TensorParallelExecutor:
         try:
             kind, value = conn.recv()
         except (EOFError, OSError):
-            process.join(FAILURE_ACCOUNT_WAIT_S)
             return self._describe_exit(rank, process)
         if kind == "error":
             return f"tensor-parallel worker {rank} (pid {process.pid}) raised {value}"
@@ -283,6 +285,11 @@ class TensorParallelExecutor:
 
     @staticmethod
     def _describe_exit(rank: int, process: BaseProcess) -> str:
+        # Its pipe may close a moment before it can be reaped, and another thread (close)
+        # may reap it first, which leaves this thread's wait empty-handed: look again.
+        deadline = time.monotonic() + FAILURE_ACCOUNT_WAIT_S
+        while process.exitcode is None and time.monotonic() < deadline:
+            process.join(0.05)
         code = process.exitcode
         if code is None:
             how = "closed its pipe"

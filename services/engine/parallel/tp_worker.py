@@ -15,6 +15,7 @@ manager may send to the whole process group: the engine decides when its workers
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -101,7 +102,10 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
         device = torch.device("cuda", spec.device_index)
     init_tp_group(spec.rank, spec.world_size, "127.0.0.1", spec.store_port, device,
                   timeout_s=spec.startup_timeout_s)
-    runner = ModelRunner(spec.runner)
+    config = spec.runner
+    if spec.device_index is not None:
+        config = dataclasses.replace(config, device=f"cuda:{spec.device_index}")
+    runner = ModelRunner(config)
     channel.report(("ready", runner.num_blocks))
     fault = _Fault.parse(spec.fault)
     hidden: torch.Tensor | None = None

@@ -20,7 +20,15 @@ class RunnerConfig:
         "Weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16.",
         default="auto",
     )
-    device: str = doc("auto (cuda when present, else cpu), cpu or cuda.", default="auto")
+    device: str = doc(
+        "auto (cuda when present, else cpu), cpu, cuda, or cuda:K (CUDA device K; with "
+        "tensor parallelism, ranks take devices K..K+N-1).", default="auto"
+    )
+    cpu_set: str = doc(
+        "CPUs the engine runs on, as a Linux CPU list such as 0-3,8 (tensor-parallel ranks "
+        "split them); empty keeps the CPUs it was started with. serve --engines N gives "
+        "each engine its own share.", default=""
+    )
     block_size: int = doc("Tokens per KV-cache block.", default=16)
     kv_cache_memory: str = doc(
         f"Memory for the KV cache: {EXAMPLES}; a fraction is of the device memory free "
@@ -47,8 +55,13 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        index = self.device.removeprefix("cuda:")
+        if self.device not in DEVICES and not (index.isdigit() and index != self.device):
+            raise ValueError(f"device must be one of {DEVICES} or cuda:K, got {self.device!r}")
+        try:
+            parse_cpu_list(self.cpu_set)
+        except ValueError as exc:
+            raise ValueError(f"cpu_set {exc}") from None
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         try:
@@ -67,6 +80,34 @@ class RunnerConfig:
             )
 
     @property
+    def cpus(self) -> tuple[int, ...]:
+        """cpu_set parsed; () when empty."""
+        return parse_cpu_list(self.cpu_set)
+
+    @property
     def kv_cache_budget(self) -> KVCacheMemory:
         """kv_cache_memory parsed (an int, as older callers pass, also parses as bytes)."""
         return KVCacheMemory.parse(self.kv_cache_memory)
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """"0-3,8" -> (0, 1, 2, 3, 8), sorted, without repeats; "" -> ()."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or (
+                last and int(last) < int(first)):
+            raise ValueError(f"must be a CPU list like 0-3,8; got {text!r}")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return tuple(sorted(cpus))
+
+
+def format_cpu_list(cpus: tuple[int, ...]) -> str:
+    """(0, 1, 2, 3, 8) -> "0-3,8": what parse_cpu_list reads."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+    if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but torch sees no CUDA device")
     return torch.device(name)
 
@@ -159,6 +159,9 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to release: the model and cache go with the process."""
+
+    def describe_stall(self) -> str:
+        return ""  # one process: the stacks the watchdog dumps say it all
 
     def limit_num_blocks(self, num_blocks: int) -> None:
         """Keep only the first `num_blocks` KV blocks: tensor-parallel ranks allocate

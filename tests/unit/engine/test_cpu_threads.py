@@ -138,3 +138,29 @@ def test_release_openmp_pool_without_a_runtime_does_nothing(tmp_path: Path) -> N
     maps.write_text("7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n7f10-7f20 rw-p 0 0 0\n")
     assert not release_openmp_pool(maps)
     assert not release_openmp_pool(tmp_path / "missing")
+
+
+def engine_flag(argv: list[str], flag: str) -> list[str | None]:
+    from services.serve import plan
+
+    args = build_parser().parse_args(["serve", *argv])
+    _, children, _, _ = plan(args, "unused-model-path")
+    return [c.argv[c.argv.index(flag) + 1] if flag in c.argv else None
+            for c in children if c.name.startswith("engine-")]
+
+
+def test_serve_gives_each_engine_cpus_or_devices_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7, 9})
+    assert engine_flag([], "--cpu-set") == [None]  # one engine: every CPU
+    assert engine_flag(["--engines", "2"], "--cpu-set") == ["0-3", "4-7"]
+    assert engine_flag(["--engines", "2", "--tensor-parallel-size", "2"],
+                       "--cpu-set") == ["0-3", "4-7"]  # the ranks split each set again
+    assert engine_flag(["--engines", "3"], "--cpu-set") == ["0-2", "3-5", "6-7,9"]
+    assert engine_flag(["--engines", "2", "--cpu-set", "0-1"], "--cpu-set") == ["0-1", "0-1"]
+    assert engine_flag(["--engines", "16"], "--cpu-set") == [None] * 16  # too few CPUs
+    # On GPUs each engine's ranks take the devices after the previous engine's.
+    assert engine_flag(["--engines", "2", "--device", "cuda", "--tensor-parallel-size", "2"],
+                       "--device") == ["cuda:0", "cuda:2"]
+    assert engine_flag(["--engines", "2", "--device", "cuda:1"], "--device") == [
+        "cuda:1", "cuda:2"]

@@ -56,6 +56,9 @@ class FakeRunner:
     def close(self) -> None:
         self.closed_on.append(threading.current_thread().name)
 
+    def describe_stall(self) -> str:
+        return ""
+
 
 def request(rid: str, session: str = "s", prompt: tuple[int, ...] = (1, 2, 3),
             max_tokens: int = 4) -> Request:
@@ -308,6 +311,9 @@ class RecordingRunner:
 
     def close(self) -> None:
         pass  # the wrapped runner outlives this core: the module's tests share it
+
+    def describe_stall(self) -> str:
+        return ""
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for r in out.requests:

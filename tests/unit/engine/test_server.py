@@ -49,6 +49,9 @@ class SessionClient:
     def close(self) -> None:
         self._requests.put(None)
 
+    def describe_stall(self) -> str:
+        return ""
+
     def collect(self, ids: set[str]) -> tuple[dict[str, list[pb.RequestOutput]],
                                               list[pb.SessionResponse]]:
         outputs: dict[str, list[pb.RequestOutput]] = {}

@@ -360,6 +360,9 @@ class LockstepTinyRunner:
     def close(self) -> None:
         pass  # the module's tests share the wrapped runner
 
+    def describe_stall(self) -> str:
+        return ""
+
     def execute_dummy(self) -> None:
         self.barrier.wait(20)
 
