@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     expert_parallel = dp.data_parallel_size > 1 and splits_experts(runner_config)
     if expert_parallel:
         join_expert_parallel_group(config, runner_config, dp)
-    runner = build_executor(config, runner_config, obs_config)
+    runner = build_executor(config, runner_config, obs_config,
+                            dp if expert_parallel else None)
     runner.warmup()
     core = EngineCore(config, maybe_inject(runner, os.environ.get(FAULT_INJECT_ENV),
                                            config.engine_index))
@@ -139,9 +140,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_executor(config: EngineConfig, runner_config: RunnerConfig,
-                   obs_config: ObservabilityConfig) -> Any:
+                   obs_config: ObservabilityConfig,
+                   expert_parallel: DataParallelConfig | None = None) -> Any:
     """The model's executor: in this process at tensor_parallel_size 1, else rank 0 here
-    and a worker process per other rank. Imported here: torch loads only in the process
+    and a worker process per other rank (each joining the expert-parallel group of its
+    own rank, when `expert_parallel`). Imported here: torch loads only in the process
     that runs a model."""
     if runner_config.cpus:
         # Before any thread starts: threads inherit the CPUs of the thread that starts them.
@@ -150,10 +153,19 @@ def build_executor(config: EngineConfig, runner_config: RunnerConfig,
         from services.engine.worker.model_runner import ModelRunner
         return ModelRunner(runner_config)
     from services.engine.parallel.tp_executor import TensorParallelExecutor
+    from services.engine.parallel.tp_worker import ExpertParallelRendezvous
+
+    rendezvous = None
+    if expert_parallel is not None:
+        host, port = expert_parallel.master_host_port
+        rendezvous = ExpertParallelRendezvous(host, port, config.engine_index,
+                                              expert_parallel.data_parallel_size,
+                                              expert_parallel.data_parallel_timeout)
     return TensorParallelExecutor(
         runner_config, runner_config.tensor_parallel_size, engine_index=config.engine_index,
         log_level=config.log_level, log_format=obs_config.log_format,
         worker_fault=worker_fault(os.environ.get(FAULT_INJECT_ENV), config.engine_index),
+        expert_parallel=rendezvous,
     )
 
 

@@ -146,3 +146,27 @@ def test_a_rank_dying_mid_wave_ends_the_others_streams(cluster: Cluster) -> None
     assert "engine" in (err.value.details() or "")
     assert elapsed < 20, elapsed  # within the group's collective timeout (15 s) + margin
     print(f"rank 1 killed mid-wave: rank 0's stream ended UNAVAILABLE after {elapsed:.2f} s")
+
+
+def test_expert_parallel_engines_of_two_tensor_parallel_ranks_each(
+        moe_checkpoint: Path, reference: dict[str, list[int]]) -> None:
+    """Each expert's weights split over 2 TP ranks inside each of 2 engines that split the
+    experts: 4 processes, each TP rank in the expert-parallel group of its own rank."""
+    c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval", "4",
+                 "--data-parallel-timeout", "30", "--kv-cache-memory", "16MiB",
+                 "--tensor-parallel-size", "2"], env={"OMP_NUM_THREADS": "1"})
+    try:
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            # Rank 0 alone: rank 1's engine (both its TP ranks) runs dummy batches.
+            assert generate(stub, PROMPTS["a"], rank=0) == reference["a"]
+            calls = {rid: stub.Generate.future(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=ids), data_parallel_rank=i % 2,
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True)), timeout=120)
+                for i, (rid, ids) in enumerate(PROMPTS.items())}
+            got = {rid: list(call.result().completions[0].token_ids)
+                   for rid, call in calls.items()}
+            assert got == reference
+    finally:
+        c.stop()

@@ -52,7 +52,11 @@ from services.common.model_info import ModelInfo
 from services.common.ports import free_port
 from services.engine.parallel.step_channel import CallKind, LeaderChannel
 from services.engine.parallel.tp_group import init_tp_group
-from services.engine.parallel.tp_worker import WorkerSpec, run_worker
+from services.engine.parallel.tp_worker import (
+    ExpertParallelRendezvous,
+    WorkerSpec,
+    run_worker,
+)
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import resolve_num_threads
@@ -82,10 +86,13 @@ class TensorParallelExecutor:
         log_format: str = "text",
         worker_fault: str = "",
         startup_timeout_s: float = 300.0,
+        expert_parallel: ExpertParallelRendezvous | None = None,
     ) -> None:
         """Start N-1 workers and build rank 0 here; returns once every rank has loaded its
         shard and allocated its KV cache. `worker_fault` arms a test-only fault in the
-        last rank (see `tp_worker`)."""
+        last rank (see `tp_worker`). `expert_parallel`: where this engine's rank 0 met its
+        MoE expert-parallel group (it has joined already); each worker joins the group of
+        its own tensor-parallel rank."""
         if size < 2:
             raise ValueError(f"tensor_parallel_size must be >= 2 here, got {size}")
         self.size = size
@@ -107,6 +114,7 @@ class TensorParallelExecutor:
                     log_level=log_level, log_format=log_format,
                     startup_timeout_s=startup_timeout_s,
                     fault=worker_fault if rank == size - 1 else "",
+                    expert_parallel=expert_parallel,
                 )
                 process = context.Process(target=run_worker,
                                           args=(spec, self._channel.follower_end(rank)),

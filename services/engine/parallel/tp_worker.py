@@ -34,6 +34,19 @@ _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
+class ExpertParallelRendezvous:
+    """Where an MoE model's expert-parallel group of rank-0s meets (the engine's
+    --data-parallel-master); tensor-parallel rank r's group meets on port + r, so that
+    each group joins the processes holding the same slice of every expert."""
+
+    host: str
+    port: int
+    dp_rank: int
+    dp_size: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """What a worker process is started with (pickled into it by multiprocessing)."""
 
@@ -51,6 +64,7 @@ class WorkerSpec:
     startup_timeout_s: float = 300.0
     fault: str = ""
     """A `worker_*` fault spec armed for this worker (tests only)."""
+    expert_parallel: ExpertParallelRendezvous | None = None
 
 
 def _die_with_parent() -> None:
@@ -100,6 +114,10 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
     if spec.device_index is not None:
         torch.cuda.set_device(spec.device_index)
         device = torch.device("cuda", spec.device_index)
+    if (ep := spec.expert_parallel) is not None:
+        from services.engine.parallel.dp_group import init_dp_group
+        init_dp_group(ep.dp_rank, ep.dp_size, ep.host, ep.port + spec.rank, device,
+                      timeout_s=ep.timeout_s)
     init_tp_group(spec.rank, spec.world_size, "127.0.0.1", spec.store_port, device,
                   timeout_s=spec.startup_timeout_s)
     config = spec.runner
