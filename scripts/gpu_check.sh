@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The device checks that CI (no GPU) cannot run, as one script for a session that is
 # lent a CUDA machine: the GPU-marked tests (Triton kernels against the torch reference,
-# the CUDA engine against transformers, the engine core's exactness with a CUDA runner)
-# and the in-process throughput on the device beside transformers on the same device.
+# the CUDA engine against transformers, the engine core's exactness with a CUDA runner),
+# the in-process throughput on the device beside transformers on the same device, and
+# the tensor-parallel benchmark: a short TP=2 run on the machine's CPUs, then, where the
+# machine has two GPUs or more, TP=1 against TP=2 on them (TP=2 needs two devices).
 #
 #   bash scripts/gpu_check.sh [LOG_DIR]      # LOG_DIR defaults to $OUT, else /tmp
 #
@@ -25,6 +27,13 @@ main() {
   run timeout 300 python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/kernels
   run timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/kernels
   run timeout 300 python3 benchmarks/throughput.py --device cuda --skip-cluster
+  run timeout 240 python3 benchmarks/tensor_parallel.py --hidden 512 --layers 4 --vocab 8192 \
+    --batch 8 --steps 16 --rounds 1 --repeats 50
+  if (( $(nvidia-smi -L | wc -l) >= 2 )); then
+    run timeout 300 python3 benchmarks/tensor_parallel.py --device cuda --parts throughput
+  else
+    echo "=== skipped: benchmarks/tensor_parallel.py --device cuda (needs 2 GPUs)"
+  fi
   echo "=== exit status $status"
   return "$status"
 }
