@@ -51,7 +51,7 @@ import torch
 from services.common.model_info import ModelInfo
 from services.common.ports import free_port
 from services.engine.parallel.step_channel import CallKind, LeaderChannel
-from services.engine.parallel.tp_group import init_tp_group
+from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
 from services.engine.parallel.tp_worker import (
     ExpertParallelRendezvous,
     WorkerSpec,
@@ -177,6 +177,10 @@ class TensorParallelExecutor:
         return self._runner.dtype
 
     @property
+    def tensor_parallel_size(self) -> int:
+        return self.size
+
+    @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._workers if p.pid is not None]
 
@@ -203,6 +207,9 @@ class TensorParallelExecutor:
 
     def stop_profile(self) -> dict[str, Any]:
         return self._runner.stop_profile()
+
+    def rank_progress(self) -> list[int]:
+        return self._channel.progress()
 
     def describe_stall(self) -> str:
         """The ranks that have not finished the leader's last call (a hung worker)."""
@@ -231,6 +238,7 @@ class TensorParallelExecutor:
                                rank, process.pid)
                 process.kill()
                 process.join(5)
+        forget_tp_group()
 
     # ---- failures ----------------------------------------------------------------
 

@@ -67,3 +67,11 @@ def leave_tp_group() -> None:
     if _current is not None:
         _current.close()
     _current = None
+
+
+def forget_tp_group() -> None:
+    """Drop the current group without the closing barrier, once the other ranks are
+    gone (a tensor-parallel executor that stopped its workers); a model built before
+    keeps its reference. Lets the process build another executor later."""
+    global _current
+    _current = None
