@@ -36,6 +36,8 @@ class EngineEntry:
     wave: int = 0
     wave_running: bool = False
     """Expert-parallel groups: the engine's wave and whether it runs."""
+    tensor_parallel_size: int = 0
+    """Ranks the engine's model runs over (0 = not told)."""
     last_report: float = field(default=0.0, compare=False)
     """When the lease was last renewed (the registry's clock)."""
 
@@ -63,6 +65,7 @@ class EngineRegistry:
         max_model_len: int,
         state: int,
         max_num_seqs: int = 0,
+        tensor_parallel_size: int = 0,
     ) -> str:
         """Add an engine; a re-registration from the same address replaces the old entry."""
         with self._changed:
@@ -71,7 +74,8 @@ class EngineRegistry:
             engine_id = f"engine-{engine_index}-{next(self._ids)}"
             self._engines[engine_id] = EngineEntry(
                 engine_id, engine_index, address, model, max_model_len, state=state,
-                max_num_seqs=max_num_seqs, last_report=self._clock(),
+                max_num_seqs=max_num_seqs, tensor_parallel_size=tensor_parallel_size,
+                last_report=self._clock(),
             )
             self._bump()
             return engine_id

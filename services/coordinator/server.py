@@ -35,6 +35,7 @@ def snapshot_to_engines(snapshot: Snapshot) -> list[pb.EngineLoad]:
             wave=e.wave,
             wave_running=e.wave_running,
             max_num_seqs=e.max_num_seqs,
+            tensor_parallel_size=e.tensor_parallel_size,
         )
         for e in snapshot.engines
     ]
@@ -59,6 +60,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             request.max_model_len,
             state=request.state,
             max_num_seqs=request.max_num_seqs,
+            tensor_parallel_size=request.tensor_parallel_size,
         )
         log.info(
             "registered %s (index %d) at %s serving %r",

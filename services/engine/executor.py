@@ -36,6 +36,11 @@ class Executor(Protocol):
     @property
     def model_info(self) -> ModelInfo: ...
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model runs over (1: this process alone)."""
+        ...
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one scheduled batch; the one device-to-host sync of the step is here."""
         ...
@@ -60,6 +65,12 @@ class Executor(Protocol):
         """For the watchdog, when a step never ends: what the executor waits for (e.g.
         the tensor-parallel workers that have not finished the step); "" if nothing
         beyond the step itself."""
+        ...
+
+    def rank_progress(self) -> list[int]:
+        """Model calls finished per tensor-parallel rank, rank 0 first (rank 0 counts the
+        calls it handed to the others); [] at one rank. Read at scrape time from another
+        thread: a worker whose count stops while rank 0's goes on is stalled."""
         ...
 
     def close(self) -> None:

@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             model=runner.model_info.name,
             max_model_len=core.max_model_len,
             max_num_seqs=config.max_num_seqs,
+            tensor_parallel_size=runner_config.tensor_parallel_size,
         )
         reporter = LoadReporter(config.coordinator, registration,
                                 lambda: (core.stats, core.state), security,

@@ -3,12 +3,16 @@
 Gauges and cumulative counts that the scheduler already keeps (running, waiting,
 KV usage, prefix cache, preemptions, steps, engine state) are read from the
 latest SchedulerStats when Prometheus scrapes, so they cost the loop nothing.
-The loop's hooks (see observer.py) only stamp times and add token counts.
+So are the tensor-parallel size and the model calls each rank has finished (the
+executor's progress slots, in shared memory): a worker whose count stops while
+rank 0's goes on is stalled. The loop's hooks (see observer.py) only stamp times
+and add token counts.
 
 Tracing: each request gets one span over its life in this engine, child of the
 frontend's span (the add message's `trace_headers`), with child spans for the
 queue wait, the prefill (up to the first token) and the decode, which is
-summarised (steps, tokens): never a span per token. The spans are built after
+summarised (steps, tokens): never a span per token. The request span carries the
+engine's tensor-parallel size. The spans are built after
 the request ends, from the recorded timestamps, on a thread of their own.
 """
 
@@ -30,6 +34,7 @@ from prometheus_client.registry import Collector
 from services.common import tracing as tr
 from services.common.metrics import PREFIX, REQUEST_LATENCY_BUCKETS
 from services.common.tracing import Tracing
+from services.engine.executor import Executor
 from services.engine.observer import EngineObserver
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import SchedulerOutput
@@ -110,6 +115,32 @@ class _StatsCollector(Collector):
         yield family
 
 
+class _RanksCollector(Collector):
+    """The executor's tensor-parallel ranks, read at scrape time (nothing before the
+    metrics are attached to a core)."""
+
+    def __init__(self, labels: list[str], executor: Callable[[], Executor | None]) -> None:
+        self._labels = labels
+        self._executor = executor
+
+    def collect(self) -> Iterator[Metric]:
+        executor = self._executor()
+        if executor is None:
+            return
+        names = list(LABELS)
+        gauge = GaugeMetricFamily(PREFIX + "tensor_parallel_size",
+                                  "Ranks the engine's model runs over.", labels=names)
+        gauge.add_metric(self._labels, executor.tensor_parallel_size)
+        yield gauge
+        calls = CounterMetricFamily(
+            PREFIX + "tensor_parallel_calls",
+            "Model calls finished per tensor-parallel rank (rank 0: calls handed to the "
+            "workers; none at one rank).", labels=[*names, "rank"])
+        for rank, count in enumerate(executor.rank_progress()):
+            calls.add_metric([*self._labels, str(rank)], count)
+        yield calls
+
+
 class EngineMetrics(EngineObserver):
     """Prometheus metrics (into `registry`) and request spans (with `tracing`)."""
 
@@ -123,7 +154,9 @@ class EngineMetrics(EngineObserver):
         self._unscheduled: set[str] = set()
         self._awaiting_first_token: set[str] = set()
         self.last_step_time = 0.0
+        self._executor: Executor | None = None
         registry.register(_StatsCollector(labels, stats, state, lambda: self.last_step_time))
+        registry.register(_RanksCollector(labels, lambda: self._executor))
 
         def counter(name: str, doc: str) -> Any:
             return Counter(PREFIX + name, doc, LABELS, registry=registry).labels(*labels)
@@ -159,6 +192,9 @@ class EngineMetrics(EngineObserver):
             self._span_thread = threading.Thread(target=self._build_spans, name="engine-spans",
                                                  daemon=True)
             self._span_thread.start()
+
+    def on_attached(self, executor: Executor) -> None:
+        self._executor = executor
 
     # ---- hooks, on the loop thread (keep them cheap) ----------------------------
 
@@ -264,6 +300,9 @@ class EngineMetrics(EngineObserver):
             "corestream.engine.num_preemptions": request.num_preemptions,
             "corestream.engine.num_cached_tokens": request.num_cached_tokens,
         }
+        if self._executor is not None:
+            attributes["corestream.engine.tensor_parallel_size"] = (
+                self._executor.tensor_parallel_size)
         if t.first_token:
             attributes[tr.LATENCY_TTFT] = t.first_token - t.added
         if sampling.max_tokens is not None:

@@ -291,6 +291,7 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
             dtype=str(getattr(self.runner, "dtype", info.dtype)).removeprefix("torch."),
             device=str(getattr(self.runner, "device", "")),
             state=common_pb2.EngineState.ValueType(int(self.core.state)),
+            tensor_parallel_size=self.runner.tensor_parallel_size,
         )
 
 

@@ -59,6 +59,8 @@ class EngineLoadInfo:
     kv_cache_usage: float = 0.0
     engine_index: int | None = None
     """The engine's data-parallel rank, when the snapshot tells it."""
+    tensor_parallel_size: int = 0
+    """Ranks the engine's model runs over (0 = not told)."""
 
 
 def waiting_cost(kv_cache_usage: float) -> float:
@@ -149,6 +151,13 @@ class Balancer:
     @property
     def num_connected(self) -> int:
         return sum(c.connected for c in self._clients.values())
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks per engine among the live engines of the latest snapshot: the largest
+        if they differ (they normally agree), 0 if none told it (no snapshot yet, static
+        engines, engines too old to report it)."""
+        return max((e.tensor_parallel_size for e in self._loads.values()), default=0)
 
     async def set_static(self, addresses: Iterable[str]) -> None:
         await self._apply([EngineLoadInfo(a, routable=True, alive=True) for a in addresses])

@@ -41,6 +41,7 @@ def load_info_from_proto(engine: coordinator_pb2.EngineLoad) -> EngineLoadInfo:
         num_running=engine.num_running,
         kv_cache_usage=engine.kv_cache_usage,
         engine_index=engine.engine_index,
+        tensor_parallel_size=engine.tensor_parallel_size,
     )
 
 

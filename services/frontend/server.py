@@ -163,6 +163,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             dtype=model.dtype,
             num_engines=self._balancer.num_connected,
             degraded=self._balancer.degraded,
+            tensor_parallel_size=self._balancer.tensor_parallel_size,
         )
         if model.bos_token_id is not None:
             response.bos_token_id = model.bos_token_id

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,7 +20,9 @@ import pytest
 from corestream.common.v1 import common_pb2
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.ports import free_port
 from tests.integration.cluster import alive, descendants
 from tests.integration.faults import (
     DEATH_TO_UNAVAILABLE_S,
@@ -45,6 +48,15 @@ def workers_of(pid: int) -> list[int]:
                   if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
 
 
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """An engine's samples by name and labels (model_name and engine left out)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items()
+                                  if k not in ("model_name", "engine")))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def cpus_of(pid: int) -> str:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Cpus_allowed_list:"):
@@ -57,10 +69,19 @@ def test_two_ranks_give_the_tokens_of_one() -> None:
     with cluster([]) as (c, _), grpc.insecure_channel(c.address) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
         expected = [greedy(stub, p) for p in PROMPTS]
-    with cluster(["--tensor-parallel-size", "2"]) as (c, _), \
-            grpc.insecure_channel(c.address) as channel:
+        assert stub.GetModelInfo(pb.GetModelInfoRequest()).tensor_parallel_size == 1
+    metrics_port = free_port()  # serve gives engine 0 the port 2 above
+    with cluster(["--tensor-parallel-size", "2", "--metrics-port", str(metrics_port)]) \
+            as (c, _), grpc.insecure_channel(c.address) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
         assert [greedy(stub, p) for p in PROMPTS] == expected
+        # engine -> coordinator (registration) -> frontend (load snapshot)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest()).tensor_parallel_size == 2
+        samples = scrape(metrics_port + 2)
+        assert samples[("corestream:tensor_parallel_size", ())] == 2
+        calls = [samples[("corestream:tensor_parallel_calls_total", (("rank", r),))]
+                 for r in "01"]
+        assert calls[0] >= calls[1] > 0  # the worker finished (nearly) every call sent
         engine = c.engine_pid(0)
         (worker,) = workers_of(engine)
         if len(os.sched_getaffinity(0)) >= 2:  # each rank on CPUs of its own

@@ -163,6 +163,9 @@ class ModelRunner:
     def describe_stall(self) -> str:
         return ""  # one process: the stacks the watchdog dumps say it all
 
+    def rank_progress(self) -> list[int]:
+        return []  # rank 0 of several reports through its TensorParallelExecutor
+
     def limit_num_blocks(self, num_blocks: int) -> None:
         """Keep only the first `num_blocks` KV blocks: tensor-parallel ranks allocate
         the least that any of them can afford, so that one block table fits all."""
@@ -197,6 +200,10 @@ class ModelRunner:
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
 
     @property
     def model_info(self) -> ModelInfo:

@@ -47,7 +47,7 @@ def test_register_report_watch_and_lease(stub: pb_grpc.CoordinatorServiceStub) -
 
     reply = stub.RegisterEngine(pb.RegisterEngineRequest(
         engine_index=3, address="127.0.0.1:9999", model="tiny", max_model_len=128,
-        max_num_seqs=16))
+        max_num_seqs=16, tensor_parallel_size=2))
     assert reply.engine_id and reply.report_interval_s > 0
     assert reply.lease_timeout_s >= 2 * reply.report_interval_s
 
@@ -65,7 +65,9 @@ def test_register_report_watch_and_lease(stub: pb_grpc.CoordinatorServiceStub) -
     engine = snap.engines[0]
     assert (engine.engine_index, engine.address, engine.num_waiting) == (3, "127.0.0.1:9999", 2)
     assert engine.state == RUNNING and engine.max_num_seqs == 16
-    assert len(stub.ListEngines(pb.ListEnginesRequest()).engines) == 1
+    assert engine.tensor_parallel_size == 2
+    [listed] = stub.ListEngines(pb.ListEnginesRequest()).engines
+    assert listed.tensor_parallel_size == 2
 
     # The report stream is the lease: closing it removes the engine.
     reports.put(None)

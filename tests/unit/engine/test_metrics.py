@@ -90,6 +90,31 @@ def test_engine_state_is_one_hot_and_watchdog_trips_count() -> None:
     assert h.sample("corestream:watchdog_trips_total") == 1
 
 
+class _Ranks:
+    """What the metrics read of a tensor-parallel executor: its size and the model calls
+    each rank has finished (the progress slots)."""
+
+    def __init__(self, size: int) -> None:
+        self.tensor_parallel_size = size
+        self.progress = [0] * size
+
+    def rank_progress(self) -> list[int]:
+        return list(self.progress)
+
+
+def test_tensor_parallel_ranks_are_read_at_scrape_time() -> None:
+    h = Harness()
+    assert h.registry.get_sample_value("corestream:tensor_parallel_size", LABELS) is None
+    ranks = _Ranks(2)
+    h.metrics.on_attached(ranks)  # type: ignore[arg-type]
+    assert h.sample("corestream:tensor_parallel_size") == 2
+    ranks.progress = [5, 5]
+    calls = "corestream:tensor_parallel_calls_total"
+    assert [h.sample(calls, rank=r) for r in "01"] == [5, 5]
+    ranks.progress = [9, 6]  # worker 1 stalled at its 7th call while rank 0 went on
+    assert [h.sample(calls, rank=r) for r in "01"] == [9, 6]
+
+
 def test_preemptions_are_counted() -> None:
     # 6 blocks of 4 tokens: two requests growing to 16 tokens each cannot both fit.
     h = Harness(num_blocks=6)
@@ -108,6 +133,7 @@ def test_one_span_per_request_with_phases_and_no_span_per_token() -> None:
     exporter = InMemorySpanExporter()
     tracing = Tracing("engine", ObservabilityConfig(), exporter=exporter)
     h = Harness(tracing)
+    h.metrics.on_attached(_Ranks(2))  # type: ignore[arg-type]
     headers = {"traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"}
     h.add("traced", prompt_len=5, max_tokens=6, trace_headers=headers)
     while h.scheduler.has_work():
@@ -127,6 +153,7 @@ def test_one_span_per_request_with_phases_and_no_span_per_token() -> None:
     assert attrs["gen_ai.response.finish_reasons"] == ("length",)
     assert attrs["gen_ai.latency.time_in_queue"] >= 0
     assert attrs["corestream.engine.index"] == 3
+    assert attrs["corestream.engine.tensor_parallel_size"] == 2
     assert [e.name for e in request.events] == ["queued", "scheduled", "first_token"]
     for name in ("engine.queue", "engine.prefill", "engine.decode"):
         child = spans[name]

@@ -12,7 +12,12 @@ from corestream.common.v1 import common_pb2
 from corestream.engine.v1 import engine_core_service_pb2 as pb
 from corestream.engine.v1 import engine_core_service_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import generate_latest
 
+from services.common.metrics import new_registry
+from services.engine.config import EngineConfig
+from services.engine.engine_core import EngineCore
+from services.engine.metrics import EngineMetrics
 from services.engine.server import SERVICE_NAME, EngineServer
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
@@ -156,9 +161,20 @@ def test_engine_info_and_health(channel: grpc.Channel, runner: ModelRunner) -> N
     assert 0 < info.max_model_len <= runner.model_info.max_model_len
     assert info.device == "cpu" and info.dtype == "float32"
     assert info.state == common_pb2.ENGINE_STATE_RUNNING
+    assert info.tensor_parallel_size == 1
     health = health_pb2_grpc.HealthStub(channel)
     reply = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_metrics_attached_to_a_core_read_its_runner_ranks(runner: ModelRunner) -> None:
+    core = EngineCore(EngineConfig(), runner)
+    registry = new_registry(process_metrics=False)
+    core.observer = EngineMetrics(registry, "tiny", 0, lambda: core.stats, lambda: core.state)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("corestream:tensor_parallel_size", labels) == 1
+    # One rank: no per-rank call counts.
+    assert "corestream:tensor_parallel_calls_total{" not in generate_latest(registry).decode()
 
 
 @pytest.mark.timeout(90)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 from collections import Counter
@@ -188,6 +189,26 @@ def test_update_without_retire_keeps_missing_engines() -> None:
         assert set(_picks(balancer, 2)) == {"a:1", "b:1"}
         await balancer.update([_load("b:1")])
         assert {c.address for c in balancer.clients} == {"b:1"}
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_tensor_parallel_size_is_the_largest_told() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient)
+        assert balancer.tensor_parallel_size == 0  # no snapshot yet
+        await balancer.update([_load("old:1")])  # an engine too old to tell it
+        assert balancer.tensor_parallel_size == 0
+        await balancer.update([
+            _load("old:1"),
+            dataclasses.replace(_load("a:1"), tensor_parallel_size=2),
+            dataclasses.replace(_load("b:1"), tensor_parallel_size=4),
+            EngineLoadInfo("dead:1", routable=False, alive=False, tensor_parallel_size=8),
+        ])
+        assert balancer.tensor_parallel_size == 4
+        await balancer.set_static(["s:1"])
+        assert balancer.tensor_parallel_size == 0
         await balancer.close()
 
     asyncio.run(main())

@@ -280,7 +280,7 @@ def test_no_engine_is_unavailable(tokenizer: TextTokenizer, model_info: ModelInf
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no engine is available" in info.value.details()
         model = await stub.GetModelInfo(pb.GetModelInfoRequest())
-        assert model.num_engines == 0
+        assert model.num_engines == 0 and model.tensor_parallel_size == 0
 
     _serve(tokenizer, model_info, None, body)
 
@@ -309,6 +309,7 @@ def test_tokenize_detokenize_model_info(tokenizer: TextTokenizer, model_info: Mo
         assert model.max_context_length == MAX_MODEL_LEN and model.vocab_size == 300
         assert list(model.eos_token_ids) == [EOS_ID] and model.bos_token_id == 0
         assert model.num_engines == 1 and list(model.architectures) == ["LlamaForCausalLM"]
+        assert model.tensor_parallel_size == 0  # a static engine list does not tell it
 
     _serve(tokenizer, model_info, engine, body, served_model_name="served-name")
 
@@ -370,7 +371,8 @@ class _Coordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
             generation=1,
             engines=[
                 coordinator_pb2.EngineLoad(
-                    address=self.address, state=common_pb2.ENGINE_STATE_RUNNING
+                    address=self.address, state=common_pb2.ENGINE_STATE_RUNNING,
+                    tensor_parallel_size=2,
                 )
             ],
         )
@@ -404,6 +406,8 @@ def test_engines_learned_from_coordinator(
                 stub = pb_grpc.GenerateServiceStub(channel)
                 response = await stub.Generate(pb.GenerateRequest(text="hello"))
                 assert response.completions[0].text == TEXT
+                model = await stub.GetModelInfo(pb.GetModelInfoRequest())
+                assert model.num_engines == 1 and model.tensor_parallel_size == 2
         finally:
             await frontend.stop(0)
             await coordinator.stop(0)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("engine_index", "address", "model", "max_model_len", "max_num_seqs", "state")
+    __slots__ = ("engine_index", "address", "model", "max_model_len", "max_num_seqs", "state", "tensor_parallel_size")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     address: str
     model: str
     max_model_len: int
     max_num_seqs: int
     state: _common_pb2.EngineState
-    def __init__(self, engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("engine_id", "report_interval_s", "lease_timeout_s")
@@ -58,7 +60,7 @@ class ReportLoadResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("engine_id", "engine_index", "address", "model", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter", "max_num_seqs", "wave", "wave_running")
+    __slots__ = ("engine_id", "engine_index", "address", "model", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter", "max_num_seqs", "wave", "wave_running", "tensor_parallel_size")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,7 @@ class EngineLoad(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     WAVE_FIELD_NUMBER: _ClassVar[int]
     WAVE_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     engine_index: int
     address: str
@@ -83,7 +86,8 @@ class EngineLoad(_message.Message):
     max_num_seqs: int
     wave: int
     wave_running: bool
-    def __init__(self, engine_id: _Optional[str] = ..., engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wave: _Optional[int] = ..., wave_running: _Optional[bool] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wave: _Optional[int] = ..., wave_running: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ()

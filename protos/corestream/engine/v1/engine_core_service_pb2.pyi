@@ -187,7 +187,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetEngineInfoResponse(_message.Message):
-    __slots__ = ("engine_index", "model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "device", "state")
+    __slots__ = ("engine_index", "model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "device", "state", "tensor_parallel_size")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class GetEngineInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     model: str
     max_model_len: int
@@ -206,4 +207,5 @@ class GetEngineInfoResponse(_message.Message):
     dtype: str
     device: str
     state: _common_pb2.EngineState
-    def __init__(self, engine_index: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, engine_index: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
