@@ -27,57 +27,24 @@ sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
 import torch  # noqa: E402
 
+from benchmarks.sequences import Sequences  # noqa: E402
 from benchmarks.workload import VOCAB, bench_checkpoint  # noqa: E402
 from kernels.backend import set_backend  # noqa: E402
-from services.common.sampling import SamplingParams  # noqa: E402
-from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from services.engine.worker.config import RunnerConfig  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0.0)
 BACKENDS = ("cpp", "torch")
 
 
-class Sequences:
-    """`num_seqs` sequences with random prompts, each with its own blocks for
-    `capacity` tokens; `prefill` then `decode` steps drive them through the runner."""
-
-    def __init__(self, runner: ModelRunner, num_seqs: int, prompt_len: int, capacity: int,
-                 tag: str) -> None:
-        self.runner = runner
-        gen = torch.Generator().manual_seed(0)
-        self.prompts = {
-            f"{tag}{i}": torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist()
-            for i in range(num_seqs)
-        }
-        per_seq = -(-capacity // runner.block_size)
-        self.blocks = {rid: list(range(i * per_seq, (i + 1) * per_seq))
-                       for i, rid in enumerate(self.prompts)}
-        self.outputs: dict[str, list[int]] = {rid: [] for rid in self.prompts}
-
-    def _request(self, rid: str, tokens: list[int], start: int) -> ScheduledRequest:
-        num_blocks = -(-(start + len(tokens)) // self.runner.block_size)
-        return ScheduledRequest(rid, tokens, start, self.blocks[rid][:num_blocks], True, GREEDY,
-                                self.prompts[rid], list(self.outputs[rid]))
-
-    def _run(self, requests: list[ScheduledRequest]) -> None:
-        for rid, token in self.runner.execute(SchedulerOutput(requests)).sampled.items():
-            self.outputs[rid].append(token)
-
-    def prefill(self) -> None:
-        self._run([self._request(rid, p, 0) for rid, p in self.prompts.items()])
-
-    def decode(self) -> None:
-        self._run([self._request(rid, [out[-1]], len(self.prompts[rid]) + len(out) - 1)
-                   for rid, out in self.outputs.items()])
-
-    def finish(self) -> None:
-        self.runner.execute(SchedulerOutput([], finished_request_ids=frozenset(self.prompts)))
+def random_prompts(num_seqs: int, prompt_len: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist()
+            for _ in range(num_seqs)]
 
 
 def decode_times(runner: ModelRunner, num_seqs: int, prompt_len: int, steps: int,
                  tag: str) -> list[float]:
-    seqs = Sequences(runner, num_seqs, prompt_len, prompt_len + steps + 1, tag)
+    seqs = Sequences(runner, random_prompts(num_seqs, prompt_len), prompt_len + steps + 1, tag)
     seqs.prefill()
     times = []
     for _ in range(steps):
@@ -89,7 +56,7 @@ def decode_times(runner: ModelRunner, num_seqs: int, prompt_len: int, steps: int
 
 
 def prefill_times(runner: ModelRunner, tokens: int, tag: str) -> list[float]:
-    seqs = Sequences(runner, 1, tokens, tokens, tag)
+    seqs = Sequences(runner, random_prompts(1, tokens), tokens, tag)
     start = time.perf_counter()
     seqs.prefill()
     elapsed = time.perf_counter() - start

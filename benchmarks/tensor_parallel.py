@@ -41,9 +41,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from benchmarks.sequences import Sequences  # noqa: E402
 from benchmarks.workload import CACHE  # noqa: E402
 from services.common.ports import free_port  # noqa: E402
-from services.common.sampling import SamplingParams  # noqa: E402
 from services.engine.parallel.step_channel import (  # noqa: E402
     CallKind,
     FollowerChannel,
@@ -55,13 +55,11 @@ from services.engine.parallel.tp_group import (  # noqa: E402
     init_tp_group,
     leave_tp_group,
 )
-from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from services.engine.worker.config import RunnerConfig  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402
 
 TP = 2
 BLOCK_SIZE = 16
-GREEDY = SamplingParams(temperature=0.0)
 PARTS = ("broadcast", "collectives", "throughput")
 
 
@@ -258,40 +256,6 @@ def tp_cost_ms(args: argparse.Namespace, collectives: dict[str, dict[int, float]
 
 
 # ---- 3. throughput -----------------------------------------------------------------------
-
-class Sequences:
-    """`batch` sequences with the given prompts, each with its own KV blocks; `prefill`
-    then `decode` steps drive them through an executor as the scheduler would."""
-
-    def __init__(self, executor: Any, prompts: list[list[int]], capacity: int, tag: str):
-        self.executor = executor
-        self.prompts = {f"{tag}{i}": p for i, p in enumerate(prompts)}
-        per_seq = -(-capacity // executor.block_size)
-        assert per_seq * len(prompts) <= executor.num_blocks, "raise kv_cache_memory"
-        self.blocks = {rid: list(range(i * per_seq, (i + 1) * per_seq))
-                       for i, rid in enumerate(self.prompts)}
-        self.outputs: dict[str, list[int]] = {rid: [] for rid in self.prompts}
-
-    def _request(self, rid: str, tokens: list[int], start: int) -> ScheduledRequest:
-        num_blocks = -(-(start + len(tokens)) // self.executor.block_size)
-        return ScheduledRequest(rid, tokens, start, self.blocks[rid][:num_blocks], True, GREEDY,
-                                self.prompts[rid], list(self.outputs[rid]))
-
-    def _run(self, requests: list[ScheduledRequest]) -> None:
-        for rid, token in self.executor.execute(SchedulerOutput(requests)).sampled.items():
-            self.outputs[rid].append(token)
-
-    def prefill(self) -> None:
-        self._run([self._request(rid, p, 0) for rid, p in self.prompts.items()])
-
-    def decode(self) -> None:
-        self._run([self._request(rid, [out[-1]], len(self.prompts[rid]) + len(out) - 1)
-                   for rid, out in self.outputs.items()])
-
-    def finish(self) -> list[list[int]]:
-        self.executor.execute(SchedulerOutput([], finished_request_ids=frozenset(self.prompts)))
-        return list(self.outputs.values())
-
 
 class CollectiveClock:
     """Seconds this process spends inside the TP group's collectives, waiting for the
