@@ -72,7 +72,7 @@ def test_two_ranks_give_the_tokens_of_one() -> None:
         assert stub.GetModelInfo(pb.GetModelInfoRequest()).tensor_parallel_size == 1
     metrics_port = free_port()  # serve gives engine 0 the port 2 above
     with cluster(["--tensor-parallel-size", "2", "--metrics-port", str(metrics_port)]) \
-            as (c, _), grpc.insecure_channel(c.address) as channel:
+            as (c, children), grpc.insecure_channel(c.address) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
         assert [greedy(stub, p) for p in PROMPTS] == expected
         # engine -> coordinator (registration) -> frontend (load snapshot)
@@ -87,6 +87,13 @@ def test_two_ranks_give_the_tokens_of_one() -> None:
         if len(os.sched_getaffinity(0)) >= 2:  # each rank on CPUs of its own
             assert not set(cpus_of(engine).split(",")) & set(cpus_of(worker).split(","))
         assert "tensor parallel over 2 ranks" in c.output()
+        # SIGTERM drains as at one rank: a clean exit, the worker stopped, nothing left.
+        running = start_stream(stub, 400, "drained")
+        assert running.first.wait(60)
+        assert c.stop(signal.SIGTERM, timeout=60) == 0, c.output()
+        assert running.done.wait(10) and running.code is grpc.StatusCode.OK, running.details
+        assert "tensor-parallel rank 1 stopping" in c.output()
+        wait_for(lambda: not any(alive(p) for p in children), 30, "every process to exit")
 
 
 @pytest.mark.timeout(300)
