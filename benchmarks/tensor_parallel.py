@@ -48,6 +48,7 @@ from services.engine.parallel.step_channel import (  # noqa: E402
     CallKind,
     FollowerChannel,
     LeaderChannel,
+    read_report,
 )
 from services.engine.parallel.tp_executor import TensorParallelExecutor  # noqa: E402
 from services.engine.parallel.tp_group import (  # noqa: E402
@@ -158,7 +159,7 @@ def bench_broadcast(batches: list[int], context: int, repeats: int) -> dict[int,
     process.start()
     channel.after_start()
     (conn,) = channel.connections
-    conn.recv()  # ("ready", 0)
+    read_report(conn)  # ("ready", 0)
     channel.attached()
     print(f"\n1. step broadcast to one follower (decode, {context}-token sequences, "
           f"median of {repeats})")

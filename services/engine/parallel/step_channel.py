@@ -7,8 +7,8 @@ in the same order, so that every collective lines up. Each call is one message:
 - the call's arrays (a step's flattened batch: token ids, positions, cache slots, block
   tables, ...) are written once into one shared-memory segment that every follower
   maps, never pickled or copied through a pipe;
-- a small header (the call's kind and where each array lies in the segment, a few
-  hundred bytes whatever the batch) goes down one pipe per follower, which is also what
+- a small JSON header (the call's kind and where each array lies in the segment, a
+  few hundred bytes whatever the batch) goes down one pipe per follower, which is also what
   wakes an idle follower: it blocks in a read, using no CPU, until the next step.
 
 The leader overwrites the segment on the next call without waiting for an
@@ -29,14 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import mmap
 import os
-import pickle
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -143,8 +144,7 @@ class LeaderChannel:
              value: int = 0) -> None:
         """Hand one model call to every follower."""
         layout = self._write(arrays or {})
-        header = pickle.dumps((int(kind), value, self._new_path, layout),
-                              protocol=pickle.HIGHEST_PROTOCOL)
+        header = json.dumps((int(kind), value, self._new_path, layout)).encode()
         for conn in self.connections:
             conn.send_bytes(header)
         # Every follower maps a new segment before it joins this call's collective;
@@ -183,13 +183,19 @@ class LeaderChannel:
         if self._closed:
             return
         self._closed = True
-        header = pickle.dumps((int(CallKind.STOP), 0, None, []))
+        header = json.dumps((int(CallKind.STOP), 0, None, [])).encode()
         for conn in self.connections:
             with contextlib.suppress(OSError):  # a dead follower's pipe
                 conn.send_bytes(header)
             conn.close()
         for segment in (*self._retired, self._segment, self._progress_segment):
             segment.unlink()
+
+
+def read_report(conn: Connection) -> tuple[str, Any]:
+    """A follower's report (see `FollowerChannel.report`); EOFError when it is gone."""
+    kind, value = json.loads(conn.recv_bytes())
+    return kind, value
 
 
 @dataclass
@@ -211,7 +217,7 @@ class FollowerChannel:
     def receive(self) -> Call:
         """The leader's next call; blocks (no CPU) until it comes. Raises EOFError when
         the leader is gone."""
-        kind, value, new_path, layout = pickle.loads(self.conn.recv_bytes())
+        kind, value, new_path, layout = json.loads(self.conn.recv_bytes())
         if new_path is not None and new_path != self._segment.path:
             self._segment.close()
             size = os.stat(new_path).st_size
@@ -226,8 +232,8 @@ class FollowerChannel:
         """Count one finished call (the leader reads it to name a rank that stalls)."""
         self._progress[self.rank] += 1
 
-    def report(self, message: tuple[str, object]) -> None:
+    def report(self, message: tuple[str, Any]) -> None:
         """Send the leader a startup report or a failure: ("ready", num_blocks) or
         ("error", text)."""
         with contextlib.suppress(OSError):  # the leader is gone; nothing to tell
-            self.conn.send(message)
+            self.conn.send_bytes(json.dumps(message).encode())

@@ -50,7 +50,7 @@ import torch
 
 from services.common.model_info import ModelInfo
 from services.common.ports import free_port
-from services.engine.parallel.step_channel import CallKind, LeaderChannel
+from services.engine.parallel.step_channel import CallKind, LeaderChannel, read_report
 from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
 from services.engine.parallel.tp_worker import (
     ExpertParallelRendezvous,
@@ -252,7 +252,7 @@ class TensorParallelExecutor:
                 raise WorkerFailure(f"tensor-parallel worker {rank} (pid {process.pid}) did "
                                     f"not start within {timeout_s:g} s")
             try:
-                kind, value = conn.recv()
+                kind, value = read_report(conn)
             except EOFError:
                 process.join(5)
                 raise WorkerFailure(self._describe_exit(rank, process)) from None
@@ -292,8 +292,8 @@ class TensorParallelExecutor:
 
     def _read_report(self, conn: Connection, rank: int, process: BaseProcess) -> str:
         try:
-            kind, value = conn.recv()
-        except (EOFError, OSError):
+            kind, value = read_report(conn)
+        except (EOFError, OSError, ValueError):
             return self._describe_exit(rank, process)
         if kind == "error":
             return f"tensor-parallel worker {rank} (pid {process.pid}) raised {value}"
