@@ -115,7 +115,6 @@ class EngineCore:
     @observer.setter
     def observer(self, observer: EngineObserver) -> None:
         self._observer = self.outputs.observer = self.compiles.observer = observer
-        observer.on_attached(self.executor)
 
     @property
     def state(self) -> EngineState:

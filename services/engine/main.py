@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
                                   (config, runner_config, security),
                                   {"corestream.engine.index": config.engine_index})
     metrics = EngineMetrics(observability.registry, runner.model_info.name, config.engine_index,
-                            lambda: core.stats, lambda: core.state, observability.tracing)
+                            lambda: core.stats, lambda: core.state, observability.tracing,
+                            runner)
     core.observer = metrics
     core.add_state_listener(lambda state: metrics.on_state(state, core.death_reason))
     observability.start_metrics()

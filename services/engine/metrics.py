@@ -116,17 +116,14 @@ class _StatsCollector(Collector):
 
 
 class _RanksCollector(Collector):
-    """The executor's tensor-parallel ranks, read at scrape time (nothing before the
-    metrics are attached to a core)."""
+    """The executor's tensor-parallel ranks, read at scrape time."""
 
-    def __init__(self, labels: list[str], executor: Callable[[], Executor | None]) -> None:
+    def __init__(self, labels: list[str], executor: Executor) -> None:
         self._labels = labels
         self._executor = executor
 
     def collect(self) -> Iterator[Metric]:
-        executor = self._executor()
-        if executor is None:
-            return
+        executor = self._executor
         names = list(LABELS)
         gauge = GaugeMetricFamily(PREFIX + "tensor_parallel_size",
                                   "Ranks the engine's model runs over.", labels=names)
@@ -146,7 +143,9 @@ class EngineMetrics(EngineObserver):
 
     def __init__(self, registry: CollectorRegistry, model_name: str, engine_index: int,
                  stats: Callable[[], SchedulerStats], state: Callable[[], EngineState],
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, executor: Executor | None = None) -> None:
+        """`executor`: the model's, whose tensor-parallel ranks the metrics and request
+        spans report (none: not reported)."""
         labels = [model_name, str(engine_index)]
         self._model_name = model_name
         self._engine_index = engine_index
@@ -154,9 +153,10 @@ class EngineMetrics(EngineObserver):
         self._unscheduled: set[str] = set()
         self._awaiting_first_token: set[str] = set()
         self.last_step_time = 0.0
-        self._executor: Executor | None = None
+        self._executor = executor
         registry.register(_StatsCollector(labels, stats, state, lambda: self.last_step_time))
-        registry.register(_RanksCollector(labels, lambda: self._executor))
+        if executor is not None:
+            registry.register(_RanksCollector(labels, executor))
 
         def counter(name: str, doc: str) -> Any:
             return Counter(PREFIX + name, doc, LABELS, registry=registry).labels(*labels)
@@ -192,9 +192,6 @@ class EngineMetrics(EngineObserver):
             self._span_thread = threading.Thread(target=self._build_spans, name="engine-spans",
                                                  daemon=True)
             self._span_thread.start()
-
-    def on_attached(self, executor: Executor) -> None:
-        self._executor = executor
 
     # ---- hooks, on the loop thread (keep them cheap) ----------------------------
 

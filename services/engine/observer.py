@@ -9,16 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.engine.executor import Executor
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import SchedulerOutput
 
 
 class EngineObserver:
-    def on_attached(self, executor: Executor) -> None:
-        """Set as the observer of the core that drives `executor` (the model's ranks);
-        called on the thread that sets it."""
-
     def on_added(self, request: Request) -> None:
         """The scheduler accepted `request`."""
 

@@ -13,7 +13,7 @@ one after down_proj (or after the whole MoE block), and nothing else:
   added once, after the reduce.
 - The embedding and lm_head split the vocabulary (padded to a multiple of the ranks):
   the embedding gives zeros for ids outside this rank's rows and is all-reduced; the
-  head all-gathers the logit slices, so every rank samples from the full logits.
+  head all-gathers the logit slices, so rank 0 samples from the full logits.
 
 With a group of one rank (or none) the models build none of these: they run today's
 modules, and no collective.

@@ -28,13 +28,14 @@ class Harness:
     """The real scheduler, a 'model' that always samples token 7, and the engine
     core's three hook calls."""
 
-    def __init__(self, tracing: Tracing | None = None, num_blocks: int = 64) -> None:
+    def __init__(self, tracing: Tracing | None = None, num_blocks: int = 64,
+                 executor: object = None) -> None:
         self.scheduler = Scheduler(KVCacheManager(num_blocks, 4), max_model_len=256,
                                    max_num_batched_tokens=64)
         self.state = EngineState.RUNNING
         self.registry = new_registry(process_metrics=False)
         self.metrics = EngineMetrics(self.registry, "tiny", 3, self.scheduler.stats,
-                                     lambda: self.state, tracing)
+                                     lambda: self.state, tracing, executor)  # type: ignore[arg-type]
 
     def add(self, rid: str, prompt_len: int, max_tokens: int, **kwargs: object) -> Request:
         request = Request(rid, list(range(1, prompt_len + 1)),
@@ -103,10 +104,10 @@ class _Ranks:
 
 
 def test_tensor_parallel_ranks_are_read_at_scrape_time() -> None:
-    h = Harness()
-    assert h.registry.get_sample_value("corestream:tensor_parallel_size", LABELS) is None
+    without = Harness()
+    assert without.registry.get_sample_value("corestream:tensor_parallel_size", LABELS) is None
     ranks = _Ranks(2)
-    h.metrics.on_attached(ranks)  # type: ignore[arg-type]
+    h = Harness(executor=ranks)
     assert h.sample("corestream:tensor_parallel_size") == 2
     ranks.progress = [5, 5]
     calls = "corestream:tensor_parallel_calls_total"
@@ -132,8 +133,7 @@ def test_preemptions_are_counted() -> None:
 def test_one_span_per_request_with_phases_and_no_span_per_token() -> None:
     exporter = InMemorySpanExporter()
     tracing = Tracing("engine", ObservabilityConfig(), exporter=exporter)
-    h = Harness(tracing)
-    h.metrics.on_attached(_Ranks(2))  # type: ignore[arg-type]
+    h = Harness(tracing, executor=_Ranks(2))
     headers = {"traceparent": f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"}
     h.add("traced", prompt_len=5, max_tokens=6, trace_headers=headers)
     while h.scheduler.has_work():

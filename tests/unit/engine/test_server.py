@@ -167,10 +167,11 @@ def test_engine_info_and_health(channel: grpc.Channel, runner: ModelRunner) -> N
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_metrics_attached_to_a_core_read_its_runner_ranks(runner: ModelRunner) -> None:
+def test_metrics_of_a_core_read_its_runner_ranks(runner: ModelRunner) -> None:
     core = EngineCore(EngineConfig(), runner)
     registry = new_registry(process_metrics=False)
-    core.observer = EngineMetrics(registry, "tiny", 0, lambda: core.stats, lambda: core.state)
+    core.observer = EngineMetrics(registry, "tiny", 0, lambda: core.stats, lambda: core.state,
+                                  executor=runner)
     labels = {"model_name": "tiny", "engine": "0"}
     assert registry.get_sample_value("corestream:tensor_parallel_size", labels) == 1
     # One rank: no per-rank call counts.
