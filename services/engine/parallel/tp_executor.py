@@ -228,10 +228,9 @@ class TensorParallelExecutor:
             return
         self._closed = True
         self._channel.close()
-        deadline = STOP_GRACE_S
+        deadline = time.monotonic() + STOP_GRACE_S
         for process in self._workers:
-            process.join(deadline)
-            deadline = 0.1
+            process.join(max(0.0, deadline - time.monotonic()))
         for rank, process in self._ranks():
             if process.is_alive():
                 logger.warning("tensor-parallel worker %d (pid %s) did not stop; killing it",
@@ -254,7 +253,6 @@ class TensorParallelExecutor:
             try:
                 kind, value = read_report(conn)
             except EOFError:
-                process.join(5)
                 raise WorkerFailure(self._describe_exit(rank, process)) from None
             if kind != "ready":
                 raise WorkerFailure(f"tensor-parallel worker {rank} (pid {process.pid}) "

@@ -350,18 +350,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, arrays: StepArrays) -> torch.Tensor:
         """A follower's forward over the batch its leader sent: hidden states `[T, H]`."""
-        seq_lens = arrays.seq_lens
-        query_start_loc = arrays.query_start_loc
+        input_ids, positions, meta = self._device_inputs(
+            arrays, arrays.seq_lens.tolist(), arrays.query_start_loc.tolist())
+        return self.model(input_ids, positions, meta, self.kv_caches)
+
+    def _device_inputs(
+        self, arrays: StepArrays, seq_lens: list[int], query_start_loc: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(token ids, positions, attention metadata) of `arrays` on the device; the two
+        lists are the same numbers as their arrays, for the host-side attention loop."""
         meta = AttentionMetadata(
             slot_mapping=self._to_device(arrays.slot_mapping),
             block_tables=self._to_device(arrays.block_tables),
-            seq_lens=self._to_device(seq_lens),
-            query_start_loc=self._to_device(query_start_loc),
-            seq_lens_host=seq_lens.tolist(),
-            query_start_loc_host=query_start_loc.tolist(),
+            seq_lens=self._to_device(arrays.seq_lens),
+            query_start_loc=self._to_device(arrays.query_start_loc),
+            seq_lens_host=seq_lens,
+            query_start_loc_host=query_start_loc,
         )
-        return self.model(self._to_device(arrays.input_ids), self._to_device(arrays.positions),
-                          meta, self.kv_caches)
+        return self._to_device(arrays.input_ids), self._to_device(arrays.positions), meta
 
     def _prepare(self, requests: Sequence[ScheduledRequest]) -> _Batch:
         # One Python pass over requests for the per-request values; the per-token
@@ -411,17 +417,11 @@ class ModelRunner:
             seq_lens=np.array(seq_lens, dtype=np.int32),
             query_start_loc=np.array(query_start_loc, dtype=np.int32),
         )
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(arrays.slot_mapping),
-            block_tables=self._to_device(tables),
-            seq_lens=self._to_device(arrays.seq_lens),
-            query_start_loc=self._to_device(arrays.query_start_loc),
-            seq_lens_host=seq_lens,
-            query_start_loc_host=query_start_loc,
-        )
+        input_ids_tensor, positions_tensor, meta = self._device_inputs(
+            arrays, seq_lens, query_start_loc)
         return _Batch(
-            input_ids=self._to_device(arrays.input_ids),
-            positions=self._to_device(positions),
+            input_ids=input_ids_tensor,
+            positions=positions_tensor,
             meta=meta,
             arrays=arrays,
             sample_rows=sample_rows,

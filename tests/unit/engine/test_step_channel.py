@@ -30,8 +30,9 @@ def _echo(channel: FollowerChannel) -> None:
             return
         digests = {name: [a.dtype.str, list(a.shape), hashlib.sha256(a.tobytes()).hexdigest()]
                    for name, a in call.arrays.items()}
-        channel.report((call.kind.name, [call.value, digests]))
+        # Counted before the report: once the leader reads it, the count must show.
         channel.done()
+        channel.report((call.kind.name, [call.value, digests]))
         if call.kind is CallKind.STOP:
             return
 
