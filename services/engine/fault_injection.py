@@ -94,15 +94,15 @@ class FaultInjectingRunner:
         return self._runner.execute(out)
 
 
-def worker_fault(env_value: str | None, engine_index: int) -> str:
-    """The `KIND:N` a tensor-parallel worker of this engine arms ("" for none)."""
+def worker_fault(env_value: str | None, engine_index: int) -> FaultSpec | None:
+    """The fault a tensor-parallel worker of this engine arms, if any."""
     if not env_value:
-        return ""
+        return None
     spec = FaultSpec.parse(env_value)
     if spec.kind not in WORKER_KINDS or not spec.applies_to(engine_index):
-        return ""
+        return None
     logger.warning("TEST-ONLY fault injection armed in a worker: %s", spec)
-    return f"{spec.kind}:{spec.after_steps}"
+    return spec
 
 
 def maybe_inject(runner: Executor, env_value: str | None, engine_index: int) -> Executor:

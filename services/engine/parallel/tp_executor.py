@@ -50,6 +50,7 @@ import torch
 
 from services.common.model_info import ModelInfo
 from services.common.ports import free_port
+from services.engine.fault_injection import FaultSpec
 from services.engine.parallel.step_channel import CallKind, LeaderChannel, read_report
 from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
 from services.engine.parallel.tp_worker import (
@@ -84,7 +85,7 @@ class TensorParallelExecutor:
         engine_index: int = 0,
         log_level: str = "info",
         log_format: str = "text",
-        worker_fault: str = "",
+        worker_fault: FaultSpec | None = None,
         startup_timeout_s: float = 300.0,
         expert_parallel: ExpertParallelRendezvous | None = None,
     ) -> None:
@@ -113,7 +114,7 @@ class TensorParallelExecutor:
                     engine_index=engine_index, cpus=cpus[rank], device_index=devices[rank],
                     log_level=log_level, log_format=log_format,
                     startup_timeout_s=startup_timeout_s,
-                    fault=worker_fault if rank == size - 1 else "",
+                    fault=worker_fault if rank == size - 1 else None,
                     expert_parallel=expert_parallel,
                 )
                 process = context.Process(target=run_worker,

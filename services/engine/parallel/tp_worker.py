@@ -25,6 +25,7 @@ import traceback
 from dataclasses import dataclass
 
 from services.common.logs import setup_logging
+from services.engine.fault_injection import FaultSpec
 from services.engine.parallel.step_channel import CallKind, FollowerChannel
 from services.engine.worker.config import RunnerConfig
 
@@ -62,8 +63,8 @@ class WorkerSpec:
     log_level: str = "info"
     log_format: str = "text"
     startup_timeout_s: float = 300.0
-    fault: str = ""
-    """A `worker_*` fault spec armed for this worker (tests only)."""
+    fault: FaultSpec | None = None
+    """A `worker_*` fault armed in this worker (tests only)."""
     expert_parallel: ExpertParallelRendezvous | None = None
 
 
@@ -125,13 +126,15 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
         config = dataclasses.replace(config, device=f"cuda:{spec.device_index}")
     runner = ModelRunner(config)
     channel.report(("ready", runner.num_blocks))
-    fault = _Fault.parse(spec.fault)
+    forwards = 0
     hidden: torch.Tensor | None = None
     with torch.inference_mode():
         while True:
             call = channel.receive()
             if call.kind is CallKind.FORWARD:
-                fault.before_forward()
+                if spec.fault is not None:
+                    _inject(spec.fault, forwards)
+                forwards += 1
                 hidden = runner.forward(StepArrays(**call.arrays))
             elif call.kind is CallKind.LOGITS:
                 assert hidden is not None, "logits before any forward"
@@ -146,24 +149,11 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
             channel.done()
 
 
-@dataclass
-class _Fault:
-    """A test-only fault in a worker's forward: `worker_raise_after_steps:N` or
-    `worker_hang_after_steps:N` (the engine arms it for its last rank)."""
-
-    kind: str = ""
-    after: int = 0
-    forwards: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> _Fault:
-        kind, _, steps = text.partition(":")
-        return cls(kind, int(steps)) if kind else cls()
-
-    def before_forward(self) -> None:
-        if self.kind and self.forwards >= self.after:
-            if self.kind == "worker_raise_after_steps":
-                raise RuntimeError(f"injected fault in a worker after {self.forwards} forwards")
-            logger.warning("injected hang in a worker after %d forwards", self.forwards)
-            threading.Event().wait()
-        self.forwards += 1
+def _inject(fault: FaultSpec, forwards: int) -> None:
+    """The test-only fault, once this worker has run `fault.after_steps` forwards."""
+    if forwards < fault.after_steps:
+        return
+    if fault.kind == "worker_raise_after_steps":
+        raise RuntimeError(f"injected fault in a worker after {forwards} forwards")
+    logger.warning("injected hang in a worker after %d forwards", forwards)
+    threading.Event().wait()
