@@ -36,8 +36,9 @@ MODEL_NAME = "bench"
 
 
 async def stream_all_http(port: int, batch: list[BenchRequest]) -> int:
-    """Send the whole batch at once over HTTP; the number of tokens that arrived (one
-    per logprobs entry, so that text merged across tokens is still counted right)."""
+    """Send the whole batch at once over HTTP; the number of tokens that arrived, counted
+    from vLLM's `return_token_ids` (as the gRPC door's chunks carry token ids: asking
+    for logprobs instead would make the engine compute them for HTTP only)."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(batch), max_keepalive_connections=len(batch))
@@ -46,7 +47,7 @@ async def stream_all_http(port: int, batch: list[BenchRequest]) -> int:
 
         async def one(r: BenchRequest) -> int:
             body = {"model": MODEL_NAME, "prompt": r.prompt, "max_tokens": r.max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 0}
+                    "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
             n = 0
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
@@ -54,8 +55,7 @@ async def stream_all_http(port: int, batch: list[BenchRequest]) -> int:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     for choice in json.loads(line[6:])["choices"]:
-                        if choice.get("logprobs"):
-                            n += len(choice["logprobs"]["tokens"])
+                        n += len(choice["token_ids"])
             return n
 
         return sum(await asyncio.gather(*(one(r) for r in batch)))

@@ -165,6 +165,14 @@ def test_greedy_completion_matches_grpc(client: openai.OpenAI, channel: grpc.Cha
             tokens += c.logprobs.tokens if c.logprobs and c.logprobs.tokens else []
     assert (text, tokens) == (ref.text, ref_tokens)
 
+    # vLLM's return_token_ids: the same ids as gRPC's, whole and streamed.
+    ids_args = {**args, "extra_body": {"return_token_ids": True}}
+    [choice] = client.completions.create(**ids_args).choices
+    assert choice.model_extra and choice.model_extra["token_ids"] == list(ref.token_ids)
+    streamed_ids = [i for chunk in client.completions.create(**ids_args, stream=True)
+                    for c in chunk.choices for i in (c.model_extra or {})["token_ids"]]
+    assert streamed_ids == list(ref.token_ids)
+
 
 @pytest.mark.timeout(TIMEOUT_S)
 def test_greedy_chat_matches_grpc(client: openai.OpenAI, channel: grpc.Channel) -> None:

@@ -132,7 +132,7 @@ class OpenAIApi:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._completion_events(_merged(streams), rid, created, logprobs,
-                                             include_usage)
+                                             include_usage, body.return_token_ids)
             return await _sse(request, events, request_id)
 
         async def whole() -> dict[str, Any]:
@@ -147,22 +147,24 @@ class OpenAIApi:
             usage = responses.sum_usage(result.usage for result in results)
             return responses.completion_response(
                 choices, usage, id=rid, model=self.model, created=created, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs if body.prompt_logprobs is not None else None)
+                prompt_logprobs=prompt_logprobs if body.prompt_logprobs is not None else None,
+                token_ids=body.return_token_ids)
 
         return await _whole(request, whole(), request_id)
 
     async def _completion_events(
         self, chunks: AsyncIterator[tuple[int, generate_pb2.GenerateStreamResponse]],
-        rid: str, created: int, logprobs: bool, include_usage: bool,
+        rid: str, created: int, logprobs: bool, include_usage: bool, token_ids: bool,
     ) -> AsyncIterator[dict[str, Any]]:
         usages = []  # one per prompt, on its last chunk
         offsets = responses.CompletionLogprobs()
         async for base, chunk in chunks:
             index = base + chunk.index
-            if chunk.text or chunk.finish_reason or chunk.logprobs:
+            if (chunk.text or chunk.finish_reason or chunk.logprobs
+                    or (token_ids and chunk.token_ids)):
                 yield responses.completion_chunk(
                     chunk, id=rid, model=self.model, created=created, index=index,
-                    logprobs=offsets if logprobs else None)
+                    logprobs=offsets if logprobs else None, token_ids=token_ids)
             if chunk.HasField("usage"):
                 usages.append(chunk.usage)
         if include_usage:

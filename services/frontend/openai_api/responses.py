@@ -138,21 +138,23 @@ class CompletionLogprobs:
 
 def completion_chunk(
     chunk: generate_pb2.GenerateStreamResponse, *, id: str, model: str, created: int,
-    index: int, logprobs: CompletionLogprobs | None,
+    index: int, logprobs: CompletionLogprobs | None, token_ids: bool = False,
 ) -> Json:
     """One streamed `text_completion` with the chunk as its only choice.
 
     `index` is the choice's index in the response (prompt_index * n + chunk.index).
     `logprobs` is the stream's CompletionLogprobs when the request asked for logprobs,
-    else None.
+    else None. `token_ids` (vLLM's return_token_ids) adds the chunk's token ids.
     """
-    choice = {
+    choice: Json = {
         "index": index,
         "text": chunk.text,
         "logprobs": logprobs.chunk(index, chunk) if logprobs is not None else None,
         "finish_reason": FINISH_REASONS.get(chunk.finish_reason),
         "stop_reason": _stop_reason(chunk),
     }
+    if token_ids:
+        choice["token_ids"] = list(chunk.token_ids)
     return {"id": id, "object": "text_completion", "created": created, "model": model,
             "choices": [choice]}
 
@@ -160,11 +162,11 @@ def completion_chunk(
 def completion_response(
     completions: Sequence[tuple[int, generate_pb2.Completion]], usage: common_pb2.Usage, *,
     id: str, model: str, created: int, logprobs: bool,
-    prompt_logprobs: Mapping[int, Positions] | None = None,
+    prompt_logprobs: Mapping[int, Positions] | None = None, token_ids: bool = False,
 ) -> Json:
     """The whole `text_completion`: `completions` pairs each sample with its index in
     the response; `prompt_logprobs` (when the request asked for them) maps a choice's
-    index to its prompt's positions."""
+    index to its prompt's positions; `token_ids` adds each sample's token ids."""
     choices = []
     for index, completion in sorted(completions, key=lambda pair: pair[0]):
         choice: Json = {
@@ -174,6 +176,8 @@ def completion_response(
             "finish_reason": FINISH_REASONS.get(completion.finish_reason),
             "stop_reason": _stop_reason(completion),
         }
+        if token_ids:
+            choice["token_ids"] = list(completion.token_ids)
         if prompt_logprobs is not None:
             positions = prompt_logprobs.get(index)
             choice["prompt_logprobs"] = (prompt_logprobs_json(positions)

@@ -126,6 +126,8 @@ class CompletionBody(_SamplingBody):
     # vLLM's extras.
     skip_special_tokens: bool | None = None
     prompt_logprobs: TopLogprobs | None = None
+    # Each choice also carries the ids of its generated tokens (not the prompt's).
+    return_token_ids: bool = False
 
 
 class ContentPart(_Model):

@@ -174,6 +174,11 @@ def test_completion_chunks() -> None:
     openai.types.Completion.model_validate(bodies[2])
     assert completion_chunk(first, index=0, logprobs=None, **META)["choices"][0][
         "logprobs"] is None
+    # token_ids only where asked for (vLLM's return_token_ids).
+    assert "token_ids" not in bodies[2]["choices"][0]
+    with_ids = _roundtrip(completion_chunk(last, index=3, logprobs=None, token_ids=True,
+                                           **META))
+    assert with_ids["choices"][0]["token_ids"] == [6, 7]
 
 
 def test_usage_chunks() -> None:
