@@ -115,6 +115,13 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i], hashes[i - 1] if i else NO_PARENT)
         self._num_cached[rid] = num_full
 
+    def uncached_hashes(self, request: Request) -> Sequence[bytes]:
+        """The hashes of the request's full blocks, as far as it has been hashed, that
+        it holds or will compute but has not cached yet; empty for a request without
+        blocks."""
+        first = self._num_cached.get(request.request_id)
+        return () if first is None else request.block_hashes[first:]
+
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
         self._num_cached.pop(request_id, None)

@@ -41,6 +41,10 @@ class RequestQueue(ABC):
     def remove(self, request: Request) -> None: ...
 
     @abstractmethod
+    def requeue(self, requests: Sequence[Request]) -> None:
+        """Put back requests popped this step (in the order popped) where they were."""
+
+    @abstractmethod
     def __len__(self) -> int: ...
 
     @abstractmethod
@@ -73,6 +77,9 @@ class FcfsQueue(RequestQueue):
 
     def remove(self, request: Request) -> None:
         self._q.remove(request)
+
+    def requeue(self, requests: Sequence[Request]) -> None:
+        self._q.extendleft(reversed(requests))
 
     def __len__(self) -> int:
         return len(self._q)
@@ -119,6 +126,11 @@ class PriorityQueue(RequestQueue):
     def remove(self, request: Request) -> None:
         # Lazy deletion keeps remove O(1); entries are skipped when they reach the top.
         self._removed.add(id(request))
+
+    def requeue(self, requests: Sequence[Request]) -> None:
+        # Each keeps its original (priority, arrival) key, hence its place.
+        for request in requests:
+            self.add(request)
 
     def __len__(self) -> int:
         return len(self._heap) - len(self._removed)

@@ -17,6 +17,14 @@ blocks and computes only the rest; the blocks each step fills are cached after
 the step. A preempted request's blocks stay cached until evicted, so on
 readmission it usually recomputes only what was evicted. A request that wants
 prompt logprobs skips the lookup: cached positions would have no logits.
+
+A waiting request whose next uncached blocks, at least `WAIT_FOR_PREFIX_TOKENS` of
+them, are ones that running requests are computing right now (requests sharing a
+new prefix that arrive together) waits for them instead of computing them a
+second time: it stays queued, later requests may overtake it, and it is admitted
+on the cached blocks once their owner's step has filled them. The owner is
+running, so the wait lasts at most its prefill. A shorter shared run is not
+worth the step of latency.
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ from services.engine.scheduler.policy import make_request_queue
 
 logger = logging.getLogger(__name__)
 
+WAIT_FOR_PREFIX_TOKENS = 64
+"""The shortest run of in-progress shared blocks (in tokens) a waiting request waits for."""
+
 
 class RequestRejected(ValueError):
     """The request can never run on this engine (an INVALID_ARGUMENT for the client)."""
@@ -66,8 +77,10 @@ class Scheduler:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         policy: str = "fcfs",
+        wait_for_prefix_tokens: int = WAIT_FOR_PREFIX_TOKENS,
     ) -> None:
         self.kv_cache = kv_cache
+        self.wait_for_prefix_tokens = wait_for_prefix_tokens
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -80,6 +93,8 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0  # cumulative, for the metrics
+        # Cumulative: steps a waiting request spent waiting for a block in progress.
+        self.num_prefix_waits = 0
         self._finished_since_last_step: set[str] = set()
         # False while the engine is paused in "wait" mode: running requests finish,
         # waiting ones (new or preempted) stay queued until admission resumes.
@@ -187,6 +202,8 @@ class Scheduler:
 
         # Then admit waiting requests. Not after a preemption: the freed blocks are
         # for the survivors, and readmitting the victim now would thrash.
+        computing: set[bytes] | None = None  # blocks running requests have yet to cache
+        deferred: list[Request] = []
         while (
             not preempted
             and self.admitting
@@ -194,11 +211,21 @@ class Scheduler:
             and self.waiting
             and len(self.running) < self.max_num_seqs
         ):
-            admitted = self._admit(self.waiting.peek(), budget)
+            req = self.waiting.peek()
+            cached = self._cached_prefix(req)
+            if computing is None:
+                computing = {h for r in self.running for h in self.kv_cache.uncached_hashes(r)}
+            if self._awaits_block(req, len(cached), computing):
+                deferred.append(self.waiting.pop())
+                continue
+            admitted = self._admit(req, cached, budget)
             if admitted is None:
                 break  # head-of-line: later requests do not overtake one that lacks blocks
+            computing.update(self.kv_cache.uncached_hashes(req))
             scheduled.append(admitted)
             budget -= len(admitted.token_ids)
+        self.waiting.requeue(deferred)
+        self.num_prefix_waits += len(deferred)
 
         # An empty output is not executed, so keep the finished ids for the next one.
         if not scheduled:
@@ -206,10 +233,27 @@ class Scheduler:
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         return SchedulerOutput(requests=scheduled, finished_request_ids=frozenset(finished))
 
-    def _admit(self, req: Request, budget: int) -> ScheduledRequest | None:
-        """Start the head waiting request on its longest cached prefix plus up to
-        `budget` computed tokens; None (and no change) if the blocks are lacking."""
-        cached = [] if req.wants_prompt_logprobs else self.kv_cache.find_cached_prefix(req)
+    def _cached_prefix(self, req: Request) -> list[int]:
+        return [] if req.wants_prompt_logprobs else self.kv_cache.find_cached_prefix(req)
+
+    def _awaits_block(self, req: Request, num_cached_blocks: int,
+                      computing: set[bytes]) -> bool:
+        """Whether the request's next blocks to compute, enough of them, are ones that
+        running requests are computing (so they are cached after those steps)."""
+        if req.wants_prompt_logprobs:
+            return False
+        block_size = self.kv_cache.block_size
+        limit = (req.num_tokens - 1) // block_size  # as find_cached_prefix
+        end = num_cached_blocks
+        while end < limit and req.block_hashes[end] in computing:
+            end += 1
+        return end > num_cached_blocks and (
+            (end - num_cached_blocks) * block_size >= self.wait_for_prefix_tokens)
+
+    def _admit(self, req: Request, cached: list[int], budget: int) -> ScheduledRequest | None:
+        """Start the head waiting request on its longest cached prefix (`cached`, from
+        _cached_prefix) plus up to `budget` computed tokens; None (and no change) if the
+        blocks are lacking."""
         num_cached = len(cached) * self.kv_cache.block_size
         n = min(req.num_tokens - num_cached, budget)
         if not self.kv_cache.allocate_slots(req.request_id, num_cached + n, cached):

@@ -3,6 +3,8 @@ reusing cached blocks (including a preempted request's own), with its stats."""
 
 from __future__ import annotations
 
+import pytest
+
 from services.common.block_hash import extend_block_hashes, hash_block
 from services.common.sampling import SamplingParams
 from services.engine.request import Request
@@ -116,6 +118,49 @@ def test_second_request_computes_only_past_the_shared_prefix() -> None:
     # b's prefix blocks are a's cached blocks, not copies: a's 21 computed tokens
     # filled 5 blocks and b has filled no new one yet.
     assert s.kv_cache.pool.num_cached_blocks == 5
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_requests_sharing_a_new_prefix_wait_for_its_first_computation(policy: str) -> None:
+    # b and c arrive with a (a 32-token shared prefix nobody holds yet); d shares
+    # nothing. b and c wait while a computes the prefix, d overtakes them, and then
+    # both start on a's cached blocks instead of computing the prefix again.
+    s = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=20, policy=policy)
+    s.wait_for_prefix_tokens = 8
+    shared = list(range(1, 33))
+    s.add_request(req("a", [*shared, 100]))
+    s.add_request(req("b", [*shared, 200, 201]))
+    s.add_request(req("c", [*shared, 300]))
+    s.add_request(req("d", [500, 501]))
+    out, _ = step(s)  # a's first chunk of 20 (the budget)
+    assert [(r.request_id, r.start_pos) for r in out.requests] == [("a", 0)]
+    # a's last 13 tokens; b and c would share 12 of them (3 blocks), so they wait,
+    # and d fits the rest of the budget.
+    out, _ = step(s)
+    assert [(r.request_id, r.start_pos) for r in out.requests] == [("a", 20), ("d", 0)]
+    assert list(s.waiting) == [s.requests["b"], s.requests["c"]]  # their order kept
+    assert s.num_prefix_waits == 2
+    out, ups = step(s)
+    started = {r.request_id: (r.start_pos, len(r.token_ids)) for r in out.requests}
+    assert started["b"] == (32, 2) and started["c"] == (32, 1)
+    assert {u.request_id: u.num_cached_tokens for u in ups if u.request_id in "bc"} == {
+        "b": 32, "c": 32}
+    run_to_completion(s)
+    s.kv_cache.check_integrity()
+
+
+def test_a_short_shared_run_is_not_waited_for() -> None:
+    # b's only in-progress shared block (4 tokens) is below the threshold of 8: b
+    # computes it itself, beside a, rather than wait a step.
+    s = make_scheduler(num_blocks=64, block_size=4)
+    s.wait_for_prefix_tokens = 8
+    s.add_request(req("a", [1, 2, 3, 4, 5]))
+    s.add_request(req("b", [1, 2, 3, 4, 6]))
+    s.add_request(req("c", [7, 8, 9, 10, 11, 12, 13, 14, 15]))
+    s.add_request(req("d", [7, 8, 9, 10, 11, 12, 13, 14, 16]))
+    out, _ = step(s)
+    assert [r.request_id for r in out.requests] == ["a", "b", "c"]  # d waits for 2 blocks
+    assert s.num_prefix_waits == 1
 
 
 def test_different_salts_do_not_share() -> None:
