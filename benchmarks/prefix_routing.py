@@ -211,9 +211,10 @@ def main() -> None:
         runs.append((run, sent))
         print(f"  {policy}: {run.seconds:.1f} s", flush=True)
     print()
-    print("| policy | hit rate | oracle (prompts) | oracle (+answers) | of oracle | TTFT p50 s "
-          "| TTFT p90 s | output tok/s | requests per engine | max/mean |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| policy | hit rate | oracle (prompts) | oracle (+answers) | of oracle (prompts) "
+          "| of oracle (+answers) | TTFT p50 s | TTFT p90 s | output tok/s "
+          "| requests per engine | max/mean |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for run, sent in runs:
         prompt = sum(t.prompt_tokens for t in run.turns)
         hit = sum(t.cached_tokens for t in run.turns) / prompt
@@ -224,7 +225,8 @@ def main() -> None:
         counts = [run.per_engine.get(k, 0) for k in sorted(run.per_engine)]
         spread = max(counts) / statistics.mean(counts) if counts else float("nan")
         print(f"| {run.policy} | {hit:.3f} | {oracle_prompts:.3f} | {oracle_all:.3f} | "
-              f"{hit / oracle_all:.2f} | {statistics.median(ttfts):.3f} | {p90:.3f} | "
+              f"{hit / oracle_prompts:.2f} | {hit / oracle_all:.2f} | "
+              f"{statistics.median(ttfts):.3f} | {p90:.3f} | "
               f"{output:.1f} | {'/'.join(map(str, counts))} | {spread:.2f} |")
 
 

@@ -285,6 +285,38 @@ def test_cache_aware_follows_the_prefix_and_spreads_new_ones() -> None:
     asyncio.run(main())
 
 
+def test_cache_aware_with_engines_leaving_joining_and_no_coordinator() -> None:
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=_StubClient, policy=RoutingPolicy.CACHE_AWARE)
+        index = balancer.prefix_index
+        assert index is not None
+        await balancer.update([_load("a:1"), _load("b:1", running=1)])
+        prompt = list(range(640))
+        _follow(balancer, "a:1")
+        _follow(balancer, "b:1", prompt_block_hashes(prompt, BS))
+        assert balancer.route(None, prompt + [1]).client.address == "b:1"
+        # b leaves: it is dropped from the index, and the prompt goes by load.
+        await balancer.update([_load("a:1", running=2)])
+        assert not index.tracks("b:1")
+        route = balancer.route(None, prompt + [2])
+        assert route.client.address == "a:1" and route.cached_tokens == 0
+        # ... and is now predicted on a. c joins holding another prefix: that one
+        # goes to c as soon as c's snapshot is in.
+        other = list(range(3000, 3640))
+        await balancer.update([_load("a:1", running=2), _load("c:1", running=2)])
+        _follow(balancer, "c:1", prompt_block_hashes(other, BS))
+        assert balancer.route(None, other + [3]).client.address == "c:1"
+        assert balancer.route(None, prompt + [3]).client.address == "a:1"
+        # Without the coordinator the load is our own in-flight count; the cache
+        # still decides between engines whose loads are close.
+        balancer.set_degraded("coordinator lost")
+        assert balancer.route(None, other + [4]).client.address == "c:1"
+        assert balancer.route(None, prompt + [4]).client.address == "a:1"
+        await balancer.close()
+
+    asyncio.run(main())
+
+
 def test_cache_aware_lets_load_win_when_badly_imbalanced() -> None:
     async def main() -> None:
         balancer = Balancer("f", client_factory=_StubClient, policy=RoutingPolicy.CACHE_AWARE)
