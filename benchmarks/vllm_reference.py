@@ -318,6 +318,8 @@ def main() -> None:
     parser.add_argument("--single", action="store_true",
                         help="one stream at a time: 128-token prompts, 128 outputs")
     parser.add_argument("--systems", default="corestream,vllm")
+    parser.add_argument("--corestream-args", default="",
+                        help="extra flags for corestream serve, e.g. '--kv-cache-memory 4GiB'")
     args = parser.parse_args()
     if args.install:
         install()
@@ -344,7 +346,8 @@ def main() -> None:
             from tests.integration.cluster import Cluster
 
             cluster = Cluster(["--model", str(model), "--dtype", args.dtype,
-                               "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning"],
+                               "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning",
+                               *args.corestream_args.split()],
                               startup_timeout=STARTUP_TIMEOUT_S)
             try:
                 results[system] = measure(system, cluster.address, corestream_stream, runs)

@@ -33,7 +33,7 @@ class RunnerConfig:
     kv_cache_memory: str = doc(
         f"Memory for the KV cache: {EXAMPLES}; a fraction is of the device memory free "
         "after loading the weights (on CPU: MemAvailable, capped by the memory cgroup's limit).",
-        default="256MiB",
+        default="auto",
     )
     max_model_len: int = doc(
         "Longest sequence (prompt + output) in tokens; 0 takes the checkpoint's.", default=0

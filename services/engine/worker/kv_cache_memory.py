@@ -4,8 +4,10 @@
 float in (0, 1] such as `0.5`: that share of the device memory still free once
 the weights are loaded (on CPU, of the host's MemAvailable, or of what the process's
 memory cgroup still allows where that is less: a pod's memory limit). A bare integer is
-always bytes, so `1` is one byte and `1.0` is all free memory. No torch here:
-the runner supplies the free-memory probe for its device.
+always bytes, so `1` is one byte and `1.0` is all free memory. `auto` (the default)
+is the smaller of 4 GiB and half the free memory: as much as vLLM's CPU backend is
+usually given, and on a small machine or in a small pod still room for the rest. No
+torch here: the runner supplies the free-memory probe for its device.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 }
 _PATTERN = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)")
-EXAMPLES = "bytes (268435456, 256MiB, 2GiB) or a fraction in (0, 1] of free memory (0.5)"
+EXAMPLES = ("bytes (268435456, 256MiB, 2GiB), a fraction in (0, 1] of free memory (0.5) "
+            "or auto (the smaller of 4GiB and half the free memory)")
+AUTO_MAX_BYTES = 4 << 30
 
 
 @dataclass(frozen=True, slots=True)
 class KVCacheMemory:
-    """Exactly one of num_bytes and fraction is set."""
+    """At most one of num_bytes and fraction is set; neither means auto."""
 
     num_bytes: int | None = None
     fraction: float | None = None
@@ -40,6 +44,8 @@ class KVCacheMemory:
             if value < 1:
                 raise ValueError(f"must be >= 1 byte, got {value}")
             return cls(num_bytes=value)
+        if str(value).strip().lower() == "auto":
+            return cls()
         match = _PATTERN.fullmatch(str(value).strip().lower())
         if match is None or match.group(2) not in _UNITS:
             raise ValueError(f"must be {EXAMPLES}, got {value!r}")
@@ -60,7 +66,8 @@ class KVCacheMemory:
         """Bytes for the KV cache; `free_memory` is only probed for a fraction."""
         if self.num_bytes is not None:
             return self.num_bytes
-        assert self.fraction is not None
+        if self.fraction is None:
+            return min(AUTO_MAX_BYTES, free_memory() // 2)
         return int(free_memory() * self.fraction)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -246,10 +247,20 @@ class ModelRunner:
         )
         # Zeros, not empty: attention multiplies masked-out slots by zero weights, and
         # uninitialized memory may hold NaN, which would survive that product.
-        return [
-            torch.zeros(shape, dtype=self._dtype, device=self._device)
-            for _ in range(model_config.num_hidden_layers)
-        ]
+        return [self._zeros(shape) for _ in range(model_config.num_hidden_layers)]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self._device.type != "cpu":
+            return torch.zeros(shape, dtype=self._dtype, device=self._device)
+        # numpy's zeros is calloc: a large block comes from fresh zero pages that the
+        # kernel maps only when first written, so a cache of several GiB costs the
+        # memory its used blocks take (torch.zeros would write, and commit, all of it).
+        # Over-allocated by a cache line so that the cache can start on one (calloc
+        # aligns to 16 bytes), as torch's own allocator does.
+        num_bytes = math.prod(shape) * self._dtype.itemsize
+        raw = np.zeros(num_bytes + 64, dtype=np.uint8)
+        start = -raw.ctypes.data % 64
+        return torch.from_numpy(raw[start:start + num_bytes]).view(self._dtype).view(shape)
 
     def _free_memory(self) -> int:
         """Bytes still free on the device, after the weights are loaded."""

@@ -543,3 +543,25 @@ def test_preemption_keeps_prompt_logprobs_exact(tiny_runner: Executor) -> None:
         logprobs = expected[r.request_id][1]  # type: ignore[index]
         assert [lp[0] for lp in logprobs] == r.prompt_token_ids[1:], r.request_id
     assert seen(squeezed) == expected
+
+
+def test_the_cpu_kv_cache_is_zero_aligned_and_committed_only_when_used() -> None:
+    import torch
+
+    from services.engine.worker.config import RunnerConfig
+    from services.engine.worker.model_runner import ModelRunner as TorchModelRunner
+
+    def rss_mib() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 >> 20
+
+    before = rss_mib()
+    runner = TorchModelRunner(RunnerConfig(kv_cache_memory="1GiB", dtype="bfloat16"))
+    caches = runner.kv_caches
+    assert sum(c.numel() * c.element_size() for c in caches) > 900 << 20
+    # Not written, so not resident: the budget is a ceiling, not an up-front cost.
+    assert rss_mib() - before < 256
+    for cache in caches:
+        assert cache.dtype is torch.bfloat16 and cache.is_contiguous()
+        assert cache.data_ptr() % 64 == 0
+    assert not caches[0][:, :8].any() and not caches[-1][:, -8:].any()

@@ -66,6 +66,13 @@ def test_kv_cache_memory_as_a_fraction_of_free_memory() -> None:
     assert RunnerConfig(kv_cache_memory="1.0").kv_cache_budget.resolve(lambda: 7) == 7
 
 
+def test_kv_cache_memory_auto_is_at_most_4gib_and_half_the_free_memory() -> None:
+    budget = RunnerConfig().kv_cache_budget
+    assert budget == RunnerConfig(kv_cache_memory=" AUTO ").kv_cache_budget == KVCacheMemory()
+    assert budget.resolve(lambda: 24 << 30) == 4 << 30
+    assert budget.resolve(lambda: 6 << 30) == 3 << 30
+
+
 def test_host_memory_comes_from_meminfo(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16000 kB\nMemAvailable:    2048 kB\n")
