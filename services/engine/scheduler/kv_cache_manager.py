@@ -65,9 +65,8 @@ class KVCacheManager:
         because sampling needs that token's logits.
         """
         self._hash_up_to(request, request.num_tokens)
-        limit = (request.num_tokens - 1) // self.block_size
         blocks = []
-        for block_hash in request.block_hashes[:limit]:
+        for block_hash in request.block_hashes[:self._reusable_blocks(request)]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -114,6 +113,19 @@ class KVCacheManager:
         for i in range(first, num_full):
             self.pool.cache(table[i], hashes[i], hashes[i - 1] if i else NO_PARENT)
         self._num_cached[rid] = num_full
+
+    def num_blocks_in(self, request: Request, start: int, hashes: set[bytes]) -> int:
+        """How many of the request's blocks from block `start` on, in a row, have their
+        hash in `hashes`; as far as find_cached_prefix (which hashed them) looks."""
+        end = start
+        limit = self._reusable_blocks(request)
+        while end < limit and request.block_hashes[end] in hashes:
+            end += 1
+        return end - start
+
+    def _reusable_blocks(self, request: Request) -> int:
+        # The last token must still be computed: sampling needs its logits.
+        return (request.num_tokens - 1) // self.block_size
 
     def uncached_hashes(self, request: Request) -> Sequence[bytes]:
         """The hashes of the request's full blocks, as far as it has been hashed, that

@@ -242,13 +242,9 @@ class Scheduler:
         running requests are computing (so they are cached after those steps)."""
         if req.wants_prompt_logprobs:
             return False
-        block_size = self.kv_cache.block_size
-        limit = (req.num_tokens - 1) // block_size  # as find_cached_prefix
-        end = num_cached_blocks
-        while end < limit and req.block_hashes[end] in computing:
-            end += 1
-        return end > num_cached_blocks and (
-            (end - num_cached_blocks) * block_size >= self.wait_for_prefix_tokens)
+        num_blocks = self.kv_cache.num_blocks_in(req, num_cached_blocks, computing)
+        return num_blocks > 0 and (
+            num_blocks * self.kv_cache.block_size >= self.wait_for_prefix_tokens)
 
     def _admit(self, req: Request, cached: list[int], budget: int) -> ScheduledRequest | None:
         """Start the head waiting request on its longest cached prefix (`cached`, from

@@ -44,9 +44,10 @@ class KVCacheMemory:
             if value < 1:
                 raise ValueError(f"must be >= 1 byte, got {value}")
             return cls(num_bytes=value)
-        if str(value).strip().lower() == "auto":
+        text = str(value).strip().lower()
+        if text == "auto":
             return cls()
-        match = _PATTERN.fullmatch(str(value).strip().lower())
+        match = _PATTERN.fullmatch(text)
         if match is None or match.group(2) not in _UNITS:
             raise ValueError(f"must be {EXAMPLES}, got {value!r}")
         number, unit = match.groups()

@@ -130,9 +130,8 @@ class OpenAIApi:
         rid = f"cmpl-{request_id}"
         logprobs = body.logprobs is not None
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._completion_events(_merged(streams), rid, created, logprobs,
-                                             include_usage, body.return_token_ids)
+                                             body.include_usage, body.return_token_ids)
             return await _sse(request, events, request_id)
 
         async def whole() -> dict[str, Any]:
@@ -185,8 +184,7 @@ class OpenAIApi:
         rid = f"chatcmpl-{request_id}"
         logprobs = bool(body.logprobs)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._chat_events(answer, rid, created, include_usage)
+            events = self._chat_events(answer, rid, created, body.include_usage)
             return await _sse(request, events, request_id)
 
         async def whole() -> dict[str, Any]:
