@@ -34,18 +34,19 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
+from benchmarks.latency import percentile  # noqa: E402
 from benchmarks.workload import (  # noqa: E402
     CACHE,
     VOCAB,
@@ -145,15 +146,39 @@ async def drive(stream: Stream, batch: list[BenchRequest], concurrency: int,
 # ---- the two systems ----------------------------------------------------------------------
 
 
-def corestream_stream(address: str) -> tuple[Stream, Callable[[], object]]:
+Close = Callable[[], Awaitable[None]]
+
+
+def _channels(address: str) -> tuple[list[Any], Close]:
+    """Several aio channels to one server (a connection carries a bounded number of
+    streams), and the coroutine function that closes them."""
     import grpc
+
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(4)]
+
+    async def close() -> None:
+        await asyncio.gather(*(c.close() for c in channels))
+
+    return channels, close
+
+
+def _vllm_protos() -> tuple[Any, Any]:
+    """vllm_engine_pb2 and vllm_engine_pb2_grpc, compiled by stubs()."""
+    if str(STUBS) not in sys.path:
+        sys.path.insert(0, str(STUBS))
+    import vllm_engine_pb2  # noqa: PLC0415 (compiled at run time)
+    import vllm_engine_pb2_grpc  # noqa: PLC0415
+
+    return vllm_engine_pb2, vllm_engine_pb2_grpc
+
+
+def corestream_stream(address: str) -> tuple[Stream, Close]:
     from corestream.common.v1 import common_pb2
     from corestream.generate.v1 import generate_service_pb2 as pb
     from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
-    # Several connections: a connection carries a bounded number of streams.
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(4)]
+    channels, close = _channels(address)
     stubs_ = [pb_grpc.GenerateServiceStub(c) for c in channels]
 
     async def stream(r: BenchRequest, request_id: str) -> AsyncIterator[int]:
@@ -165,21 +190,12 @@ def corestream_stream(address: str) -> tuple[Stream, Callable[[], object]]:
         async for chunk in stub.GenerateStream(request, timeout=3600):
             yield len(chunk.token_ids)
 
-    async def close() -> None:
-        await asyncio.gather(*(c.close() for c in channels))
-
     return stream, close
 
 
-def vllm_stream(address: str) -> tuple[Stream, Callable[[], object]]:
-    import grpc
-
-    sys.path.insert(0, str(STUBS))
-    import vllm_engine_pb2 as pb  # noqa: PLC0415 (compiled at run time)
-    import vllm_engine_pb2_grpc as pb_grpc  # noqa: PLC0415
-
-    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(4)]
+def vllm_stream(address: str) -> tuple[Stream, Close]:
+    pb, pb_grpc = _vllm_protos()
+    channels, close = _channels(address)
     stubs_ = [pb_grpc.VllmEngineStub(c) for c in channels]
 
     async def stream(r: BenchRequest, request_id: str) -> AsyncIterator[int]:
@@ -193,20 +209,13 @@ def vllm_stream(address: str) -> tuple[Stream, Callable[[], object]]:
             if response.HasField("chunk"):
                 yield len(response.chunk.token_ids)
 
-    async def close() -> None:
-        await asyncio.gather(*(c.close() for c in channels))
-
     return stream, close
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class VllmServer:
     def __init__(self, model: Path, dtype: str, log: Path) -> None:
+        from tests.integration.cluster import free_port
+
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
@@ -221,10 +230,7 @@ class VllmServer:
     def _wait_healthy(self, log: Path) -> None:
         import grpc
 
-        sys.path.insert(0, str(STUBS))
-        import vllm_engine_pb2 as pb  # noqa: PLC0415
-        import vllm_engine_pb2_grpc as pb_grpc  # noqa: PLC0415
-
+        pb, pb_grpc = _vllm_protos()
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         with grpc.insecure_channel(self.address) as channel:
             stub = pb_grpc.VllmEngineStub(channel)
@@ -251,7 +257,7 @@ class VllmServer:
         self._log.close()
 
 
-def measure(name: str, address: str, make: Callable[[str], tuple[Stream, Callable[[], object]]],
+def measure(name: str, address: str, make: Callable[[str], tuple[Stream, Close]],
             runs: list[tuple[str, list[BenchRequest], int]]) -> dict[str, Timings]:
     async def main() -> dict[str, Timings]:
         stream, close = make(address)
@@ -265,17 +271,12 @@ def measure(name: str, address: str, make: Callable[[str], tuple[Stream, Callabl
                       f"TTFT median {statistics.median(t.ttft_s):.3f} s", flush=True)
             return out
         finally:
-            await close()  # type: ignore[misc]
+            await close()
 
     return asyncio.run(main())
 
 
 # ---- the report ---------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def row(name: str, t: Timings, ref: Timings | None) -> str:
