@@ -18,7 +18,8 @@ alone on the machine: one is started, warmed up on other prompts (a second pass 
 the same prompts would hit vLLM's prefix cache), measured and stopped before the
 other starts. Both are driven by the same asyncio client code and workload: the
 mixed workload of benchmarks/workload.py (prompts 16-512 random token ids, outputs
-16-256, greedy, ignore_eos), with `--concurrency` requests in flight at once.
+16-256, greedy, ignore_eos), with `--concurrency` requests in flight at once; each
+run after the first has prompts of the same lengths but new token ids.
 
 Printed per system: output tok/s, TTFT median and p99, ITL median (each chunk's gap
 to the previous one shared out over its tokens), and corestream's ratio to vLLM.
@@ -52,6 +53,7 @@ from benchmarks.workload import (  # noqa: E402
     VOCAB,
     BenchRequest,
     bench_checkpoint,
+    fresh_prompts,
     mixed_workload,
     warmup_workload,
 )
@@ -337,7 +339,10 @@ def main() -> None:
         runs = [("single", batch, 1)]
     else:
         batch = mixed_workload(args.num_requests)
-        runs = [(f"{c} in flight", batch, c) for c in map(int, args.concurrency.split(","))]
+        # Each run after the first gets new prompts of the same lengths: a second pass
+        # over the same ones would be served from either system's prefix cache.
+        runs = [(f"{c} in flight", fresh_prompts(batch, 1000 + i) if i else batch, c)
+                for i, c in enumerate(map(int, args.concurrency.split(",")))]
     print(f"{cpu_line()}\nmodel {model.name}, {args.dtype}; "
           f"{len(batch)} requests per run", flush=True)
 

@@ -90,6 +90,14 @@ def mixed_workload(num_requests: int = 128, seed: int = 0) -> list[BenchRequest]
     ]
 
 
+def fresh_prompts(batch: list[BenchRequest], seed: int) -> list[BenchRequest]:
+    """The same lengths with new random token ids: a second run of one workload that
+    no prefix cache filled by the first can serve."""
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(3, VOCAB) for _ in r.prompt], r.max_tokens)
+            for r in batch]
+
+
 def warmup_workload(num_requests: int = 8) -> list[BenchRequest]:
     """Other prompts (another seed), so that no prefix-cache hit flatters the timed run."""
     return [BenchRequest(r.prompt, min(r.max_tokens, 32))

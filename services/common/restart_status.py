@@ -39,3 +39,10 @@ def read_status(path: Path) -> list[PartStatus]:
     except FileNotFoundError:
         return []
     return [PartStatus(**entry) for entry in entries]
+
+
+def given_up_engines(path: str) -> list[str]:
+    """The engine parts serve gave up on, per the file at `path` ('' when not under serve)."""
+    if not path:
+        return []
+    return [p.part for p in read_status(Path(path)) if p.given_up and p.part.startswith("engine")]

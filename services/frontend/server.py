@@ -37,6 +37,7 @@ from services.common.malformed import RejectMalformedInterceptor
 from services.common.model_info import ModelInfo
 from services.common.observability import Observability
 from services.common.observability_config import ObservabilityConfig
+from services.common.restart_status import given_up_engines
 from services.common.sampling import SamplingParams
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend import admin, chat_service
@@ -164,6 +165,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             num_engines=self._balancer.num_connected,
             degraded=self._balancer.degraded,
             tensor_parallel_size=self._balancer.tensor_parallel_size,
+            engines_given_up=given_up_engines(self._config.restart_status_file),
         )
         if model.bos_token_id is not None:
             response.bos_token_id = model.bos_token_id

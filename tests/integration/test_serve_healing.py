@@ -260,7 +260,8 @@ def test_an_engine_crashing_on_start_is_given_up_and_serve_serves_on() -> None:
         assert "injected crash at start" in out
         with grpc.insecure_channel(c.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
-            assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5).num_engines == 1
+            info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)
+            assert info.num_engines == 1 and list(info.engines_given_up) == ["engine-1"], info
             assert all(generate(stub, f"p{i}").usage.completion_tokens == 4 for i in range(3))
         stats = {r.get("engine_index", r.get("part")): r for r in admin_stats(c.address)}
         assert stats[0]["ok"] and stats[0]["restarts"] == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.common.restart_status import read_status
+from services.common.restart_status import given_up_engines, read_status
 from services.serve_supervision import Child, Part, Supervision
 from services.supervisor import RestartPolicy, RestartTracker, describe_exit
 
@@ -143,6 +143,8 @@ def test_a_crash_looping_engine_is_given_up_and_the_cluster_serves_on(tmp_path: 
     by_part = {p.part: p for p in read_status(status)}
     assert by_part["engine-1"].given_up and by_part["engine-1"].restarts == 3
     assert not by_part["engine-0"].given_up
+    assert given_up_engines(str(status)) == ["engine-1"]  # what GetModelInfo reports
+    assert given_up_engines("") == []
     # The last engine going the same way stops the cluster.
     supervision = Supervision(supervision.parts[:2] + supervision.parts[3:],
                               RestartPolicy(0, 60, 1), None, None, clock)

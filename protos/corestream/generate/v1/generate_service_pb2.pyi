@@ -142,7 +142,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architectures", "max_context_length", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "num_engines", "degraded", "tensor_parallel_size")
+    __slots__ = ("model", "architectures", "max_context_length", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "num_engines", "degraded", "tensor_parallel_size", "engines_given_up")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class GetModelInfoResponse(_message.Message):
     NUM_ENGINES_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
     model: str
     architectures: _containers.RepeatedScalarFieldContainer[str]
     max_context_length: int
@@ -163,7 +164,8 @@ class GetModelInfoResponse(_message.Message):
     num_engines: int
     degraded: bool
     tensor_parallel_size: int
-    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., num_engines: _Optional[int] = ..., degraded: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    engines_given_up: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., num_engines: _Optional[int] = ..., degraded: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., engines_given_up: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
