@@ -3,10 +3,11 @@
 // Where each sequence feeds one token, a layer's work is a few small matmuls and the ops
 // of layers_cpu.cpp and paged_attention_cpu.cpp, and in Python the glue between them
 // (module calls, op dispatch from Python, views) costs as much as a fifth of the step.
-// Here the same ops run in the same order from C++: matmuls through at::mm / at::addmm,
-// as F.linear calls them, and the extension's ops through the dispatcher, so the results
-// are those of the Python layers bit for bit (services/engine/models/llama.py is the
-// reference; tests/kernels/test_cpu_decoder.py compares them). The gaps between parallel
+// Here the same ops run in the same order from C++: matmuls as the Python layers call
+// them (oneDNN on packed weights, else at::mm / at::addmm as F.linear does), and the
+// extension's ops through the dispatcher, so the results are those of the Python layers
+// bit for bit (services/engine/models/llama.py is the reference;
+// tests/kernels/test_cpu_decoder.py compares them). The gaps between parallel
 // regions also shrink from tens of microseconds to a few, short enough for torch's
 // OpenMP workers to keep spinning instead of going to sleep and being woken per op.
 
@@ -15,6 +16,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -39,8 +41,22 @@ enum Slot : int64_t {
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
-// F.linear's own choice for a 2-D input: addmm with a bias, mm without.
+// kernels/cpu_linear.py's `linear`: oneDNN for a weight packed for it at load, else
+// F.linear's own choice for a 2-D input (addmm with a bias, mm without).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  if (weight.is_mkldnn()) {
+    // Looked up only here: a torch without oneDNN packs nothing and lacks the op.
+    static const auto packed_linear =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                              const std::optional<at::Tensor>&, c10::string_view,
+                              c10::List<std::optional<at::Scalar>>,
+                              std::optional<c10::string_view>)>();
+    return packed_linear.call(x, weight,
+                              present(bias) ? std::optional<at::Tensor>(bias) : std::nullopt,
+                              "none", c10::List<std::optional<at::Scalar>>(), "");
+  }
   return present(bias) ? at::addmm(bias, x, weight.t()) : at::mm(x, weight.t());
 }
 
@@ -160,5 +176,10 @@ TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+}
+
+// Weights packed for oneDNN (kernels/cpu_linear.py) carry this key; the op is the same.
+TORCH_LIBRARY_IMPL(corestream_cpu, MkldnnCPU, m) {
   m.impl("decode_layers", &decode_layers);
 }

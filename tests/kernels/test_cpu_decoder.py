@@ -11,6 +11,7 @@ import torch
 
 from kernels.decoder_layers import LAYER_TENSORS, flat_weights
 from services.common.sampling import SamplingParams
+from services.engine.models import linear as linear_module
 from services.engine.models.llama import LlamaModel
 from services.engine.scheduler.output import ScheduledRequest
 from services.engine.worker.model_runner import ModelRunner
@@ -79,14 +80,19 @@ def decode_logits(runner: ModelRunner, prompts: dict[str, list[int]], steps: int
     return history
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn-packed", "plain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_decode_layers_give_the_python_layers_bits(
-    cpu_ops: Any, family: str, dtype: torch.dtype, tmp_path: Path,
+    cpu_ops: Any, family: str, dtype: torch.dtype, packed: bool, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     make_checkpoint(tmp_path, family, dtype=dtype, **FAMILIES[family])
+    if not packed:  # as in a torch without oneDNN
+        monkeypatch.setattr(linear_module, "can_pack", lambda weight: False)
     runner = make_runner(tmp_path, dtype="auto")
+    down = runner.model.model.layers[0].mlp.down_proj.weight
+    assert down.is_mkldnn == packed
     # Contexts of different lengths, past the window, across block boundaries.
     prompts = random_prompts({"a": 3, "b": 17, "c": 30}, VOCAB)
     steps = 6

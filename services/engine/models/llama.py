@@ -42,6 +42,7 @@ from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import rotate_and_store_kv
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
+from services.engine.models.linear import Linear
 from services.engine.models.rotary_embedding import RotaryEmbedding
 from services.engine.models.tp_layers import (
     VocabParallelEmbedding,
@@ -84,7 +85,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         hidden, bias = config.hidden_size, config.qkv_bias
         qkv_heads = self.num_heads + 2 * self.num_kv_heads
-        self.qkv_proj = nn.Linear(hidden, qkv_heads * self.head_dim, bias=bias)
+        self.qkv_proj = Linear(hidden, qkv_heads * self.head_dim, bias=bias)
         self.o_proj = row_linear(self.num_heads * self.head_dim, hidden, config.o_bias, tp)
         self.qk_norm = config.qk_norm
         if config.qk_norm:
@@ -137,7 +138,7 @@ class LlamaMLP(nn.Module):
         hidden, bias = config.hidden_size, config.mlp_bias
         world = tp.world_size if tp is not None else 1
         inter = split_evenly(config.intermediate_size, world, "intermediate_size")
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = row_linear(inter, hidden, bias, tp if reduce_output else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -281,8 +282,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = sharding_group(tp_group if tp_group is not None else current_tp_group())
         self.model = LlamaModel(config, self.tp)
-        self.lm_head: nn.Linear = (
-            nn.Linear(config.hidden_size, config.vocab_size, bias=False) if self.tp is None
+        self.lm_head: Linear = (
+            Linear(config.hidden_size, config.vocab_size, bias=False) if self.tp is None
             else VocabParallelLMHead(config.hidden_size, config.vocab_size, self.tp)
         )
         world, rank = (self.tp.world_size, self.tp.rank) if self.tp is not None else (1, 0)

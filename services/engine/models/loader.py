@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from services.engine.models.decoder_config import DecoderConfig
+from services.engine.models.linear import pack_linear_weights
 from services.engine.models.tp_sharding import ShardPlan
 
 if TYPE_CHECKING:
@@ -113,8 +114,8 @@ def load_model(
             f"missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}"
         )
     model.tie_weights()
-    if device.type == "cpu" and dtype == torch.float32:
-        transpose_linear_storage(model)
+    if device.type == "cpu" and not pack_linear_weights(model) and dtype == torch.float32:
+        transpose_linear_storage(model)  # no oneDNN in this torch build
     logger.info("loaded %s (%s) from %s onto %s as %s%s", cls.__name__,
                 ", ".join(hf_config.get("architectures", [])), folder, device, dtype,
                 f", tensor-parallel shard {tp.rank} of {tp.world_size}" if tp else "")
@@ -130,7 +131,8 @@ def transpose_linear_storage(model: torch.nn.Module) -> None:
     layout it gets an untransposed one. Those row counts are decode batches. The values
     do not change, and neither does the module's interface. A weight shared with
     another module (tied embeddings) stays row-major, as the embedding lookup wants.
-    bfloat16 runs through oneDNN, which gains nothing from this.
+    bfloat16 runs through oneDNN, which gains nothing from this. Used only where torch
+    has no oneDNN: otherwise the weights are packed for it (`pack_linear_weights`).
     """
     shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
               for p in m.parameters(recurse=False)}

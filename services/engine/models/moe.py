@@ -32,6 +32,7 @@ from torch import nn
 from kernels.activation import silu_and_mul
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig, MoEConfig
+from services.engine.models.linear import Linear
 from services.engine.models.llama import LlamaForCausalLM, LlamaMLP
 from services.engine.models.tp_layers import all_reduce, split_evenly
 from services.engine.parallel.dp_group import DPGroup, current_dp_group
@@ -97,7 +98,7 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = moe.norm_topk_prob
         self.ep = ep
         self.tp = tp
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.gate = Linear(hidden, moe.num_experts, bias=False)
         world = tp.world_size if tp is not None else 1
         self.experts = StackedExperts(
             ep.local_experts(moe.num_experts), hidden,
@@ -113,7 +114,7 @@ class SparseMoeBlock(nn.Module):
                          "shared_expert_intermediate_size")
             # Its partial sum joins the experts' in the block's one all-reduce.
             self.shared_expert = LlamaMLP(shared, tp, reduce_output=False)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.ep.dispatch(x, self._run_local_experts)

@@ -6,7 +6,7 @@ one all-reduce sums. So each decoder layer costs two all-reduces, one after o_pr
 one after down_proj (or after the whole MoE block), and nothing else:
 
 - q/k/v and gate/up are column-parallel. They need no class of their own: a plain
-  `nn.Linear` of this rank's width, loaded with this rank's rows (`tp_sharding`).
+  `Linear` of this rank's width, loaded with this rank's rows (`tp_sharding`).
   Attention is per head, so a rank attends with its query heads over its KV heads,
   and its KV cache holds only those (`local_kv_heads`).
 - o_proj and down_proj are `RowParallelLinear`: the bias, held whole by every rank, is
@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_linear import linear
+from services.engine.models.linear import Linear
 from services.engine.parallel.tp_group import TPGroup
 
 
@@ -74,7 +76,7 @@ def all_reduce(group: TPGroup, x: torch.Tensor) -> torch.Tensor:
     return group.all_reduce(x.contiguous())
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """`y = x @ W.T + b` with W's input features split over the ranks.
 
     `weight` `[out, in / N]` is this rank's columns; x `[T, in / N]` is the matching
@@ -86,7 +88,7 @@ class RowParallelLinear(nn.Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(self.group, F.linear(x, self.weight))
+        out = all_reduce(self.group, linear(x, self.weight))
         if self.bias is not None:
             out += self.bias
         return out
@@ -94,10 +96,10 @@ class RowParallelLinear(nn.Linear):
 
 def row_linear(
     in_features: int, out_features: int, bias: bool, group: TPGroup | None
-) -> nn.Linear:
+) -> Linear:
     """A row-parallel linear layer under `group`; a plain one without it."""
     if group is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     return RowParallelLinear(in_features, out_features, bias, group)
 
 
@@ -123,7 +125,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(self.group, x.masked_fill_(elsewhere.unsqueeze(-1), 0))
 
 
-class VocabParallelLMHead(nn.Linear):
+class VocabParallelLMHead(Linear):
     """The output projection with its vocabulary split like `VocabParallelEmbedding`
     (so tied embeddings share one shard); its forward returns the FULL float32 logits
     `[T, vocab]`, all-gathered, on every rank."""
@@ -135,7 +137,7 @@ class VocabParallelLMHead(nn.Linear):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         num_rows = hidden_states.shape[0]
-        local = F.linear(hidden_states, self.weight)  # [T, rows]
+        local = linear(hidden_states, self.weight)  # [T, rows]
         if num_rows == 0:
             return local.new_empty((0, self.vocab_size), dtype=torch.float32)
         # Gathered in the model's dtype (half the bytes of float32 for bfloat16), then

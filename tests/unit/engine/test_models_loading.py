@@ -11,7 +11,9 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from services.engine.models import linear as linear_module
 from services.engine.models.decoder_config import DecoderConfig
+from services.engine.models.linear import Linear
 from services.engine.models.loader import MODEL_REGISTRY, model_class
 from services.engine.models.rotary_embedding import inverse_frequencies
 from tests.unit.engine.hf_checkpoints import make_checkpoint
@@ -150,8 +152,31 @@ def test_rope_frequencies_match_transformers(case: str, head_dim: int) -> None:
     assert got_factor == pytest.approx(want_factor)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tied", [False, True])
-def test_float32_linear_weights_are_stored_column_major_on_cpu(tied: bool, tmp_path: Path) -> None:
+def test_linear_weights_are_packed_for_onednn_on_cpu(tied: bool, dtype: torch.dtype,
+                                                      tmp_path: Path) -> None:
+    hf = make_checkpoint(tmp_path, "llama", tie_word_embeddings=tied, dtype=dtype)
+    model = make_runner(tmp_path, device="cpu", dtype="auto").model
+    linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, Linear)}
+    assert "model.layers.0.self_attn.qkv_proj" in linears and "lm_head" in linears
+    for name, weight in linears.items():
+        if tied and name == "lm_head":
+            # Shared with the embedding table, whose row lookups want a plain tensor.
+            assert weight is model.model.embed_tokens.weight and not weight.is_mkldnn
+        else:
+            assert weight.is_mkldnn and weight.dtype == dtype, name
+    # The same matrix: the packed layer computes what F.linear does on the HF weight.
+    down = hf.model.layers[1].mlp.down_proj.weight.detach()
+    x = torch.randn(5, down.shape[1], dtype=dtype)
+    got = model.model.layers[1].mlp.down_proj(x)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, down))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_without_onednn_float32_linear_weights_are_stored_column_major(
+        tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "can_pack", lambda weight: False)
     hf = make_checkpoint(tmp_path, "llama", tie_word_embeddings=tied)
     model = make_runner(tmp_path, device="cpu").model
     linears = {name: m.weight for name, m in model.named_modules()
@@ -169,8 +194,10 @@ def test_float32_linear_weights_are_stored_column_major_on_cpu(tied: bool, tmp_p
     assert torch.equal(linears["model.layers.1.mlp.down_proj"], down)
 
 
-def test_bfloat16_linear_weights_stay_row_major(tmp_path: Path) -> None:
+def test_without_onednn_bfloat16_linear_weights_stay_row_major(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear_module, "can_pack", lambda weight: False)
     make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
     model = make_runner(tmp_path, device="cpu", dtype="auto").model
-    assert all(m.weight.is_contiguous() for m in model.modules()
+    assert all(m.weight.is_contiguous() and not m.weight.is_mkldnn for m in model.modules()
                if isinstance(m, torch.nn.Linear))

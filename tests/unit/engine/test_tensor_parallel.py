@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
+from services.engine.models.linear import Linear
 from services.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from services.engine.models.loader import load_model, pack_projections
 from services.engine.models.moe import SparseMoeBlock
@@ -417,7 +418,7 @@ def test_without_a_group_the_model_is_the_unsharded_one() -> None:
     for model in (plain, one_rank):
         assert model.tp is None and model.local_kv_heads == 2
         assert type(model.model.embed_tokens) is torch.nn.Embedding
-        assert type(model.lm_head) is torch.nn.Linear
-        assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
-        assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+        assert type(model.lm_head) is Linear
+        assert type(model.model.layers[0].self_attn.o_proj) is Linear
+        assert type(model.model.layers[0].mlp.down_proj) is Linear
         assert model.model._flat_weights is None  # the C++ decode path stays available
