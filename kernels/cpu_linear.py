@@ -3,9 +3,9 @@
 `F.linear` on CPU sends float32 to MKL's sgemm, whose fast paths are Intel's: on an AMD
 EPYC (AVX-512, no AMX) it reached 14-127 GFLOP/s on a small Llama's projections, where
 oneDNN's matmul on a weight already in its blocked layout reached 21-180, 1.4-3x
-faster at 1-2048 rows (benchmarks/decode_step.py and the README have the figures).
-bfloat16 already runs on oneDNN through `F.linear`, but reorders the weight on every
-call; packed once it is 1.1-2x faster at decode batch sizes. So the model's linear
+faster at 1-2048 rows. bfloat16 already runs on oneDNN through `F.linear`, but
+reorders the weight on every call; packed once it is 1.1-2x faster at decode batch
+sizes. Whole steps: benchmarks/cpu_linear.py. So the model's linear
 weights are packed at load (`pack_weight`), and every linear layer, the C++ decode op's
 included, calls `linear`, which takes either kind of weight.
 
