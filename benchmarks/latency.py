@@ -4,7 +4,8 @@
 
 One stream at a time: a 128-token prompt (random ids, a new one per request so the
 prefix cache never helps), 128 output tokens, greedy, ignore_eos, on the benchmark
-checkpoint. Also times the engine's decode step in process, so the gRPC share of the
+checkpoint; `--requests` streams through the synchronous gRPC client, then as many
+through the asyncio one. Also times the engine's decode step in process, so the gRPC share of the
 inter-token latency shows.
 
 The reference is llama.cpp on the same checkpoint (f32, 2 threads, the same prompts),
@@ -17,11 +18,13 @@ on this machine when the latency target was set.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,24 +42,60 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def stream_once(stub: object, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+def stream_request(prompt: list[int], max_tokens: int) -> Any:
     from corestream.common.v1 import common_pb2
     from corestream.generate.v1 import generate_service_pb2 as pb
 
-    request = pb.GenerateStreamRequest(
+    return pb.GenerateStreamRequest(
         token_ids=pb.TokenIds(ids=prompt),
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                            ignore_eos=True),
     )
+
+
+def ttft_and_gaps(start: float, arrivals: list[float], max_tokens: int
+                  ) -> tuple[float, list[float]]:
+    """Time to first token and each later token's gap to the one before (tokens of one
+    chunk arrive together)."""
+    assert len(arrivals) == max_tokens, len(arrivals)
+    return arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+
+
+def stream_once(stub: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+    """One stream through the synchronous gRPC client."""
+    request = stream_request(prompt, max_tokens)
     start = time.perf_counter()
     arrivals: list[float] = []
-    for chunk in stub.GenerateStream(request, timeout=600):  # type: ignore[attr-defined]
+    for chunk in stub.GenerateStream(request, timeout=600):
         now = time.perf_counter()
         arrivals += [now] * len(chunk.token_ids)
-    assert len(arrivals) == max_tokens, len(arrivals)
-    ttft = arrivals[0] - start
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    return ttft, gaps
+    return ttft_and_gaps(start, arrivals, max_tokens)
+
+
+def streams_async(address: str, prompts: list[list[int]], max_tokens: int
+                  ) -> tuple[list[float], list[float]]:
+    """The streams one after another through the asyncio gRPC client: TTFTs and gaps."""
+    import grpc
+    from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+
+    async def main() -> tuple[list[float], list[float]]:
+        ttfts: list[float] = []
+        gaps: list[float] = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            for prompt in prompts:
+                start = time.perf_counter()
+                arrivals: list[float] = []
+                async for chunk in stub.GenerateStream(stream_request(prompt, max_tokens),
+                                                       timeout=600):
+                    now = time.perf_counter()
+                    arrivals += [now] * len(chunk.token_ids)
+                ttft, g = ttft_and_gaps(start, arrivals, max_tokens)
+                ttfts.append(ttft)
+                gaps += g
+        return ttfts, gaps
+
+    return asyncio.run(main())
 
 
 def engine_step_ms(model: Path, prompt: list[int], max_tokens: int) -> float:
@@ -103,6 +142,8 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_tokens)]
                for _ in range(args.requests + 1)]
+    async_prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_tokens)]
+                     for _ in range(args.requests)]
 
     # Half of llama.cpp's streams before ours and half after, so drift shows in neither alone.
     half = args.requests // 2
@@ -121,6 +162,10 @@ def main() -> None:
                 ttft, g = stream_once(stub, prompt, args.output_tokens)
                 ttfts.append(ttft)
                 gaps += g
+        # The same number of streams again through the asyncio client, on new prompts
+        # (the first ones are in the prefix cache now).
+        async_ttfts, async_gaps = streams_async(cluster.address, async_prompts,
+                                                args.output_tokens)
     finally:
         cluster.stop()
     if with_llama_cpp:
@@ -134,11 +179,16 @@ def main() -> None:
     print(f"time to first token: median {statistics.median(ttfts) * 1000:.1f} ms, "
           f"p90 {percentile(ttfts, 0.9) * 1000:.1f} ms")
     print(f"inter-token latency: median {itl:.2f} ms, p90 {percentile(gaps, 0.9) * 1000:.2f} ms")
+    async_itl = statistics.median(async_gaps) * 1000
+    print(f"asyncio client: time to first token median "
+          f"{statistics.median(async_ttfts) * 1000:.1f} ms, inter-token median "
+          f"{async_itl:.2f} ms, p90 {percentile(async_gaps, 0.9) * 1000:.2f} ms")
     if reference_steps:
         reference = statistics.median(reference_steps)
         print(f"llama.cpp {llama_cpp.VERSION} (f32, 2 threads, same prompts, this run): decode "
               f"median {reference:.2f} ms/token, p90 {percentile(reference_steps, 0.9):.2f} ms;"
-              f" ours/llama.cpp {itl / reference:.2f}x")
+              f" ours/llama.cpp {itl / reference:.2f}x (synchronous client), "
+              f"{async_itl / reference:.2f}x (asyncio)")
         if before:
             first, last = statistics.median(before), statistics.median(after)
             drift = " (apart by more than 25%: the load changed mid-run)" \
