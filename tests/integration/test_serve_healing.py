@@ -240,8 +240,10 @@ def test_sigterm_during_a_restart_stops_everything(cluster: Cluster) -> None:
     os.kill(cluster.engine_pid(0), signal.SIGKILL)
     wait_for(lambda: log(cluster).count("starting engine-0:") > starts, 30,
              "serve to restart engine 0")
+    # serve logs the start just before it spawns the process: wait for the process too.
+    wait_for(lambda: bool(descendants(cluster.proc.pid) - before), 30,
+             "the new engine 0 process")
     restarting = descendants(cluster.proc.pid) - before  # the new engine, still loading
-    assert restarting, cluster.output()
     code = cluster.stop(signal.SIGTERM, timeout=60)
     assert code == 0, cluster.output()
     left = [p for p in before | restarting if alive(p)]
