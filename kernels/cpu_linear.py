@@ -5,9 +5,9 @@ EPYC (AVX-512, no AMX) it reached 14-127 GFLOP/s on a small Llama's projections,
 oneDNN's matmul on a weight already in its blocked layout reached 21-180, 1.4-3x
 faster at 1-2048 rows. bfloat16 already runs on oneDNN through `F.linear`, but
 reorders the weight on every call; packed once it is 1.1-2x faster at decode batch
-sizes. Whole steps: benchmarks/cpu_linear.py. So the model's linear
-weights are packed at load (`pack_weight`), and every linear layer, the C++ decode op's
-included, calls `linear`, which takes either kind of weight.
+sizes (whole steps: benchmarks/cpu_linear.py). So the model's linear weights are packed
+at load (`pack_weight`), and every linear layer, the C++ decode op's included, calls
+`linear`, which takes either kind of weight.
 
 A packed weight is an opaque oneDNN tensor: it keeps its shape and dtype but has no
 strides or storage, so only `linear` may read it.

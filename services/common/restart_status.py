@@ -25,6 +25,12 @@ class PartStatus:
     given_up: bool = False
     """A crash loop: serve no longer restarts it."""
 
+    @property
+    def engine_given_up(self) -> bool:
+        """One engine of a cluster that serves on without it. (Serve stops the cluster
+        when it gives up anything else, an MoE group included.)"""
+        return self.given_up and self.part.startswith("engine-")
+
 
 def write_status(path: Path, parts: Iterable[PartStatus]) -> None:
     tmp = path.with_name(path.name + ".tmp")
@@ -45,4 +51,4 @@ def given_up_engines(path: str) -> list[str]:
     """The engine parts serve gave up on, per the file at `path` ('' when not under serve)."""
     if not path:
         return []
-    return [p.part for p in read_status(Path(path)) if p.given_up and p.part.startswith("engine")]
+    return [p.part for p in read_status(Path(path)) if p.engine_given_up]

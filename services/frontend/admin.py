@@ -62,7 +62,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.GetEngineStatsRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetEngineStatsResponse:
         parts = read_status(self._restart_status) if self._restart_status else []
-        lost = [_given_up_result(p) for p in parts if p.given_up and p.part.startswith("engine-")]
+        lost = [_given_up_result(p) for p in parts if p.engine_given_up]
         lost = [r for r in lost if not request.HasField("engine_index")
                 or r.engine_index == request.engine_index]
         if lost and (request.HasField("engine_index") or not self._balancer.num_connected):

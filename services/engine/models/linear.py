@@ -1,6 +1,6 @@
 """`Linear`: the models' linear layer, whose weight may be packed for oneDNN on CPU.
 
-`pack_linear_weights` packs every such weight of a loaded model once (see
+`lay_out_for_cpu` gives every such weight of a loaded model its CPU layout once (see
 kernels/cpu_linear.py for why); until then, and on CUDA, a layer is `nn.Linear`.
 """
 
@@ -17,18 +17,24 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pack the weight of every `Linear` in `model` that oneDNN takes; the number packed.
+def lay_out_for_cpu(model: nn.Module) -> None:
+    """Pack the weight of every `Linear` in `model` for oneDNN where it can; where it
+    cannot (a torch without oneDNN), store a float32 one column-major instead.
 
-    A weight another kind of module shares (tied embeddings: the lookup reads rows of
-    it) stays as it is.
+    NOTE: MKL's float32 GEMM, which `F.linear` then calls, is up to 2-3x slower for 8-64
+    rows (decode batches) when the weight comes transposed, which is how `F.linear`
+    hands over a row-major one; column-major storage hands it an untransposed one, with
+    the same values. bfloat16 gains nothing from that. A weight another kind of module
+    shares (tied embeddings: the lookup reads its rows) stays as it is.
     """
-    shared = {id(p) for m in model.modules() if not isinstance(m, Linear)
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
               for p in m.parameters(recurse=False)}
-    packed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and id(module.weight) not in shared \
-                and can_pack(module.weight):
-            module.weight = nn.Parameter(pack_weight(module.weight), requires_grad=False)
-            packed += 1
-    return packed
+        if not isinstance(module, Linear) or id(module.weight) in shared:
+            continue
+        weight = module.weight.detach()
+        if can_pack(weight):
+            module.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+        elif weight.dtype == torch.float32:
+            module.weight = nn.Parameter(weight.t().contiguous().t(),
+                                         requires_grad=module.weight.requires_grad)

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from services.engine.models.decoder_config import DecoderConfig
-from services.engine.models.linear import pack_linear_weights
+from services.engine.models.linear import lay_out_for_cpu
 from services.engine.models.tp_sharding import ShardPlan
 
 if TYPE_CHECKING:
@@ -114,34 +114,12 @@ def load_model(
             f"missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}"
         )
     model.tie_weights()
-    if device.type == "cpu" and not pack_linear_weights(model) and dtype == torch.float32:
-        transpose_linear_storage(model)  # no oneDNN in this torch build
+    if device.type == "cpu":
+        lay_out_for_cpu(model)
     logger.info("loaded %s (%s) from %s onto %s as %s%s", cls.__name__,
                 ", ".join(hf_config.get("architectures", [])), folder, device, dtype,
                 f", tensor-parallel shard {tp.rank} of {tp.world_size}" if tp else "")
     return model.eval()
-
-
-def transpose_linear_storage(model: torch.nn.Module) -> None:
-    """Store each float32 `nn.Linear` weight `[out, in]` column-major, i.e. as a
-    contiguous `[in, out]` matrix seen through a transpose.
-
-    NOTE: on CPU, MKL's float32 GEMM is up to 2-3x slower for 8-64 rows when the weight
-    comes transposed, which is how `F.linear` hands over a row-major weight; with this
-    layout it gets an untransposed one. Those row counts are decode batches. The values
-    do not change, and neither does the module's interface. A weight shared with
-    another module (tied embeddings) stays row-major, as the embedding lookup wants.
-    bfloat16 runs through oneDNN, which gains nothing from this. Used only where torch
-    has no oneDNN: otherwise the weights are packed for it (`pack_linear_weights`).
-    """
-    shared = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
-              for p in m.parameters(recurse=False)}
-    for module in model.modules():
-        weight = module.weight if isinstance(module, torch.nn.Linear) else None
-        if weight is None or id(weight) in shared or weight.dtype != torch.float32:
-            continue
-        module.weight = torch.nn.Parameter(weight.detach().t().contiguous().t(),
-                                           requires_grad=weight.requires_grad)
 
 
 def note_attention_window(config: DecoderConfig, max_model_len: int) -> None:
