@@ -30,7 +30,9 @@ from kernels.backend import cpu_kernel_required, use_cpu_kernel
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_attention_cpu.cpp", "layers_cpu.cpp", "decoder_cpu.cpp")
+_SOURCES = (
+    "paged_attention_cpu.cpp", "layers_cpu.cpp", "decoder_cpu.cpp", "linear_cpu.cpp",
+)
 
 DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes every op of the extension supports; others take the torch path."""

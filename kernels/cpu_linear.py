@@ -11,14 +11,28 @@ at load (`pack_weight`), and every linear layer, the C++ decode op's included, c
 
 A packed weight is an opaque oneDNN tensor: it keeps its shape and dtype but has no
 strides or storage, so only `linear` may read it.
+
+At one to a few rows (decode steps), a linear layer is a pass over its weight, and
+oneDNN streamed a packed weight at one row at about half the machine's read bandwidth
+(13-17 of 28-31 GB/s). The C++ kernel `panel_linear` (csrc/linear_cpu.cpp) streams the
+same bytes at 23-32 GB/s, with no second copy: `weight_panels` gives a plain tensor
+that aliases the packed weight's buffer, once its layout is checked against the weight,
+and `linear` hands it the calls with few enough rows.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_extension import cpu_ops
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+PANEL_WIDTH = 64
+"""Output features per panel of a packed weight (csrc/linear_cpu.cpp)."""
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -37,9 +51,47 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """`x @ weight.T + bias` for a plain or a packed weight."""
+def weight_panels(weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
+    """The bytes of `packed` (`pack_weight(weight)`) as the panels `panel_linear` reads,
+    `[P, Kp, 64]` (float32) or `[P, Kp / 2, 64, 2]` (bfloat16), with P = ceil(out / 64);
+    None if they are laid out otherwise, or the C++ kernel does not run here.
+
+    The result aliases `packed`'s buffer and keeps `packed` alive. oneDNN picks the
+    layout by CPU, dtype and shape, so it is compared here with `weight`, in full.
+    """
+    ops = cpu_ops(weight)
+    if ops is None or not packed.is_mkldnn or not ops.panel_linear_supported(weight.dtype):
+        return None
+    out_features, in_features = weight.shape
+    pair = 2 if weight.dtype == torch.bfloat16 else 1
+    num_panels = -(-out_features // PANEL_WIDTH)
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    panel_bytes = num_panels * PANEL_WIDTH * pair * weight.element_size()
+    if nbytes == 0 or nbytes % panel_bytes:
+        return None
+    rows = nbytes // panel_bytes  # Kp / pair
+    if rows * pair < in_features:
+        return None
+    buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    buffer.packed = packed  # the alias must not outlive the buffer
+    flat = torch.frombuffer(buffer, dtype=weight.dtype)
+    shape = (num_panels, rows, PANEL_WIDTH) + ((pair,) if pair > 1 else ())
+    panels = flat.view(shape)
+    padded = weight.new_zeros(num_panels * PANEL_WIDTH, rows * pair)
+    padded[:out_features, :in_features] = weight
+    expected = padded.view(num_panels, PANEL_WIDTH, rows, pair).transpose(1, 2)
+    return panels if torch.equal(panels, expected.reshape(shape)) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           panels: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` for a plain or a packed weight; `panels`, the packed
+    weight's `weight_panels`, lets the C++ kernel take the calls with few rows."""
+    if panels is not None and (ops := cpu_ops(x)) is not None:
+        return ops.linear(x, weight, panels, _ABSENT if bias is None else bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+_ABSENT = torch.empty(0)

@@ -18,11 +18,12 @@ from kernels.cpu_extension import cpu_ops
 from kernels.cpu_paged_attention import decode_shape_supported
 
 LAYER_TENSORS = (
-    "input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias",
-    "post_norm", "gate_up_weight", "gate_up_bias", "down_weight", "down_bias",
+    "input_norm", "qkv_weight", "qkv_panels", "qkv_bias", "q_norm", "k_norm", "o_weight",
+    "o_panels", "o_bias", "post_norm", "gate_up_weight", "gate_up_panels", "gate_up_bias",
+    "down_weight", "down_panels", "down_bias",
 )
-"""The tensors each layer hands over, in this order (the C++ op's `Slot`); a bias or norm
-the layer lacks goes as `ABSENT`."""
+"""The tensors each layer hands over, in this order (the C++ op's `Slot`); a bias, norm
+or panels (`kernels.cpu_linear.weight_panels`) the layer lacks goes as `ABSENT`."""
 
 ABSENT = torch.empty(0)
 

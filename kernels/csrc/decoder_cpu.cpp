@@ -3,8 +3,8 @@
 // Where each sequence feeds one token, a layer's work is a few small matmuls and the ops
 // of layers_cpu.cpp and paged_attention_cpu.cpp, and in Python the glue between them
 // (module calls, op dispatch from Python, views) costs as much as a fifth of the step.
-// Here the same ops run in the same order from C++: matmuls as the Python layers call
-// them (oneDNN on packed weights, else at::mm / at::addmm as F.linear does), and the
+// Here the same ops run in the same order from C++: matmuls through the same
+// corestream_cpu::linear the Python layers call (linear_cpu.h), and the
 // extension's ops through the dispatcher, so the results are those of the Python layers
 // bit for bit (services/engine/models/llama.py is the reference;
 // tests/kernels/test_cpu_decoder.py compares them). The gaps between parallel
@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "linear_cpu.h"
 
 #include <cstdint>
 #include <optional>
@@ -26,38 +28,28 @@ namespace {
 enum Slot : int64_t {
   kInputNorm,
   kQkvWeight,
+  kQkvPanels,
   kQkvBias,
   kQNorm,
   kKNorm,
   kOWeight,
+  kOPanels,
   kOBias,
   kPostNorm,
   kGateUpWeight,
+  kGateUpPanels,
   kGateUpBias,
   kDownWeight,
+  kDownPanels,
   kDownBias,
   kSlotsPerLayer,
 };
 
 bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
-// kernels/cpu_linear.py's `linear`: oneDNN for a weight packed for it at load, else
-// F.linear's own choice for a 2-D input (addmm with a bias, mm without).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  if (weight.is_mkldnn()) {
-    // Looked up only here: a torch without oneDNN packs nothing and lacks the op.
-    static const auto packed_linear =
-        c10::Dispatcher::singleton()
-            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-            .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                              const std::optional<at::Tensor>&, c10::string_view,
-                              c10::List<std::optional<at::Scalar>>,
-                              std::optional<c10::string_view>)>();
-    return packed_linear.call(x, weight,
-                              present(bias) ? std::optional<at::Tensor>(bias) : std::nullopt,
-                              "none", c10::List<std::optional<at::Scalar>>(), "");
-  }
-  return present(bias) ? at::addmm(bias, x, weight.t()) : at::mm(x, weight.t());
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, Slot weight, Slot panels,
+                  Slot bias) {
+  return corestream_cpu::linear(x, w[weight], w[panels], w[bias]);
 }
 
 struct Ops {
@@ -142,7 +134,7 @@ at::Tensor decode_layers(
     } else {
       op.add_rms_norm.call(x, residual, w[kInputNorm], eps);
     }
-    at::Tensor qkv = linear(x, w[kQkvWeight], w[kQkvBias])
+    at::Tensor qkv = linear(x, w, kQkvWeight, kQkvPanels, kQkvBias)
                          .view({tokens, qk_heads + num_kv_heads, head_dim});
     at::Tensor qk = qkv.narrow(1, 0, qk_heads);
     const at::Tensor v = qkv.narrow(1, qk_heads, num_kv_heads);
@@ -158,10 +150,10 @@ at::Tensor decode_layers(
     at::Tensor attn = at::empty({tokens, num_heads, head_dim}, x.options());
     op.paged_decode.call(attn, qk.narrow(1, 0, num_heads), key_cache, value_cache,
                          block_tables, seq_lens, scale, windows[layer]);
-    x = linear(attn.view({tokens, num_heads * head_dim}), w[kOWeight], w[kOBias]);
+    x = linear(attn.view({tokens, num_heads * head_dim}), w, kOWeight, kOPanels, kOBias);
     op.add_rms_norm.call(x, residual, w[kPostNorm], eps);
-    x = linear(op.silu_and_mul.call(linear(x, w[kGateUpWeight], w[kGateUpBias])),
-               w[kDownWeight], w[kDownBias]);
+    x = linear(op.silu_and_mul.call(linear(x, w, kGateUpWeight, kGateUpPanels, kGateUpBias)),
+               w, kDownWeight, kDownPanels, kDownBias);
   }
   return x;
 }

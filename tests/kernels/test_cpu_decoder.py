@@ -80,19 +80,30 @@ def decode_logits(runner: ModelRunner, prompts: dict[str, list[int]], steps: int
     return history
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["onednn-packed", "plain"])
+# How the loader lays out the linear weights: packed for oneDNN with the panels the C++
+# few-row kernel reads (where this CPU runs it), packed without them, or plain (a torch
+# without oneDNN).
+LAYOUTS = ("panels", "onednn-packed", "plain")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_decode_layers_give_the_python_layers_bits(
-    cpu_ops: Any, family: str, dtype: torch.dtype, packed: bool, tmp_path: Path,
+    cpu_ops: Any, family: str, dtype: torch.dtype, layout: str, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if layout == "panels" and not cpu_ops.panel_linear_supported(dtype):
+        pytest.skip(f"this CPU has no few-row kernel for {dtype}")
     make_checkpoint(tmp_path, family, dtype=dtype, **FAMILIES[family])
-    if not packed:  # as in a torch without oneDNN
+    if layout == "plain":
         monkeypatch.setattr(linear_module, "can_pack", lambda weight: False)
+    if layout == "onednn-packed":
+        monkeypatch.setattr(linear_module, "weight_panels", lambda weight, packed: None)
     runner = make_runner(tmp_path, dtype="auto")
-    down = runner.model.model.layers[0].mlp.down_proj.weight
-    assert down.is_mkldnn == packed
+    down = runner.model.model.layers[0].mlp.down_proj
+    assert down.weight.is_mkldnn == (layout != "plain")
+    assert (down.panels is not None) == (layout == "panels")
     # Contexts of different lengths, past the window, across block boundaries.
     prompts = random_prompts({"a": 3, "b": 17, "c": 30}, VOCAB)
     steps = 6
@@ -124,7 +135,7 @@ def test_a_wrong_weight_count_is_refused_with_the_expected_one(cpu_ops: Any) -> 
     one_layer = flat_weights([{"input_norm": torch.ones(8)}])
     assert len(one_layer) == len(LAYER_TENSORS)
     cache = torch.zeros(2, 1, 4, 1, 8)
-    with pytest.raises(RuntimeError, match="12 weights per layer for 2 layers, got 12"):
+    with pytest.raises(RuntimeError, match="16 weights per layer for 2 layers, got 16"):
         cpu_ops.decode_layers(
             hidden, one_layer, [cache, cache], torch.ones(1, 8), torch.zeros(1, 8),
             torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),

@@ -9,17 +9,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu_linear import can_pack, linear, pack_weight
+from kernels.cpu_linear import can_pack, linear, pack_weight, weight_panels
 
 
 class Linear(nn.Linear):
+    panels: torch.Tensor | None = None
+    """The packed weight's bytes for the C++ few-row kernel (`weight_panels`), set by
+    `lay_out_for_cpu` with the weight; not a buffer: it aliases the weight."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.panels)
 
 
 def lay_out_for_cpu(model: nn.Module) -> None:
-    """Pack the weight of every `Linear` in `model` for oneDNN where it can; where it
-    cannot (a torch without oneDNN), store a float32 one column-major instead.
+    """Pack the weight of every `Linear` in `model` for oneDNN where it can, with its
+    panels for the C++ few-row kernel where that runs; where it cannot (a torch without
+    oneDNN), store a float32 one column-major instead.
 
     NOTE: MKL's float32 GEMM, which `F.linear` then calls, is up to 2-3x slower for 8-64
     rows (decode batches) when the weight comes transposed, which is how `F.linear`
@@ -34,7 +39,9 @@ def lay_out_for_cpu(model: nn.Module) -> None:
             continue
         weight = module.weight.detach()
         if can_pack(weight):
-            module.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+            packed = pack_weight(weight)
+            module.weight = nn.Parameter(packed, requires_grad=False)
+            module.panels = weight_panels(weight, packed)
         elif weight.dtype == torch.float32:
             module.weight = nn.Parameter(weight.t().contiguous().t(),
                                          requires_grad=module.weight.requires_grad)

@@ -186,15 +186,19 @@ class LlamaDecoderLayer(nn.Module):
         return {
             "input_norm": self.input_layernorm.weight,
             "qkv_weight": attn.qkv_proj.weight,
+            "qkv_panels": attn.qkv_proj.panels,
             "qkv_bias": attn.qkv_proj.bias,
             "q_norm": attn.q_norm.weight if attn.qk_norm else None,
             "k_norm": attn.k_norm.weight if attn.qk_norm else None,
             "o_weight": attn.o_proj.weight,
+            "o_panels": attn.o_proj.panels,
             "o_bias": attn.o_proj.bias,
             "post_norm": self.post_attention_layernorm.weight,
             "gate_up_weight": mlp.gate_up_proj.weight,
+            "gate_up_panels": mlp.gate_up_proj.panels,
             "gate_up_bias": mlp.gate_up_proj.bias,
             "down_weight": mlp.down_proj.weight,
+            "down_panels": mlp.down_proj.panels,
             "down_bias": mlp.down_proj.bias,
         }
 

@@ -88,7 +88,7 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(self.group, linear(x, self.weight))
+        out = all_reduce(self.group, linear(x, self.weight, panels=self.panels))
         if self.bias is not None:
             out += self.bias
         return out
@@ -137,7 +137,7 @@ class VocabParallelLMHead(Linear):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         num_rows = hidden_states.shape[0]
-        local = linear(hidden_states, self.weight)  # [T, rows]
+        local = linear(hidden_states, self.weight, panels=self.panels)  # [T, rows]
         if num_rows == 0:
             return local.new_empty((0, self.vocab_size), dtype=torch.float32)
         # Gathered in the model's dtype (half the bytes of float32 for bfloat16), then

@@ -11,6 +11,8 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kernels.cpu_extension import load as load_cpu_kernels
+
 from services.engine.models import linear as linear_module
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import Linear
@@ -158,19 +160,27 @@ def test_linear_weights_are_packed_for_onednn_on_cpu(tied: bool, dtype: torch.dt
                                                       tmp_path: Path) -> None:
     hf = make_checkpoint(tmp_path, "llama", tie_word_embeddings=tied, dtype=dtype)
     model = make_runner(tmp_path, device="cpu", dtype="auto").model
-    linears = {name: m.weight for name, m in model.named_modules() if isinstance(m, Linear)}
+    ops = load_cpu_kernels()
+    # The few-row kernel reads the packed bytes where this CPU and build run it.
+    panels = ops is not None and ops.panel_linear_supported(dtype)
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     assert "model.layers.0.self_attn.qkv_proj" in linears and "lm_head" in linears
-    for name, weight in linears.items():
+    for name, module in linears.items():
+        weight = module.weight
         if tied and name == "lm_head":
             # Shared with the embedding table, whose row lookups want a plain tensor.
             assert weight is model.model.embed_tokens.weight and not weight.is_mkldnn
+            assert module.panels is None
         else:
             assert weight.is_mkldnn and weight.dtype == dtype, name
-    # The same matrix: the packed layer computes what F.linear does on the HF weight.
+            assert (module.panels is not None) == panels, name
+    # The same matrix: the packed layer computes what F.linear does on the HF weight,
+    # with few rows (the panel kernel's) and many (oneDNN's).
     down = hf.model.layers[1].mlp.down_proj.weight.detach()
-    x = torch.randn(5, down.shape[1], dtype=dtype)
-    got = model.model.layers[1].mlp.down_proj(x)
-    torch.testing.assert_close(got, torch.nn.functional.linear(x, down))
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, down.shape[1], dtype=dtype)
+        got = model.model.layers[1].mlp.down_proj(x)
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, down))
 
 
 @pytest.mark.parametrize("tied", [False, True])

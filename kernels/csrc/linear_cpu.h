@@ -1,0 +1,15 @@
+// The linear layer of the CPU kernels (linear_cpu.cpp), for the other ops that call it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace corestream_cpu {
+
+// x @ weight^T + bias, x [M, K]. weight [N, K] is plain or packed for oneDNN
+// (kernels/cpu_linear.py); panels, if not empty, is a packed weight's bytes as
+// kernels/cpu_linear.py's `weight_panels` gives them, used for up to a few rows of x.
+// bias is [N] or empty.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
+                  const at::Tensor& bias);
+
+}  // namespace corestream_cpu

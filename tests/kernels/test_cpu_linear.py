@@ -1,0 +1,128 @@
+"""The few-row linear kernel (`panel_linear`, csrc/linear_cpu.cpp) on oneDNN's packed
+weights, against a float64 reference and oneDNN itself, and the choice `linear` makes
+between them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kernels.cpu_linear import PANEL_WIDTH, linear, pack_weight, weight_panels
+
+DTYPES = [torch.float32, torch.bfloat16]
+# Full panels, a ragged last panel, fewer outputs than one panel; even and odd inputs
+# (bfloat16 pairs consecutive inputs), inputs oneDNN pads.
+SHAPES = [(1024, 512), (1000, 333), (100, 70), (17, 5), (64, 1)]
+# The rows up to which `linear` sends a call to the panel kernel (csrc/linear_cpu.cpp).
+MAX_PANEL_ROWS = {torch.float32: 8, torch.bfloat16: 16}
+
+
+def packed_pair(ops: Any, dtype: torch.dtype, out_features: int, in_features: int,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random weight, packed, and its panels; skips where this CPU has no kernel."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN packs no weights")
+    if not ops.panel_linear_supported(dtype):
+        pytest.skip(f"this CPU has no few-row kernel for {dtype}")
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    packed = pack_weight(weight)
+    panels = weight_panels(weight, packed)
+    assert panels is not None, "oneDNN's layout is not the one the kernel reads"
+    return weight, packed, panels
+
+
+def assert_near(got: torch.Tensor, want: torch.Tensor, in_features: int) -> None:
+    """Within float32 accumulation error over `in_features` products of N(0, 1) values,
+    plus, for bfloat16, the result's rounding (half a unit in its 8 bits)."""
+    rtol = 1e-6 if got.dtype == torch.float32 else 2.0 ** -8
+    torch.testing.assert_close(got.double(), want.double(), rtol=rtol,
+                               atol=1e-5 * in_features ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+def test_panel_linear_matches_a_float64_reference(
+    cpu_ops: Any, dtype: torch.dtype, out_features: int, in_features: int
+) -> None:
+    weight, packed, panels = packed_pair(cpu_ops, dtype, out_features, in_features)
+    assert panels.shape[0] == -(-out_features // PANEL_WIDTH)
+    bias = torch.randn(out_features).to(dtype)
+    for rows in (1, 2, 3, 4, 5, 7, 9, 16):
+        x = torch.randn(rows, in_features).to(dtype)
+        for b in (bias, torch.empty(0, dtype=dtype)):
+            got = cpu_ops.panel_linear(x, panels, b, out_features)
+            want = x.double() @ weight.double().T + (b.double() if b.numel() else 0)
+            assert got.shape == (rows, out_features) and got.dtype == dtype
+            assert_near(got, want, in_features)
+            onednn = torch.ops.mkldnn._linear_pointwise(
+                x, packed, b if b.numel() else None, "none", [], "")
+            if dtype == torch.float32:
+                assert_near(got, onednn, in_features)
+            else:  # two roundings to bfloat16 may land one unit apart
+                torch.testing.assert_close(got, onednn, rtol=2.0 ** -7, atol=0)
+
+
+def test_panel_linear_of_no_rows_is_empty(cpu_ops: Any) -> None:
+    _, _, panels = packed_pair(cpu_ops, torch.float32, 100, 70)
+    got = cpu_ops.panel_linear(torch.empty(0, 70), panels, torch.empty(0), 100)
+    assert got.shape == (0, 100)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_sends_few_rows_to_the_panel_kernel_and_more_to_onednn(
+    cpu_ops: Any, dtype: torch.dtype
+) -> None:
+    weight, packed, panels = packed_pair(cpu_ops, dtype, 1000, 333)
+    bias = torch.randn(1000).to(dtype)
+    limit = MAX_PANEL_ROWS[dtype]
+    for rows in (1, limit, limit + 1, 64):
+        x = torch.randn(rows, 333).to(dtype)
+        got = linear(x, packed, bias, panels)
+        kernel = cpu_ops.panel_linear(x, panels, bias, 1000)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        # Both agree within rounding; the bits say which one ran.
+        assert torch.equal(got, kernel if rows <= limit else onednn), rows
+        # Without panels, the packed weight goes to oneDNN at any row count.
+        assert torch.equal(linear(x, packed, bias), onednn)
+
+
+def test_linear_takes_inputs_the_kernel_does_not(cpu_ops: Any) -> None:
+    weight, packed, panels = packed_pair(cpu_ops, torch.float32, 128, 64)
+    x = torch.randn(2, 3, 64)  # not 2-D: oneDNN's path
+    torch.testing.assert_close(linear(x, packed, None, panels), x @ weight.T)
+    strided = torch.randn(3, 128)[:, ::2]  # not contiguous
+    torch.testing.assert_close(linear(strided, packed, None, panels), strided @ weight.T)
+
+
+def test_panels_alias_the_packed_weight_and_keep_it_alive(cpu_ops: Any) -> None:
+    weight, packed, panels = packed_pair(cpu_ops, torch.float32, 128, 64)
+    address = torch.ops.mkldnn.data_ptr(packed)
+    assert panels.data_ptr() == address  # no second copy of the weight
+    del packed
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(cpu_ops.panel_linear(x, panels, torch.empty(0), 128),
+                               x @ weight.T)
+
+
+def test_panels_of_another_weight_are_refused(cpu_ops: Any) -> None:
+    weight, _, _ = packed_pair(cpu_ops, torch.float32, 128, 64)
+    other = pack_weight(torch.randn(128, 64))
+    assert weight_panels(weight, other) is None
+    assert weight_panels(weight, weight) is None  # not packed at all
+
+
+def test_panel_linear_names_what_is_wrong(cpu_ops: Any) -> None:
+    _, _, panels = packed_pair(cpu_ops, torch.float32, 128, 64)
+    with pytest.raises(RuntimeError, match="x has 65 columns, the panels 64 rows"):
+        cpu_ops.panel_linear(torch.randn(1, 65), panels, torch.empty(0), 128)
+    with pytest.raises(RuntimeError, match="2 panels cannot hold 200 outputs"):
+        cpu_ops.panel_linear(torch.randn(1, 64), panels, torch.empty(0), 200)
+    with pytest.raises(RuntimeError, match=r"bias must be empty or \[128\]"):
+        cpu_ops.panel_linear(torch.randn(1, 64), panels, torch.zeros(3), 128)
+    with pytest.raises(RuntimeError, match="panels must be contiguous, of x's dtype"):
+        cpu_ops.panel_linear(torch.randn(1, 64).bfloat16(), panels, torch.empty(0), 128)
+    with pytest.raises(RuntimeError, match="panels must be"):
+        cpu_ops.panel_linear(torch.randn(1, 64), panels.view(2, -1), torch.empty(0), 128)
