@@ -12,7 +12,6 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernels.cpu_extension import load as load_cpu_kernels
-
 from services.engine.models import linear as linear_module
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import Linear
