@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -168,25 +169,37 @@ void run_panels(const at::Tensor& x, const at::Tensor& panels, const at::Tensor&
   const T* b_data = bias.numel() > 0 ? bias.const_data_ptr<T>() : nullptr;
   T* out_data = out.mutable_data_ptr<T>();
   const int64_t panel_elements = panels.stride(0);
-  // Each thread walks a contiguous run of panels: one stream through memory per core.
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t column = p * kPanelWidth;
-      const int64_t width = std::min(kPanelWidth, n_size - column);
-      const T* panel = w_data + p * panel_elements;
-      const T* panel_bias = b_data != nullptr ? b_data + column : nullptr;
-      for (int64_t m = 0; m < m_size; m += kRowsPerPass) {
-        const T* xm = x_data + m * k_size;
-        T* om = out_data + m * n_size + column;
-        switch (std::min<int64_t>(kRowsPerPass, m_size - m)) {
-          case 1: panel_rows<1>(xm, k_size, panel, k_size, panel_bias, width, om, n_size); break;
-          case 2: panel_rows<2>(xm, k_size, panel, k_size, panel_bias, width, om, n_size); break;
-          case 3: panel_rows<3>(xm, k_size, panel, k_size, panel_bias, width, om, n_size); break;
-          default: panel_rows<4>(xm, k_size, panel, k_size, panel_bias, width, om, n_size);
-        }
+  // One panel's outputs for every row of x.
+  auto run = [&](int64_t p) {
+    const int64_t column = p * kPanelWidth;
+    const int64_t width = std::min(kPanelWidth, n_size - column);
+    const T* panel = w_data + p * panel_elements;
+    const T* panel_bias = b_data != nullptr ? b_data + column : nullptr;
+    for (int64_t m = 0; m < m_size; m += kRowsPerPass) {
+      const T* xm = x_data + m * k_size;
+      T* om = out_data + m * n_size + column;
+      switch (std::min<int64_t>(kRowsPerPass, m_size - m)) {
+        case 1: panel_rows<1>(xm, k_size, panel, k_size, panel_bias, width, om, n_size); break;
+        case 2: panel_rows<2>(xm, k_size, panel, k_size, panel_bias, width, om, n_size); break;
+        case 3: panel_rows<3>(xm, k_size, panel, k_size, panel_bias, width, om, n_size); break;
+        default: panel_rows<4>(xm, k_size, panel, k_size, panel_bias, width, om, n_size);
       }
     }
-  });
+  };
+  // Threads take panels one at a time, not a fixed share each: on a machine with few
+  // cores the frontend and other processes preempt one thread or another every token,
+  // and with fixed shares the others would wait at the end of every layer for the
+  // preempted one's share; this way they take it over. Each panel is still one
+  // contiguous stream of 64 x K weights.
+  const int64_t num_panels = panels.size(0);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_panels), 1,
+                   [&](int64_t, int64_t) {
+                     for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) <
+                                     num_panels;) {
+                       run(p);
+                     }
+                   });
 }
 
 #endif  // CORESTREAM_AVX512
