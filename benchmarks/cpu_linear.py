@@ -1,13 +1,14 @@
-"""Linear weights packed for oneDNN at load against plain ones through F.linear (MKL).
+"""The CPU layouts of the linear weights, step against step (kernels/cpu_linear.py).
 
-    .venv/bin/python benchmarks/cpu_linear.py [--rounds 5] [--threads 2]
+    .venv/bin/python benchmarks/cpu_linear.py [--rounds 5] [--threads 2] [--dtype D]
 
-Two model runners on the benchmark checkpoint, one as the engine loads it (weights
-packed: kernels/cpu_linear.py) and one as a torch without oneDNN would (plain weights,
-float32 ones stored column-major), each step through `ModelRunner.execute` (no
-scheduler, no gRPC): decode at batch 1, 16 and 128, and single prefills of 264 and 2048
-tokens. Each round runs every workload on both runners back to back, so that a loaded
-machine slows both alike; printed are each side's median step and the ratio
+Three model runners on the benchmark checkpoint: "panels" as the engine loads it
+(weights packed for oneDNN, and the few-row kernel on the same bytes), "packed" (oneDNN
+at every row count) and "plain", as a torch without oneDNN would (F.linear, float32
+weights stored column-major). Each steps through `ModelRunner.execute` (no scheduler, no
+gRPC): decode at batch 1, 4, 8, 16 and 128, and single prefills of 264 and 2048 tokens.
+Each round runs every workload on every runner back to back, so that a loaded machine
+slows all alike; printed are each one's median step and the ratios panels/packed and
 packed/plain, with the CPU it ran on.
 """
 
@@ -32,19 +33,21 @@ from services.engine.models import linear as linear_module  # noqa: E402
 from services.engine.worker.config import RunnerConfig  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402
 
-KINDS = ("packed", "plain")
+KINDS = ("panels", "packed", "plain")
 
 
-def load(dtype: str, threads: int, packed: bool) -> ModelRunner:
-    can_pack = linear_module.can_pack
-    if not packed:
+def load(dtype: str, threads: int, kind: str) -> ModelRunner:
+    can_pack, weight_panels = linear_module.can_pack, linear_module.weight_panels
+    if kind == "plain":
         linear_module.can_pack = lambda weight: False
+    if kind == "packed":
+        linear_module.weight_panels = lambda weight, packed: None
     try:
         return ModelRunner(RunnerConfig(model=str(bench_checkpoint()), dtype=dtype,
                                         kv_cache_memory=1 << 30, max_model_len=2048,
                                         num_threads=threads))
     finally:
-        linear_module.can_pack = can_pack
+        linear_module.can_pack, linear_module.weight_panels = can_pack, weight_panels
 
 
 def main() -> None:
@@ -55,9 +58,11 @@ def main() -> None:
                         help="the runners' num_threads (0: one per usable CPU)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
-    runners = {kind: load(args.dtype, args.threads, kind == "packed") for kind in KINDS}
+    runners = {kind: load(args.dtype, args.threads, kind) for kind in KINDS}
     workloads: dict[str, Callable[[ModelRunner, str], list[float]]] = {
         "decode1": lambda r, tag: decode_times(r, 1, 128, args.steps, tag),
+        "decode4": lambda r, tag: decode_times(r, 4, 128, args.steps, tag),
+        "decode8": lambda r, tag: decode_times(r, 8, 128, args.steps, tag),
         "decode16": lambda r, tag: decode_times(r, 16, 128, args.steps, tag),
         "decode128": lambda r, tag: decode_times(r, 128, 64, args.steps, tag),
         "prefill264": lambda r, tag: prefill_times(r, 264, tag),
@@ -72,8 +77,9 @@ def main() -> None:
                 samples[w, kind] += run(runner, f"{w}-{kind}-{r}-")
     print(f"{cpu_line()}\n{args.dtype}, threads {torch.get_num_threads()}, {args.rounds} rounds")
     for w in workloads:
-        packed, plain = (statistics.median(samples[w, k]) * 1000 for k in KINDS)
-        print(f"{w:12s} packed {packed:8.2f} ms  plain {plain:8.2f} ms  "
+        panels, packed, plain = (statistics.median(samples[w, k]) * 1000 for k in KINDS)
+        print(f"{w:12s} panels {panels:8.2f} ms  packed {packed:8.2f} ms  "
+              f"plain {plain:8.2f} ms  panels/packed {panels / packed:.3f}  "
               f"packed/plain {packed / plain:.3f}")
 
 
