@@ -65,13 +65,8 @@ inline void finish(const __m512 (&acc)[R][kVectors], const T* bias, int64_t widt
   }
 }
 
-inline void store_f32(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-
-// R rows of x [R, K] (row stride x_stride) times one float32 panel [Kp, 64].
 template <int R>
-void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t k_size,
-                const float* bias, int64_t width, float* out, int64_t out_stride) {
-  __m512 acc[R][kVectors];
+inline void clear(__m512 (&acc)[R][kVectors]) {
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
@@ -79,6 +74,16 @@ void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t k_
       acc[r][v] = _mm512_setzero_ps();
     }
   }
+}
+
+inline void store_f32(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
+
+// R rows of x [R, K] (row stride x_stride) times one float32 panel [Kp, 64].
+template <int R>
+void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t k_size,
+                const float* bias, int64_t width, float* out, int64_t out_stride) {
+  __m512 acc[R][kVectors];
+  clear(acc);
   for (int64_t k = 0; k < k_size; ++k) {
     const float* w = panel + k * kPanelWidth;
     __m512 wv[kVectors];
@@ -125,13 +130,7 @@ void panel_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* p
                 int64_t k_size, const c10::BFloat16* bias, int64_t width, c10::BFloat16* out,
                 int64_t out_stride) {
   __m512 acc[R][kVectors];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int v = 0; v < kVectors; ++v) {
-      acc[r][v] = _mm512_setzero_ps();
-    }
-  }
+  clear(acc);
   // Pairs of k, then an odd K's last k alone (reading x[K] would run past the row).
   const int64_t whole_pairs = k_size / 2;
   for (int64_t q = 0; q <= whole_pairs; ++q) {
