@@ -45,7 +45,7 @@ enum Slot : int64_t {
   kSlotsPerLayer,
 };
 
-bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
+using corestream_cpu::present;
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor* w, Slot weight, Slot panels,
                   Slot bias) {

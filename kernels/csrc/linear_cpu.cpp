@@ -9,7 +9,7 @@
 // streamed it at about half the machine's read bandwidth for one row (AMD EPYC, AVX-512),
 // so decode steps of one stream went at half the speed they could. This kernel walks the
 // same bytes (kernels/cpu_linear.py hands it a plain tensor that aliases oneDNN's buffer,
-// after checking the layout) front to back, each thread over a contiguous range of it:
+// after checking the layout) one panel at a time, each panel front to back:
 //
 //   float32:  panels [P, Kp, 64]      panel p, row k, lane j = W[64p + j, k]
 //   bfloat16: panels [P, Kp/2, 64, 2] the same, with k and k+1 side by side (the pairs
@@ -131,12 +131,7 @@ void panel_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* p
                 int64_t out_stride) {
   __m512 acc[R][kVectors];
   clear(acc);
-  // Pairs of k, then an odd K's last k alone (reading x[K] would run past the row).
-  const int64_t whole_pairs = k_size / 2;
-  for (int64_t q = 0; q <= whole_pairs; ++q) {
-    if (q == whole_pairs && k_size % 2 == 0) {
-      break;
-    }
+  for (int64_t q = 0; 2 * q < k_size; ++q) {
     const c10::BFloat16* w = panel + q * 2 * kPanelWidth;
     __m512bh wv[kVectors];
 #pragma GCC unroll 4
@@ -146,7 +141,8 @@ void panel_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* p
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const c10::BFloat16* row = x + r * x_stride;
-      const __m512bh xr = q < whole_pairs ? pair(row, 2 * q) : last(row, 2 * q);
+      // An odd K's last k goes alone: reading x[K] would run past the row.
+      const __m512bh xr = 2 * q + 1 < k_size ? pair(row, 2 * q) : last(row, 2 * q);
 #pragma GCC unroll 4
       for (int v = 0; v < kVectors; ++v) {
         acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xr);
@@ -165,7 +161,7 @@ void run_panels(const at::Tensor& x, const at::Tensor& panels, const at::Tensor&
   const int64_t k_size = x.size(1);
   const T* x_data = x.const_data_ptr<T>();
   const T* w_data = panels.const_data_ptr<T>();
-  const T* b_data = bias.numel() > 0 ? bias.const_data_ptr<T>() : nullptr;
+  const T* b_data = corestream_cpu::present(bias) ? bias.const_data_ptr<T>() : nullptr;
   T* out_data = out.mutable_data_ptr<T>();
   const int64_t panel_elements = panels.stride(0);
   // One panel's outputs for every row of x.
@@ -231,8 +227,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const at:
   const int64_t pair = dtype == at::kBFloat16 ? 2 : 1;
   TORCH_CHECK(panels.dim() == (pair == 2 ? 4 : 3) && panels.size(2) == kPanelWidth &&
                   (pair == 1 || panels.size(3) == pair),
-              "panel_linear: panels must be [P, K/", pair, ", ", kPanelWidth,
-              pair == 2 ? ", 2]" : "]", " for ", dtype, ", not ", panels.sizes());
+              "panel_linear: panels must be ",
+              pair == 2 ? "[P, K/2, 64, 2]" : "[P, K, 64]", " for ", dtype, ", not ",
+              panels.sizes());
   TORCH_CHECK(panels.size(1) * pair >= x.size(1), "panel_linear: x has ", x.size(1),
               " columns, the panels ", panels.size(1) * pair, " rows");
   TORCH_CHECK(panels.size(0) * kPanelWidth >= out_features &&
@@ -260,13 +257,6 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const at:
 // over each panel, kRowsPerPass rows at a time, cost more than the weight's stream from
 // memory saves (benchmarks/cpu_linear.py).
 int64_t max_panel_rows(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : 8; }
-
-bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
-
-at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
-                     const at::Tensor& bias) {
-  return corestream_cpu::linear(x, weight, panels, bias);
-}
 
 }  // namespace
 
@@ -304,9 +294,9 @@ TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {
-  m.impl("linear", &linear_op);
+  m.impl("linear", &corestream_cpu::linear);
   m.impl("panel_linear", &panel_linear);
 }
 
 // Weights packed for oneDNN (kernels/cpu_linear.py) carry this key; the op is the same.
-TORCH_LIBRARY_IMPL(corestream_cpu, MkldnnCPU, m) { m.impl("linear", &linear_op); }
+TORCH_LIBRARY_IMPL(corestream_cpu, MkldnnCPU, m) { m.impl("linear", &corestream_cpu::linear); }

@@ -1,9 +1,13 @@
-// The linear layer of the CPU kernels (linear_cpu.cpp), for the other ops that call it.
+// The linear layer of the CPU kernels (linear_cpu.cpp), for the other ops that call it,
+// and the test for an optional tensor argument they share.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 namespace corestream_cpu {
+
+// An optional tensor argument is given: the ops take an empty tensor for "none".
+inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // x @ weight^T + bias, x [M, K]. weight [N, K] is plain or packed for oneDNN
 // (kernels/cpu_linear.py); panels, if not empty, is a packed weight's bytes as
