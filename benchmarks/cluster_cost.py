@@ -1,7 +1,7 @@
 """What the cluster adds to each token: inter-token latency and CPU time per token by process.
 
     .venv/bin/python benchmarks/cluster_cost.py [--requests 5] [--streams 1] [--fixed-logits]
-                                                [--threads]
+                                                [--step-ms MS] [--threads]
 
 Runs `corestream serve` on the benchmark checkpoint (or, with --fixed-logits, on a model
 that costs nothing, so that only the serving path is left), sends `--requests` greedy
@@ -11,6 +11,9 @@ client, the CPU time (user + system, from /proc) that the client and each serve 
 child's context switches per token (thread wake-ups). On a machine with few cores every
 bit of that CPU runs beside the model's step and slows it; CPU time per token is also
 much steadier than wall time on a shared machine: use it to compare trees.
+`--step-ms 5` paces the fixed-logits model (each step sleeps 5 ms, as long as the benchmark
+model's step, without its CPU): every token then wakes every thread of the serving path
+once, as with a real model, and the serving path's CPU per token is all that is measured.
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ def main() -> None:
                         "per token each (a thread that sleeps and wakes per op shows here)")
     parser.add_argument("--fixed-logits", action="store_true",
                         help="a model that costs nothing: only the serving path is left")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="with --fixed-logits: each step sleeps this long")
     args = parser.parse_args()
 
     import grpc
@@ -128,7 +133,10 @@ def main() -> None:
 
     from tests.integration.cluster import Cluster
 
-    model = fixed_logits_checkpoint() if args.fixed_logits else bench_checkpoint()
+    if args.step_ms and not args.fixed_logits:
+        parser.error("--step-ms paces the --fixed-logits model only")
+    model = (fixed_logits_checkpoint(step_seconds=args.step_ms / 1000) if args.fixed_logits
+             else bench_checkpoint())
     rng = random.Random(0)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_tokens)]
                for _ in range(args.requests + args.streams)]
@@ -155,8 +163,7 @@ def main() -> None:
 
     tokens = args.requests * args.output_tokens
     print(f"{args.requests} requests, {args.streams} at a time, prompt {args.prompt_tokens}, "
-          f"output {args.output_tokens}, {'fixed-logits' if args.fixed_logits else 'bench'} "
-          f"model; load average {os.getloadavg()[0]:.2f}")
+          f"output {args.output_tokens}, {model.name} model; load average {os.getloadavg()[0]:.2f}")
     print(f"inter-token latency: median {statistics.median(gaps) * 1000:.2f} ms, "
           f"mean {statistics.fmean(gaps) * 1000:.2f} ms; {tokens / wall:.0f} tokens/s")
     print("CPU per token: " + ", ".join(

@@ -54,8 +54,12 @@ def _write_tokenizer(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
 
 
-def fixed_logits_checkpoint(path: Path = CACHE / "fixed-logits") -> Path:
-    """A checkpoint of services/engine/models/fixed_logits.py: the model costs nothing."""
+def fixed_logits_checkpoint(path: Path = CACHE / "fixed-logits",
+                            step_seconds: float = 0.0) -> Path:
+    """A checkpoint of services/engine/models/fixed_logits.py: the model costs nothing
+    (or, with `step_seconds`, sleeps that long per step and costs no CPU)."""
+    if step_seconds:
+        path = path.with_name(f"{path.name}-{step_seconds * 1000:g}ms")
     if (path / "model.safetensors").exists():
         return path
     import numpy as np
@@ -70,6 +74,8 @@ def fixed_logits_checkpoint(path: Path = CACHE / "fixed-logits") -> Path:
         "vocab_size": VOCAB, "max_position_embeddings": 2048, "bos_token_id": 1,
         "eos_token_id": 2, "dtype": "float32",
     }
+    if step_seconds:
+        config["corestream_step_seconds"] = step_seconds
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     logits = np.random.default_rng(0).standard_normal(VOCAB).astype(np.float32)
     save_file({"logits": logits}, str(tmp / "model.safetensors"))

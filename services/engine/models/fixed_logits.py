@@ -5,11 +5,16 @@
 to load-test a deployment. Its checkpoint is a config.json naming the architecture
 `CorestreamFixedLogitsForCausalLM` and a safetensors file holding one `logits`
 vector. It keeps a one-layer KV cache shape so that the runner allocates as usual,
-but it never reads or writes it.
+but it never reads or writes it. A config.json key `corestream_step_seconds` makes each
+forward sleep that long: a paced model whose steps cost wall time but no CPU, so that
+every token wakes the whole serving path as a real model's would
+(`benchmarks/cluster_cost.py --step-ms`).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,12 +24,28 @@ from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
 
 
+@dataclass(frozen=True, slots=True)
+class FixedLogitsConfig(DecoderConfig):
+    step_seconds: float = 0.0
+    """How long each forward sleeps."""
+
+    def __post_init__(self) -> None:
+        DecoderConfig.__post_init__(self)
+        if not 0.0 <= self.step_seconds <= 10.0:
+            raise ValueError(
+                f"corestream_step_seconds must be in [0, 10], got {self.step_seconds}")
+
+
 class CorestreamFixedLogitsForCausalLM(nn.Module):
     @classmethod
-    def config_from_hf(cls, hf_config: dict[str, Any]) -> DecoderConfig:
-        return DecoderConfig.from_hf(hf_config)
+    def config_from_hf(cls, hf_config: dict[str, Any]) -> FixedLogitsConfig:
+        base = DecoderConfig.from_hf(hf_config)
+        return FixedLogitsConfig(
+            **{f: getattr(base, f) for f in DecoderConfig.__dataclass_fields__},
+            step_seconds=float(hf_config.get("corestream_step_seconds", 0.0)),
+        )
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: FixedLogitsConfig) -> None:
         super().__init__()
         self.config = config
         self.logits = nn.Parameter(torch.zeros(config.vocab_size), requires_grad=False)
@@ -41,6 +62,8 @@ class CorestreamFixedLogitsForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        if self.config.step_seconds:
+            time.sleep(self.config.step_seconds)
         # [T, 1]: a hidden state per token, so that the runner's row selection works.
         return torch.zeros(input_ids.shape[0], 1, dtype=self.logits.dtype,
                            device=input_ids.device)

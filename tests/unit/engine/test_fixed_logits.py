@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 from safetensors.numpy import save_file
 
 from tests.unit.engine.runner_driver import generate, make_runner
@@ -13,13 +16,13 @@ from tests.unit.engine.runner_driver import generate, make_runner
 VOCAB = 50
 
 
-def write_checkpoint(folder: Path, logits: np.ndarray) -> Path:
+def write_checkpoint(folder: Path, logits: np.ndarray, **extra: Any) -> Path:
     folder.mkdir()
     config = {
         "architectures": ["CorestreamFixedLogitsForCausalLM"], "hidden_size": 8,
         "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
         "num_key_value_heads": 1, "vocab_size": VOCAB, "max_position_embeddings": 128,
-        "eos_token_id": 2, "dtype": "float32",
+        "eos_token_id": 2, "dtype": "float32", **extra,
     }
     (folder / "config.json").write_text(json.dumps(config))
     save_file({"logits": logits.astype(np.float32)}, str(folder / "model.safetensors"))
@@ -33,3 +36,23 @@ def test_every_step_samples_the_fixed_argmax(tmp_path: Path) -> None:
     out = generate(runner, {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8, 9]}, num_tokens=5,
                    first_chunk={"b": 2})
     assert out == {"a": [17] * 5, "b": [17] * 5}
+
+
+def test_a_paced_model_sleeps_each_step_without_spending_cpu(tmp_path: Path) -> None:
+    logits = np.zeros(VOCAB)
+    logits[9] = 1.0
+    runner = make_runner(write_checkpoint(tmp_path / "paced", logits,
+                                          corestream_step_seconds=0.05))
+    wall, cpu = time.perf_counter(), time.thread_time()
+    out = generate(runner, {"a": [1, 2, 3]}, num_tokens=4)
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    assert out == {"a": [9] * 4}
+    assert wall >= 4 * 0.05  # one forward per step: the prefill made the first token
+    assert cpu < wall / 2
+
+
+@pytest.mark.parametrize("seconds", [-0.001, 11.0])
+def test_a_step_time_out_of_range_is_refused(tmp_path: Path, seconds: float) -> None:
+    with pytest.raises(ValueError, match=r"corestream_step_seconds must be in \[0, 10\]"):
+        make_runner(write_checkpoint(tmp_path / "bad", np.zeros(VOCAB),
+                                     corestream_step_seconds=seconds))
