@@ -2,8 +2,9 @@
 
 Threads: callers (the server's Session input threads) only put items on
 `input_queue` (and aborts also on `aborts_queue`); the busy-loop thread owns the
-scheduler and drives the executor; the output thread (emitter.py) moves each
-step's `StepOutputs` to the Sessions. Nothing in the busy loop waits on the network.
+scheduler and drives the executor, and routes each step's `StepOutputs` onto the
+Sessions' queues (emitter.py), which the Sessions' RPC threads write to the network.
+Nothing in the busy loop waits on the network.
 
     while state allows: process input (block only when idle); step; publish stats
     step = schedule -> execute -> update (aborts that came meanwhile go out first)
@@ -11,7 +12,7 @@ step's `StepOutputs` to the Sessions. Nothing in the busy loop waits on the netw
 Collaborators, each in its own module:
     executor.py      Executor, the seam the loop drives (the model, at any TP size)
     lifecycle.py     states, watchdog, drain, stop and death
-    emitter.py       the output queue and thread to the Sessions
+    emitter.py       outputs, replies and state changes to the Sessions, in one order
     utilities.py     utility calls (reset_prefix_cache, get_stats, pause, ...)
     compiles.py      constrained requests waiting for their grammars; step masks
     batch_queue.py   batches in flight while the loop schedules ahead (depth > 1)
@@ -22,8 +23,8 @@ loop thread only; each step's StepOutputs carries the events drained at its end,
 and events made outside a step's outputs (a reset, a schedule whose batch is still
 executing) go out as a kv-only StepOutputs at the end of the loop iteration. A
 subscription (`subscribe_kv_events`) travels on `input_queue` like a utility call:
-the loop flushes the pending events, then puts the Session's KvSnapshot on the
-output queue, so the snapshot sits exactly between the events it includes and
+the loop flushes the pending events, then routes the Session's KvSnapshot, so the
+snapshot sits exactly between the events it includes and
 those it does not (see session_router.py).
 """
 
@@ -140,7 +141,6 @@ class EngineCore:
 
     def start(self) -> None:
         """Start the loop; the executor must be warm by now."""
-        self.outputs.start()
         self.lifecycle.start()
         self._loop_thread.start()
 
@@ -206,7 +206,6 @@ class EngineCore:
         elif self.state is EngineState.STARTING:
             self.lifecycle.set_state(EngineState.STOPPED)
             self.lifecycle.close_executor()
-        self.outputs.close(join_timeout_s)
         self.sessions.wake_all()
 
     # ---- the busy loop ---------------------------------------------------------

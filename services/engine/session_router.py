@@ -1,8 +1,8 @@
 """SessionRouter: fans each step's outputs out to the Sessions that own them.
 
-The busy loop puts one `StepOutputs` per step on the engine's output queue; the
-output thread hands it here, and each open Session's queue receives a
-`SessionOutputs` holding only that Session's updates.
+The busy loop emits one `StepOutputs` per step (emitter.py) and it comes here: each
+open Session's queue receives a `SessionOutputs` holding only that Session's
+updates.
 
 Several frontends share an engine, each with its own Session and its own request
 ids, which may collide: inside the engine a request is known by its Session's id
@@ -14,9 +14,9 @@ steps before it, to the one Session that made the call.
 
 Prefix-cache events (kv_events.py) reach only the Sessions that subscribed, in
 every step that made some, with or without updates for them. A Session
-subscribes when its `KvSnapshot` is routed: the loop puts the snapshot on the
-output queue after every event it includes and before any it does not, and the
-output thread routes in queue order, so the Session then receives exactly the
+subscribes when its `KvSnapshot` is routed: the loop routes the snapshot after
+every event it includes and before any it does not, and the emitter routes one
+item at a time, in the order emitted, so the Session then receives exactly the
 events after its snapshot: no gap, no duplicate.
 """
 
