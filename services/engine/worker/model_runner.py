@@ -395,6 +395,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        single_slots: list[int] = []  # the cache slot of each one-token request
         prompt = _PromptRows()
         # Padded with block 0: always a valid index, and masked out by seq_lens.
         tables = np.zeros((num_seqs, max(len(r.block_ids) for r in requests)), dtype=np.int32)
@@ -412,20 +413,30 @@ class ModelRunner:
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             tables[i, : len(r.block_ids)] = r.block_ids
+            if len(r.token_ids) == 1:
+                single_slots.append(
+                    r.block_ids[r.start_pos // block_size] * block_size + r.start_pos % block_size)
             if r.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(r)
-        query_lens = np.diff(query_start_loc)
-        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-        # A token's position: its row, shifted by where its sequence starts in the batch
-        # and in the cache.
-        shift = np.array(start_pos, dtype=np.int64) - query_start_loc[:-1]
-        positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(shift, query_lens)
-        blocks = tables[seq_of_token, positions // block_size].astype(np.int64)
+        if len(single_slots) == num_seqs:
+            # One token each (decode): the per-token arrays are the per-request values,
+            # and the numpy below would cost more than the rest of the preparation.
+            positions = np.array(start_pos, dtype=np.int64)
+            slot_mapping = np.array(single_slots, dtype=np.int64)
+        else:
+            query_lens = np.diff(query_start_loc)
+            seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+            # A token's position: its row, shifted by where its sequence starts in the
+            # batch and in the cache.
+            shift = np.array(start_pos, dtype=np.int64) - query_start_loc[:-1]
+            positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(shift, query_lens)
+            blocks = tables[seq_of_token, positions // block_size].astype(np.int64)
+            slot_mapping = blocks * block_size + positions % block_size
         arrays = StepArrays(
             input_ids=np.array(input_ids, dtype=np.int64),
             positions=positions,
-            slot_mapping=blocks * block_size + positions % block_size,
+            slot_mapping=slot_mapping,
             block_tables=tables,
             seq_lens=np.array(seq_lens, dtype=np.int32),
             query_start_loc=np.array(query_start_loc, dtype=np.int32),
