@@ -46,8 +46,8 @@ class OutputEmitter:
         self._order = threading.Lock()
 
     def emit(self, updates: list[RequestUpdate], kv_events: tuple[KvEvent, ...] = ()) -> None:
-        """Queue one StepOutputs. `kv_events` only from the loop thread: the events'
-        order of routing is their seq order (other threads emit too)."""
+        """Route one StepOutputs. `kv_events` only from the loop thread: so the events
+        are routed in their seq order (other threads emit too)."""
         if not updates and not kv_events:
             return
         if updates:

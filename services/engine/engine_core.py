@@ -175,7 +175,7 @@ class EngineCore:
         if self.state not in (EngineState.RUNNING, EngineState.DRAINING):
             # No loop will take it off the queue: answer now.
             message = self.lifecycle.not_running_message()
-            self.sessions.reply(utility_reply(
+            self.outputs.reply(utility_reply(
                 call, failure=f"utility {call.method!r} failed: {message}"))
             return
         self.input_queue.put((InputType.UTILITY, call))

@@ -168,7 +168,7 @@ class Lifecycle:
             if kind is InputType.ADD:
                 self._outputs.reject([payload], UNAVAILABLE, message)
             elif kind is InputType.UTILITY:
-                self._outputs.sessions.reply(utility_reply(
+                self._outputs.reply(utility_reply(
                     payload, failure=f"utility {payload.method!r} failed: {message}"))
 
     def _on_watchdog_expired(self, silent_s: float) -> None:

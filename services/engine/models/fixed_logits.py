@@ -13,6 +13,7 @@ every token wakes the whole serving path as a real model's would
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,9 +40,8 @@ class FixedLogitsConfig(DecoderConfig):
 class CorestreamFixedLogitsForCausalLM(nn.Module):
     @classmethod
     def config_from_hf(cls, hf_config: dict[str, Any]) -> FixedLogitsConfig:
-        base = DecoderConfig.from_hf(hf_config)
-        return FixedLogitsConfig(
-            **{f: getattr(base, f) for f in DecoderConfig.__dataclass_fields__},
+        return dataclasses.replace(
+            FixedLogitsConfig.from_hf(hf_config),
             step_seconds=float(hf_config.get("corestream_step_seconds", 0.0)),
         )
 
