@@ -9,6 +9,7 @@ Every test prints the times it measured (run with -s to see them).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -17,6 +18,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 from corestream.common.v1 import common_pb2
+from corestream.generate.v1 import admin_service_pb2 as admin_pb
+from corestream.generate.v1 import admin_service_pb2_grpc as admin_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2
@@ -32,6 +35,13 @@ from tests.integration.faults import (
 )
 
 
+def waiting_on(admin: admin_grpc.AdminServiceStub, engine_index: int) -> int:
+    reply = admin.GetEngineStats(admin_pb.GetEngineStatsRequest(engine_index=engine_index),
+                                 timeout=20)
+    assert all(r.ok for r in reply.results), reply
+    return int(json.loads(reply.results[0].result_json)["num_waiting"])
+
+
 def exit_code_logged(c: Cluster, name: str) -> Callable[[], bool]:
     return lambda: f"{name} exited unexpectedly with code" in c.output()
 
@@ -43,8 +53,19 @@ def test_engine_death_by_exception_and_by_sigkill() -> None:
                  fault="raise_after_steps:40@0") as (c, children):
         with grpc.insecure_channel(c.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
+            # The fault counts engine 0's steps from its first request on: held paused
+            # until all three of its streams are queued there, none can come after the
+            # death (on a loaded machine the third one did, and got "down or draining").
+            admin = admin_grpc.AdminServiceStub(channel)
+            paused = admin.PauseScheduling(admin_pb.PauseSchedulingRequest(
+                engine_index=0, mode=admin_pb.PAUSE_MODE_WAIT), timeout=20)
+            assert all(r.ok for r in paused.results), paused
             # Pinned, so that both engines hold streams whatever the routing policy does.
             streams = [start_stream(stub, 400, f"p{i}", rank=i % 2) for i in range(6)]
+            wait_for(lambda: waiting_on(admin, 0) == 3, 60, "engine 0's streams to queue")
+            resumed = admin.ResumeScheduling(
+                admin_pb.ResumeSchedulingRequest(engine_index=0), timeout=20)
+            assert all(r.ok for r in resumed.results), resumed
             wait_all(streams, 120)
             failed = [s for s in streams if s.code is not grpc.StatusCode.OK]
             assert failed == streams[::2], [(s.code, s.details) for s in streams]
