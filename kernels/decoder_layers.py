@@ -1,11 +1,13 @@
-"""Every decoder layer of a decode-only step as one C++ call on CPU (`csrc/decoder_cpu.cpp`).
+"""A decode-only step's model, but the head, as one C++ call on CPU (`csrc/decoder_cpu.cpp`).
 
 A Llama-family layer in a decode step is four small matmuls and five small ops; run from
 Python, the module calls and op dispatch between them cost about as much as the ops of a
 single-stream step. The C++ op runs the same ops in the same order (the Python layers in
 `services.engine.models.llama` are its reference, and give the same bits), and the model
 calls it only where it applies: CPU tensors of a dtype the extension supports, one token
-per sequence, plain Llama-family layers (not mixture-of-experts ones).
+per sequence, plain Llama-family layers (not mixture-of-experts ones). The embedding, the
+rotation rows and the final norm go into the same call (`decode_model`): after the weights
+have streamed through the caches, each Python op between them costs tens of microseconds.
 """
 
 from __future__ import annotations
@@ -27,29 +29,25 @@ or panels (`kernels.cpu_linear.weight_panels`) the layer lacks goes as `ABSENT`.
 
 ABSENT = torch.empty(0)
 
-# decode_layers(hidden, weights, kv_caches, cos, sin, slot_mapping, block_tables, seq_lens,
-#               num_heads, num_kv_heads, head_dim, scale, windows, eps) -> mlp_output
-DecodeLayersFn = Callable[..., torch.Tensor]
+# decode_model(input_ids, positions, embedding, rotary_table, weights, kv_caches,
+#              slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim,
+#              scale, windows, final_norm, eps) -> final hidden states
+DecodeModelFn = Callable[..., torch.Tensor]
 
 
-def cpu_decode_layers(
-    hidden: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
-) -> DecodeLayersFn | None:
-    """The C++ `decode_layers` if it applies to a step with these embeddings `[B, hidden]`
-    (B sequences of one token each) and builds; else None.
+def cpu_decode_model(
+    embedding: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> DecodeModelFn | None:
+    """The C++ `decode_model` if it applies to a model with this embedding table and
+    head layout on this step (CPU, backend not "torch") and builds; else None.
 
-    It writes the residual stream before the last layer's MLP into `hidden` and returns
-    that MLP's output: the (output, residual) pair of the Python layers.
+    It embeds the step's tokens (one per sequence), gathers their rotation rows, runs
+    `decode_layers` and the final norm, and returns the final hidden states `[B, hidden]`.
     """
-    supported = (
-        decode_shape_supported(hidden.dtype, num_heads, num_kv_heads, head_dim)
-        and hidden.dim() == 2
-        and hidden.is_contiguous()
-    )
-    if not supported:
+    if not decode_shape_supported(embedding.dtype, num_heads, num_kv_heads, head_dim):
         return None
-    ops = cpu_ops(hidden)
-    return None if ops is None else ops.decode_layers
+    ops = cpu_ops(embedding)
+    return None if ops is None else ops.decode_model
 
 
 def flat_weights(layers: Sequence[dict[str, torch.Tensor | None]]) -> list[torch.Tensor]:

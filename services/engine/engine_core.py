@@ -85,8 +85,8 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.scheduling_policy,
         )
-        self.input_queue: InputQueue = queue.Queue()
-        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self.input_queue: InputQueue = queue.SimpleQueue()
+        self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.sessions = SessionRouter()
         self.outputs = OutputEmitter(self.sessions, self.scheduler, self.kv_events,
                                      lambda: self.lifecycle.state)

@@ -22,4 +22,4 @@ class InputType(enum.Enum):
     KV_SUBSCRIBE = enum.auto()
 
 
-InputQueue: TypeAlias = queue.Queue[tuple[InputType, Any]]
+InputQueue: TypeAlias = queue.SimpleQueue[tuple[InputType, Any]]

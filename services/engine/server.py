@@ -142,7 +142,7 @@ def response_to_proto(msg: SessionOutputs, engine_index: int) -> pb.SessionRespo
 class _SessionState:
     """What one Session's two threads share: its unfinished (engine) request ids."""
 
-    def __init__(self, session_id: str, q: queue.Queue[SessionItem]) -> None:
+    def __init__(self, session_id: str, q: queue.SimpleQueue[SessionItem]) -> None:
         self.session_id = session_id
         self.queue = q
         self.lock = threading.Lock()

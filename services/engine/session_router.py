@@ -106,11 +106,13 @@ SessionItem = SessionOutputs | UtilityReply | KvSnapshot | None
 class SessionRouter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queues: dict[str, queue.Queue[SessionItem]] = {}
+        # SimpleQueue: put and get are C, without Queue's Python locking; each token is
+        # one put by the loop and one get by the Session's thread, under the GIL both.
+        self._queues: dict[str, queue.SimpleQueue[SessionItem]] = {}
         self._kv_subscribers: set[str] = set()
 
-    def open(self, session_id: str) -> queue.Queue[SessionItem]:
-        q: queue.Queue[SessionItem] = queue.Queue()
+    def open(self, session_id: str) -> queue.SimpleQueue[SessionItem]:
+        q: queue.SimpleQueue[SessionItem] = queue.SimpleQueue()
         with self._lock:
             if session_id in self._queues:
                 raise ValueError(f"session {session_id!r} is already open")

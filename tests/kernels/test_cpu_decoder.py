@@ -1,5 +1,6 @@
-"""The C++ decode path (`decode_layers`: every layer of a decode-only step in one call)
-against the Python layers it replaces, on real checkpoints of each dense family."""
+"""The C++ decode path (`decode_model`: the embedding, every layer and the final norm of a
+decode-only step in one call) against the Python model it replaces, on real checkpoints of
+each dense family."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.unit.engine.hf_checkpoints import VOCAB, make_checkpoint
 from tests.unit.engine.runner_driver import all_logits, make_runner, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0)
-CPU_DECODE_LAYERS = LlamaModel._cpu_decode_layers
+CPU_DECODE_MODEL = LlamaModel._cpu_decode_model
 
 # Each family switches on a different part of the op: plain Llama; Mistral's sliding
 # window (shorter than the contexts below); Qwen2's q/k/v bias and a window in some
@@ -39,8 +40,8 @@ class DecodeCalls:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
         self.count = 0
 
-        def wrapped(model: LlamaModel, x: torch.Tensor) -> Any:
-            op = CPU_DECODE_LAYERS(model, x) if enabled else None
+        def wrapped(model: LlamaModel) -> Any:
+            op = CPU_DECODE_MODEL(model) if enabled else None
             if op is None:
                 return None
 
@@ -50,7 +51,7 @@ class DecodeCalls:
 
             return counted
 
-        monkeypatch.setattr(LlamaModel, "_cpu_decode_layers", wrapped)
+        monkeypatch.setattr(LlamaModel, "_cpu_decode_model", wrapped)
 
 
 def decode_logits(runner: ModelRunner, prompts: dict[str, list[int]], steps: int,
@@ -89,7 +90,7 @@ LAYOUTS = ("panels", "onednn-packed", "plain")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_decode_layers_give_the_python_layers_bits(
+def test_decode_model_gives_the_python_model_bits(
     cpu_ops: Any, family: str, dtype: torch.dtype, layout: str, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -140,4 +141,16 @@ def test_a_wrong_weight_count_is_refused_with_the_expected_one(cpu_ops: Any) -> 
             hidden, one_layer, [cache, cache], torch.ones(1, 8), torch.zeros(1, 8),
             torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
             torch.ones(1, dtype=torch.int32), 1, 1, 8, 1.0, [0, 0], 1e-6,
+        )
+
+
+def test_decode_model_refuses_positions_that_do_not_match_the_tokens(cpu_ops: Any) -> None:
+    cache = torch.zeros(2, 1, 4, 1, 8)
+    with pytest.raises(RuntimeError, match=r"input_ids and positions must be \[B\]"):
+        cpu_ops.decode_model(
+            torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+            torch.zeros(4, 8), torch.zeros(2, 16, 8),
+            flat_weights([{"input_norm": torch.ones(8)}]), [cache],
+            torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32), 1, 1, 8, 1.0, [0], torch.ones(8), 1e-6,
         )

@@ -13,9 +13,10 @@ residual add is deferred into the norm after it (`add_rms_norm`), so layers pass
 (output, residual stream) pairs; the rotation of q and k and the KV-cache write are one
 call (`rotate_and_store_kv`); gate and up meet in `silu_and_mul`.
 
-On CPU, a step in which every sequence decodes one token skips the Python layers: one C++
-op runs them all (`kernels.decoder_layers`), with the same ops in the same order, so the
-outputs are the same bits; prefills, and mixture-of-experts layers, run the code below.
+On CPU, a step in which every sequence decodes one token skips the Python model: one C++
+op runs the embedding, every layer and the final norm (`kernels.decoder_layers`), with the
+same ops in the same order, so the outputs are the same bits; prefills, and
+mixture-of-experts layers, run the code below.
 
 Under tensor parallelism (a current TP group of more than one rank, `current_tp_group`)
 the model is built from `tp_layers`: this rank's query and KV heads, its share of the
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels.decoder_layers import DecodeLayersFn, cpu_decode_layers, flat_weights
+from kernels.decoder_layers import DecodeModelFn, cpu_decode_model, flat_weights
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import rotate_and_store_kv
@@ -231,30 +232,28 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        one_token_each = input_ids.shape[0] == meta.num_seqs
+        if one_token_each and (decode_model := self._cpu_decode_model()) is not None:
+            attn = self.layers[0].self_attn
+            return decode_model(
+                input_ids, positions, self.embed_tokens.weight,
+                self.rotary_emb.table(input_ids.device), self._flat_weights, kv_caches,
+                meta.slot_mapping, meta.block_tables, meta.seq_lens, attn.num_heads,
+                attn.num_kv_heads, attn.head_dim, attn.scale, self._windows,
+                self.norm.weight, self.norm.eps,
+            )
         cos, sin = self.rotary_emb.cos_sin(positions)
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        one_token_each = input_ids.shape[0] == meta.num_seqs
-        if one_token_each and (decode_layers := self._cpu_decode_layers(x)) is not None:
-            attn = self.layers[0].self_attn
-            # The op leaves the residual stream in x and returns the last MLP's output.
-            residual = x
-            x = decode_layers(
-                x, self._flat_weights, kv_caches, cos, sin, meta.slot_mapping,
-                meta.block_tables, meta.seq_lens, attn.num_heads, attn.num_kv_heads,
-                attn.head_dim, attn.scale, self._windows, self.norm.eps,
-            )
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
         if residual is None:  # no layers
             return self.norm.forward(x)
         return self.norm.forward_with_residual(x, residual)[0]
 
-    def _cpu_decode_layers(self, x: torch.Tensor) -> DecodeLayersFn | None:
-        """`kernels.decoder_layers.cpu_decode_layers` for embeddings x of a decode-only
-        step; None where it does not apply, or where the layers are not all plain
-        Llama-family ones."""
+    def _cpu_decode_model(self) -> DecodeModelFn | None:
+        """`kernels.decoder_layers.cpu_decode_model` for a decode-only step: None where it
+        does not apply, or where the layers are not all plain Llama-family ones."""
         if self._flat_weights is None:
             # Gathered on first use, once the loader has put the checkpoint's tensors in
             # place (and laid them out); nothing replaces them after that.
@@ -264,7 +263,8 @@ class LlamaModel(nn.Module):
         if not self._flat_weights:
             return None
         attn = self.layers[0].self_attn
-        return cpu_decode_layers(x, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        return cpu_decode_model(self.embed_tokens.weight, attn.num_heads, attn.num_kv_heads,
+                                attn.head_dim)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -110,7 +110,9 @@ class RotaryEmbedding(nn.Module):
         )
         self._cos_sin: torch.Tensor | None = None
 
-    def _table(self, device: torch.device) -> torch.Tensor:
+    def table(self, device: torch.device) -> torch.Tensor:
+        """cos and sin of every position `[2, max_positions, head_dim]` (float32), in
+        `cos_sin`'s layout; built on first use per device."""
         if self._cos_sin is None or self._cos_sin.device != device:
             positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
             angles = torch.outer(positions, self.inv_freq)
@@ -130,6 +132,6 @@ class RotaryEmbedding(nn.Module):
         Built once per step, so that each layer's rotation is one op on CPU (the C++
         kernel) and a few whole-tensor ops elsewhere.
         """
-        cos, sin = self._table(positions.device).index_select(1, positions)
+        cos, sin = self.table(positions.device).index_select(1, positions)
         return cos[:, None], sin[:, None]
 

@@ -136,6 +136,9 @@ class ModelRunner:
             info = dataclasses.replace(info, max_model_len=config.max_model_len)
         self._model_info = info
         self._device = pick_device(config.device)
+        # torch.device.type builds its string anew on every read: this runs per tensor
+        # per step.
+        self._on_cpu = self._device.type == "cpu"
         num_threads = resolve_num_threads(config.num_threads)
         if self._device.type == "cpu" and num_threads is not None:
             # The intra-op pool is per process: this sets it for every runner in it.
@@ -457,7 +460,7 @@ class ModelRunner:
         # numpy, not torch.tensor, on the host: it turns Python lists into arrays
         # several times faster.
         tensor = torch.from_numpy(values)
-        if self._device.type == "cpu":
+        if self._on_cpu:
             return tensor
         # Pinned source + non_blocking: the copy overlaps and does not sync the host.
         return tensor.pin_memory().to(self._device, non_blocking=True)
