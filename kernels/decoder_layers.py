@@ -8,6 +8,9 @@ calls it only where it applies: CPU tensors of a dtype the extension supports, o
 per sequence, plain Llama-family layers (not mixture-of-experts ones). The embedding, the
 rotation rows and the final norm go into the same call (`decode_model`): after the weights
 have streamed through the caches, each Python op between them costs tens of microseconds.
+With a few sequences, where every linear reads its panels, the call is one parallel region
+in which the threads take the ops' items as they come (`csrc/work_items.h`), so that a
+thread preempted by another process does not hold the others at forty barriers a step.
 """
 
 from __future__ import annotations

@@ -15,8 +15,14 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "layer_rows.h"
 #include "linear_cpu.h"
+#include "paged_attention_cpu.h"
+#include "work_items.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -158,6 +164,216 @@ at::Tensor decode_layers(
   return x;
 }
 
+// Whether every linear of the step reads its panels (a few rows, panels present): then
+// all of the step's parallel work can be items of one StagePlan (work_items.h).
+bool panels_throughout(at::TensorList weights, int64_t tokens, at::ScalarType dtype) {
+  if (tokens > corestream_cpu::max_panel_rows(dtype)) {
+    return false;
+  }
+  for (size_t layer = 0; layer < weights.size() / kSlotsPerLayer; ++layer) {
+    const at::Tensor* w = weights.data() + layer * kSlotsPerLayer;
+    for (Slot panels : {kQkvPanels, kOPanels, kGateUpPanels, kDownPanels}) {
+      if (!present(w[panels])) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+void check_norm_weight(const at::Tensor& weight, int64_t size, at::ScalarType dtype,
+                       const char* what) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == size && weight.is_contiguous() &&
+                  weight.scalar_type() == dtype,
+              "decode_model: ", what, " must be a contiguous [", size, "] of ", dtype,
+              ", got ", weight.sizes(), " ", weight.scalar_type());
+}
+
+// decode_layers and the final norm as one StagePlan (work_items.h), run by every thread in
+// one parallel region: the same row functions (layer_rows.h), panels (panel_items) and
+// attention items (paged_decode_items) as the ops, in the same order, so the same bits,
+// but each stage writes a buffer of its own, so that any stage's item may run twice.
+template <typename T>
+at::Tensor planned_layers(const at::Tensor& hidden, at::TensorList weights,
+                          at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, double scale, at::IntArrayRef windows,
+                          const at::Tensor& final_norm, double eps, int threads) {
+  using corestream_cpu::add_row;
+  using corestream_cpu::normalize_row;
+  using corestream_cpu::rotate_head;
+  const int64_t tokens = hidden.size(0);
+  const int64_t size = hidden.size(1);
+  const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
+  const int64_t dim = head_dim;
+  const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * dim;
+  const float epsilon = static_cast<float>(eps);
+  const at::ScalarType dtype = hidden.scalar_type();
+  TORCH_CHECK(dim % 2 == 0, "decode_model: head_dim must be even, got ", dim);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * dim &&
+                  sin.numel() == tokens * dim && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
+              "decode_model: the rotary table must be float32");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == tokens,
+              "decode_model: slot_mapping must be contiguous int64 [", tokens, "]");
+  check_norm_weight(final_norm, size, dtype, "the final norm");
+
+  std::vector<at::Tensor> buffers;  // every stage's output, alive until the plan has run
+  buffers.reserve(12 * num_layers + 1);  // tensor() hands out references into it
+  auto buffer = [&](at::IntArrayRef sizes) -> T* {
+    buffers.push_back(at::empty(sizes, hidden.options()));
+    return buffers.back().mutable_data_ptr<T>();
+  };
+  auto tensor = [&]() -> const at::Tensor& { return buffers.back(); };
+  corestream_cpu::StagePlan plan;
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const float* cos_data = cos.const_data_ptr<float>();
+  const float* sin_data = sin.const_data_ptr<float>();
+  const T* residual = hidden.const_data_ptr<T>();
+  const T* mlp_out = nullptr;  // the previous layer's down projection
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const at::Tensor* w = weights.data() + layer * kSlotsPerLayer;
+    const at::Tensor& cache = kv_caches[layer];
+    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
+                    cache.size(3) == num_kv_heads && cache.size(4) == dim &&
+                    cache.scalar_type() == dtype,
+                "decode_model: layer ", layer, "'s cache must be a contiguous [2, blocks, "
+                "block_size, ", num_kv_heads, ", ", dim, "] of ", dtype);
+    const int64_t num_slots = cache.size(1) * cache.size(2);
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode_model: slot_mapping[", t,
+                  "] = ", slots[t], " outside the cache's ", num_slots, " slots");
+    }
+    check_norm_weight(w[kInputNorm], size, dtype, "input_layernorm");
+    check_norm_weight(w[kPostNorm], size, dtype, "post_attention_layernorm");
+    const bool qk_norms = present(w[kQNorm]);
+    if (qk_norms) {
+      check_norm_weight(w[kQNorm], dim, dtype, "q_norm");
+      check_norm_weight(w[kKNorm], dim, dtype, "k_norm");
+    }
+
+    // The input norm, after the previous layer's residual add.
+    const T* input_norm = w[kInputNorm].const_data_ptr<T>();
+    T* normed = buffer({tokens, size});
+    const at::Tensor normed_tensor = tensor();
+    if (mlp_out == nullptr) {
+      plan.add(tokens, [=](int64_t t) {
+        normalize_row(normed + t * size, residual + t * size, input_norm, size, epsilon);
+      });
+    } else {
+      T* sum = buffer({tokens, size});
+      plan.add(tokens, [=](int64_t t) {
+        add_row(sum + t * size, residual + t * size, mlp_out + t * size, size);
+        normalize_row(normed + t * size, sum + t * size, input_norm, size, epsilon);
+      });
+      residual = sum;
+    }
+
+    // q, k and v.
+    T* qkv = buffer({tokens, qkv_width});
+    auto [qkv_items, qkv_item] =
+        corestream_cpu::panel_items(normed_tensor, w[kQkvPanels], w[kQkvBias], tensor());
+    plan.add(qkv_items, std::move(qkv_item));
+
+    // Per token: q and k normed per head (Qwen3), rotated; q to its buffer, k and v to
+    // the cache.
+    T* query = buffer({tokens, num_heads, dim});
+    const at::Tensor query_tensor = tensor();
+    const at::Tensor key_cache = cache.select(0, 0);
+    const at::Tensor value_cache = cache.select(0, 1);
+    T* keys = key_cache.mutable_data_ptr<T>();
+    T* values = value_cache.mutable_data_ptr<T>();
+    const T* q_norm = qk_norms ? w[kQNorm].const_data_ptr<T>() : nullptr;
+    const T* k_norm = qk_norms ? w[kKNorm].const_data_ptr<T>() : nullptr;
+    plan.add(tokens, [=](int64_t t) {
+      thread_local std::vector<T> head;
+      head.resize(dim);
+      const T* row = qkv + t * qkv_width;
+      const float* c = cos_data + t * dim;
+      const float* s = sin_data + t * dim;
+      T* slot_keys = keys + slots[t] * num_kv_heads * dim;
+      T* slot_values = values + slots[t] * num_kv_heads * dim;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        const T* x = row + h * dim;
+        const T* weight = h < num_heads ? q_norm : k_norm;
+        if (weight != nullptr) {
+          normalize_row(head.data(), x, weight, dim, epsilon);
+          x = head.data();
+        }
+        T* out = h < num_heads ? query + (t * num_heads + h) * dim
+                               : slot_keys + (h - num_heads) * dim;
+        rotate_head(out, static_cast<T*>(nullptr), x, c, s, dim);
+      }
+      const T* v = row + (num_heads + num_kv_heads) * dim;
+      std::copy(v, v + num_kv_heads * dim, slot_values);
+    });
+
+    buffer({tokens, num_heads, dim});
+    const at::Tensor attn_tensor = tensor();
+    auto [attn_items, attn_item] = corestream_cpu::paged_decode_items(
+        attn_tensor, query_tensor, key_cache, value_cache, block_tables, seq_lens, scale,
+        windows[layer]);
+    plan.add(attn_items, std::move(attn_item));
+
+    T* projected = buffer({tokens, size});
+    auto [o_items, o_item] = corestream_cpu::panel_items(
+        attn_tensor.view({tokens, num_heads * dim}), w[kOPanels], w[kOBias], tensor());
+    plan.add(o_items, std::move(o_item));
+
+    // The post-attention norm, after the residual add.
+    const T* post_norm = w[kPostNorm].const_data_ptr<T>();
+    T* sum = buffer({tokens, size});
+    T* post_normed = buffer({tokens, size});
+    const at::Tensor post_normed_tensor = tensor();
+    plan.add(tokens, [=](int64_t t) {
+      add_row(sum + t * size, residual + t * size, projected + t * size, size);
+      normalize_row(post_normed + t * size, sum + t * size, post_norm, size, epsilon);
+    });
+    residual = sum;
+
+    const int64_t gate_up_width = w[kGateUpWeight].size(0);
+    const int64_t intermediate = gate_up_width / 2;
+    T* gate_up = buffer({tokens, gate_up_width});
+    auto [gate_up_items, gate_up_item] = corestream_cpu::panel_items(
+        post_normed_tensor, w[kGateUpPanels], w[kGateUpBias], tensor());
+    plan.add(gate_up_items, std::move(gate_up_item));
+
+    T* activated = buffer({tokens, intermediate});
+    const at::Tensor activated_tensor = tensor();
+    plan.add(tokens, [=](int64_t t) {
+      const T* row = gate_up + t * gate_up_width;
+      corestream_cpu::silu_mul_row(activated + t * intermediate, row, row + intermediate,
+                                   intermediate);
+    });
+
+    T* down = buffer({tokens, size});
+    auto [down_items, down_item] = corestream_cpu::panel_items(
+        activated_tensor, w[kDownPanels], w[kDownBias], tensor());
+    plan.add(down_items, std::move(down_item));
+    mlp_out = down;
+  }
+
+  // The final norm, after the last residual add.
+  at::Tensor result = at::empty({tokens, size}, hidden.options());
+  T* out = result.mutable_data_ptr<T>();
+  T* sum = buffer({tokens, size});
+  const T* norm = final_norm.const_data_ptr<T>();
+  plan.add(tokens, [=](int64_t t) {
+    add_row(sum + t * size, residual + t * size, mlp_out + t * size, size);
+    normalize_row(out + t * size, sum + t * size, norm, size, epsilon);
+  });
+
+  corestream_cpu::stage_plan_counters().plans.fetch_add(1, std::memory_order_relaxed);
+  corestream_cpu::stage_plan_counters().stages.fetch_add(plan.num_stages(),
+                                                          std::memory_order_relaxed);
+#pragma omp parallel num_threads(threads)
+  plan.run(omp_get_thread_num(), omp_get_num_threads());
+  plan.rethrow();
+  return result;
+}
+
 // The whole model of a decode-only step but the head: the embedding of input_ids [B],
 // the rotation rows of positions [B] from rotary_table [2, max_positions, head_dim] (cos
 // and sin, laid out as RotaryEmbedding.cos_sin hands them over), decode_layers, and the
@@ -165,6 +381,11 @@ at::Tensor decode_layers(
 // Python model runs, in its order, so the bits are the same; what goes is the Python
 // between them, which after the weights have streamed through the caches costs some
 // 0.2 ms a step (services/engine/models/llama.py, LlamaModel.forward).
+//
+// With a few sequences, where every linear reads panels, the layers and the final norm
+// run as one StagePlan in one parallel region instead of a fork and join per linear and
+// attention: a thread preempted by another process then delays the step by about its
+// share of the time it is away, not by all of it (work_items.h).
 at::Tensor decode_model(
     const at::Tensor& input_ids,
     const at::Tensor& positions,
@@ -190,9 +411,30 @@ at::Tensor decode_model(
               rotary_table.sizes());
   const at::Tensor residual = at::embedding(embedding, input_ids);
   const at::Tensor cos_sin = rotary_table.index_select(1, positions);
-  at::Tensor x = decode_layers(residual, weights, kv_caches, cos_sin.select(0, 0).unsqueeze(1),
-                               cos_sin.select(0, 1).unsqueeze(1), slot_mapping, block_tables,
-                               seq_lens, num_heads, num_kv_heads, head_dim, scale, windows, eps);
+  const at::Tensor cos = cos_sin.select(0, 0).unsqueeze(1);
+  const at::Tensor sin = cos_sin.select(0, 1).unsqueeze(1);
+  const int threads = at::get_num_threads();
+  const auto& counters = corestream_cpu::stage_plan_counters();
+  if (threads > 1 && !at::in_parallel_region() && counters.enabled.load() &&
+      static_cast<int64_t>(weights.size()) == static_cast<int64_t>(kv_caches.size()) *
+                                                   kSlotsPerLayer &&
+      !kv_caches.empty() && static_cast<int64_t>(windows.size()) == kv_caches.size() &&
+      num_heads % num_kv_heads == 0 &&
+      panels_throughout(weights, input_ids.size(0), residual.scalar_type())) {
+    if (residual.scalar_type() == at::kFloat) {
+      return planned_layers<float>(residual, weights, kv_caches, cos, sin, slot_mapping,
+                                   block_tables, seq_lens, num_heads, num_kv_heads, head_dim,
+                                   scale, windows, final_norm, eps, threads);
+    }
+    if (residual.scalar_type() == at::kBFloat16) {
+      return planned_layers<c10::BFloat16>(residual, weights, kv_caches, cos, sin, slot_mapping,
+                                           block_tables, seq_lens, num_heads, num_kv_heads,
+                                           head_dim, scale, windows, final_norm, eps, threads);
+    }
+  }
+  at::Tensor x = decode_layers(residual, weights, kv_caches, cos, sin, slot_mapping,
+                               block_tables, seq_lens, num_heads, num_kv_heads, head_dim, scale,
+                               windows, eps);
   ops().add_rms_norm.call(x, residual, final_norm, eps);
   return x;
 }
@@ -209,6 +451,20 @@ TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
       "Tensor[] weights, Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, "
       "int[] windows, Tensor final_norm, float eps) -> Tensor");
+  // [plans, stages, items computed again after another thread was late] in this process.
+  m.def("stage_plan_counters() -> int[]", [] {
+    const auto& c = corestream_cpu::stage_plan_counters();
+    return std::vector<int64_t>{c.plans.load(), c.stages.load(), c.items_retaken.load()};
+  });
+  // For benchmarks: off, decode_model forks a region per op as decode_layers does.
+  m.def("set_stage_plans_enabled(bool enabled) -> ()", [](bool enabled) {
+    corestream_cpu::stage_plan_counters().enabled.store(enabled);
+  });
+  // Test hook: threads other than a region's first take the first item of every stage
+  // and start each item this many microseconds late, as if preempted.
+  m.def("set_stage_plan_late_us(int microseconds) -> ()", [](int64_t microseconds) {
+    corestream_cpu::stage_plan_counters().late_us.store(microseconds);
+  });
 }
 
 TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {

@@ -23,13 +23,85 @@
 #include <cstdint>
 
 #include "cpu_math.h"
+#include "layer_rows.h"
+
+namespace corestream_cpu {
+
+// out = weight * T(x / rms(x)) over one row of n elements, as transformers' LlamaRMSNorm:
+// the normalized row is cast to T before the scale.
+template <typename T>
+__attribute__((noinline)) void normalize_row(T* out, const T* x, const T* weight, int64_t n,
+                                             float eps) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) {
+    const float v = to_float(x[d]);
+    sum += v * v;
+  }
+  const float inv_rms = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) {
+    out[d] = from_float<T>(to_float(weight[d]) * round_to<T>(to_float(x[d]) * inv_rms));
+  }
+}
+
+// sum = T(residual + x).
+template <typename T>
+__attribute__((noinline)) void add_row(T* sum, const T* residual, const T* x, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) sum[d] = from_float<T>(to_float(residual[d]) + to_float(x[d]));
+}
+
+// out[d] = silu(gate[d]) * up[d], silu's output rounded to T as torch stores it.
+template <typename T>
+__attribute__((noinline)) void silu_mul_row(T* out, const T* gate, const T* up, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) {
+    const float g = to_float(gate[d]);
+    const float silu = round_to<T>(g / (1.0f + exp_approx(-g)));
+    out[d] = from_float<T>(silu * to_float(up[d]));
+  }
+}
+
+// One head of dim elements rotated: x' = x * cos + swap_halves(x) * sin, with cos and sin
+// laid out as kernels/rotary.py builds them ([cos, cos] and [-sin, sin] over the halves).
+// Written to out and, if not null, also to also_out; out may be x.
+template <typename T>
+__attribute__((noinline)) void rotate_head(T* out, T* also_out, const T* x, const float* c,
+                                           const float* s, int64_t dim) {
+  const int64_t half = dim / 2;
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) {
+    const float first = to_float(x[d]);
+    const float second = to_float(x[d + half]);
+    const T new_first = from_float<T>(first * c[d] + second * s[d]);
+    const T new_second = from_float<T>(second * c[d + half] + first * s[d + half]);
+    out[d] = new_first;
+    out[d + half] = new_second;
+    if (also_out != nullptr) {
+      also_out[d] = new_first;
+      also_out[d + half] = new_second;
+    }
+  }
+}
+
+#define CORESTREAM_ROWS(T)                                                                  \
+  template void normalize_row<T>(T*, const T*, const T*, int64_t, float);                  \
+  template void add_row<T>(T*, const T*, const T*, int64_t);                                \
+  template void silu_mul_row<T>(T*, const T*, const T*, int64_t);                           \
+  template void rotate_head<T>(T*, T*, const T*, const float*, const float*, int64_t);
+CORESTREAM_ROWS(float)
+CORESTREAM_ROWS(c10::BFloat16)
+#undef CORESTREAM_ROWS
+
+}  // namespace corestream_cpu
 
 namespace {
 
-using corestream_cpu::exp_approx;
-using corestream_cpu::from_float;
-using corestream_cpu::round_to;
-using corestream_cpu::to_float;
+using corestream_cpu::add_row;
+using corestream_cpu::normalize_row;
+using corestream_cpu::rotate_head;
+using corestream_cpu::silu_mul_row;
 
 constexpr int64_t kGrainElements = 16384;
 
@@ -46,23 +118,6 @@ void dispatch_dtype(at::ScalarType dtype, const char* op, F&& f) {
     f(c10::BFloat16{});
   } else {
     TORCH_CHECK(false, op, " supports float32 and bfloat16, not ", dtype);
-  }
-}
-
-// out = weight * T(x / rms(x)) over one row of n elements, as transformers' LlamaRMSNorm:
-// the normalized row is cast to T before the scale.
-template <typename T>
-inline void normalize_row(T* out, const T* x, const T* weight, int64_t n, float eps) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < n; ++d) {
-    const float v = to_float(x[d]);
-    sum += v * v;
-  }
-  const float inv_rms = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) {
-    out[d] = from_float<T>(to_float(weight[d]) * round_to<T>(to_float(x[d]) * inv_rms));
   }
 }
 
@@ -124,8 +179,7 @@ void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Ten
       for (int64_t r = begin; r < end; ++r) {
         T* xr = xs + r * x_stride;
         T* rr = rs + r * r_stride;
-#pragma omp simd
-        for (int64_t d = 0; d < n; ++d) rr[d] = from_float<T>(to_float(rr[d]) + to_float(xr[d]));
+        add_row(rr, rr, xr, n);
         normalize_row(xr, rr, w, n, static_cast<float>(eps));
       }
     });
@@ -148,14 +202,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     at::parallel_for(0, x.size(0), grain_rows(2 * half), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* gate = src + r * stride;
-        const T* up = gate + half;
-        T* o = dst + r * half;
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d) {
-          const float g = to_float(gate[d]);
-          const float silu = round_to<T>(g / (1.0f + exp_approx(-g)));
-          o[d] = from_float<T>(silu * to_float(up[d]));
-        }
+        silu_mul_row(dst + r * half, gate, gate + half, half);
       }
     });
   });
@@ -210,7 +257,6 @@ void rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const at::Te
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "rotary_store_kv: slot_mapping[", t,
                 "] = ", slots[t], " outside the cache's ", num_slots, " slots");
   }
-  const int64_t half = dim / 2;
   dispatch_dtype(qk.scalar_type(), "rotary_store_kv", [&](auto tag) {
     using T = decltype(tag);
     T* qk_data = qk.mutable_data_ptr<T>();
@@ -229,18 +275,8 @@ void rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const at::Te
         for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
           T* x = qk_data + t * qk.stride(0) + h * qk.stride(1);
           // Keys are also stored in the cache; queries only rotate in place.
-          T* key_out = h >= q_heads ? cached_keys + (h - q_heads) * dim : x;
-#pragma omp simd
-          for (int64_t d = 0; d < half; ++d) {
-            const float first = to_float(x[d]);
-            const float second = to_float(x[d + half]);
-            const T new_first = from_float<T>(first * c[d] + second * s[d]);
-            const T new_second = from_float<T>(second * c[d + half] + first * s[d + half]);
-            x[d] = new_first;
-            x[d + half] = new_second;
-            key_out[d] = new_first;
-            key_out[d + half] = new_second;
-          }
+          rotate_head(x, h >= q_heads ? cached_keys + (h - q_heads) * dim : nullptr, x, c, s,
+                      dim);
         }
         T* cached_values = v_cache + slot * kv_heads * dim;
         for (int64_t h = 0; h < kv_heads; ++h) {

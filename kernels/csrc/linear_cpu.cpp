@@ -33,9 +33,11 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 
 #include "avx512_math.h"
 #include "linear_cpu.h"
+#include "work_items.h"
 
 namespace {
 
@@ -154,9 +156,11 @@ void panel_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* p
 
 #endif  // CORESTREAM_AVX512_BF16
 
+// The panels' items: item p is panel p's outputs for every row of x. Each panel is one
+// contiguous stream of 64 x K weights.
 template <typename T>
-void run_panels(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias,
-                int64_t n_size, at::Tensor& out) {
+corestream_cpu::Item panel_item(const at::Tensor& x, const at::Tensor& panels,
+                                const at::Tensor& bias, int64_t n_size, const at::Tensor& out) {
   const int64_t m_size = x.size(0);
   const int64_t k_size = x.size(1);
   const T* x_data = x.const_data_ptr<T>();
@@ -164,8 +168,7 @@ void run_panels(const at::Tensor& x, const at::Tensor& panels, const at::Tensor&
   const T* b_data = corestream_cpu::present(bias) ? bias.const_data_ptr<T>() : nullptr;
   T* out_data = out.mutable_data_ptr<T>();
   const int64_t panel_elements = panels.stride(0);
-  // One panel's outputs for every row of x.
-  auto run = [&](int64_t p) {
+  return [=](int64_t p) {
     const int64_t column = p * kPanelWidth;
     const int64_t width = std::min(kPanelWidth, n_size - column);
     const T* panel = w_data + p * panel_elements;
@@ -181,20 +184,6 @@ void run_panels(const at::Tensor& x, const at::Tensor& panels, const at::Tensor&
       }
     }
   };
-  // Threads take panels one at a time, not a fixed share each: on a machine with few
-  // cores the frontend and other processes preempt one thread or another every token,
-  // and with fixed shares the others would wait at the end of every layer for the
-  // preempted one's share; this way they take it over. Each panel is still one
-  // contiguous stream of 64 x K weights.
-  const int64_t num_panels = panels.size(0);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_panels), 1,
-                   [&](int64_t, int64_t) {
-                     for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) <
-                                     num_panels;) {
-                       run(p);
-                     }
-                   });
 }
 
 #endif  // CORESTREAM_AVX512
@@ -214,9 +203,8 @@ bool panel_linear_supported(c10::ScalarType dtype) {
   return false;
 }
 
-// x [M, K] contiguous; panels as above; bias [N] or empty; out [M, N].
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias,
-                        int64_t out_features) {
+void check_panel_args(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias,
+                      int64_t out_features) {
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK(panel_linear_supported(dtype), "panel_linear: no kernel for ", dtype,
               " in this build");
@@ -239,28 +227,49 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const at:
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == out_features &&
                                     bias.scalar_type() == dtype && bias.is_contiguous()),
               "panel_linear: bias must be empty or [", out_features, "] of x's dtype");
-  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-#ifdef CORESTREAM_AVX512
-  if (dtype == at::kFloat) {
-    run_panels<float>(x, panels, bias, out_features, out);
-  }
-#endif
-#ifdef CORESTREAM_AVX512_BF16
-  if (dtype == at::kBFloat16) {
-    run_panels<c10::BFloat16>(x, panels, bias, out_features, out);
-  }
-#endif
-  return out;
 }
 
-// Rows up to which panel_linear beats oneDNN on the same weight: beyond them its passes
-// over each panel, kRowsPerPass rows at a time, cost more than the weight's stream from
-// memory saves (benchmarks/cpu_linear.py).
-int64_t max_panel_rows(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : 8; }
+// x [M, K] contiguous; panels as above; bias [N] or empty; out [M, N].
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias,
+                        int64_t out_features) {
+  check_panel_args(x, panels, bias, out_features);
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  const auto [num_panels, item] = corestream_cpu::panel_items(x, panels, bias, out);
+  // Threads take panels one at a time, not a fixed share each: on a machine with few
+  // cores the frontend and other processes preempt one thread or another every token,
+  // and with fixed shares the others would wait at the end of every layer for the
+  // preempted one's share; this way they take it over.
+  corestream_cpu::run_items(num_panels, item);
+  return out;
+}
 
 }  // namespace
 
 namespace corestream_cpu {
+
+// Beyond these rows panel_linear's passes over each panel, kRowsPerPass rows at a time,
+// cost more than the weight's stream from memory saves (benchmarks/cpu_linear.py).
+int64_t max_panel_rows(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 16 : 8; }
+
+std::pair<int64_t, Item> panel_items(const at::Tensor& x, const at::Tensor& panels,
+                                     const at::Tensor& bias, const at::Tensor& out) {
+  const int64_t out_features = out.size(1);
+  check_panel_args(x, panels, bias, out_features);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              "panel_linear: out must be a contiguous [", x.size(0), ", N] of x's dtype");
+#ifdef CORESTREAM_AVX512
+  if (x.scalar_type() == at::kFloat) {
+    return {panels.size(0), panel_item<float>(x, panels, bias, out_features, out)};
+  }
+#endif
+#ifdef CORESTREAM_AVX512_BF16
+  if (x.scalar_type() == at::kBFloat16) {
+    return {panels.size(0), panel_item<c10::BFloat16>(x, panels, bias, out_features, out)};
+  }
+#endif
+  TORCH_CHECK(false, "panel_linear: no kernel for ", x.scalar_type(), " in this build");
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
                   const at::Tensor& bias) {

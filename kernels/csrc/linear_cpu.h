@@ -4,6 +4,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <utility>
+
+#include "work_items.h"
+
 namespace corestream_cpu {
 
 // An optional tensor argument is given: the ops take an empty tensor for "none".
@@ -15,5 +20,14 @@ inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; 
 // bias is [N] or empty.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
                   const at::Tensor& bias);
+
+// The most rows of x for which `linear` reads a weight's panels (when it has them).
+int64_t max_panel_rows(at::ScalarType dtype);
+
+// panel_linear's work as items, for callers that hand them out themselves (StagePlan):
+// (number of panels, item p writing panel p's columns of out [M, N] for every row of x).
+// The tensors must outlive the items.
+std::pair<int64_t, Item> panel_items(const at::Tensor& x, const at::Tensor& panels,
+                                     const at::Tensor& bias, const at::Tensor& out);
 
 }  // namespace corestream_cpu

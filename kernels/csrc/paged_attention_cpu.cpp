@@ -39,11 +39,13 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_math.h"
 #include "paged_attention_avx512.h"
 #include "paged_attention_cpu.h"
+#include "work_items.h"
 
 namespace {
 
@@ -211,10 +213,10 @@ void attend_one(
 }
 
 
-// kAttend is attend_one or attend_one_avx512, instantiated for T; each worker gives it
-// scratch_per_head floats per query head of an item.
+// kAttend is attend_one or attend_one_avx512, instantiated for T; each item gets
+// scratch_per_head floats per query head of the item. Returns (number of items, item).
 template <typename T, auto kAttend>
-void decode_impl(
+std::pair<int64_t, corestream_cpu::Item> decode_items_of(
     const DecodeShape& s,
     const T* query,
     T* out,
@@ -230,49 +232,44 @@ void decode_impl(
   // thread busy, each kv head becomes its own item instead.
   const int64_t kv_per_item = s.num_seqs >= 4 * threads ? s.num_kv_heads : 1;
   const int64_t items_per_seq = s.num_kv_heads / kv_per_item;
-  const int64_t num_items = s.num_seqs * items_per_seq;
-  const int64_t num_workers = std::min(threads, num_items);
   const int64_t scratch_floats = kv_per_item * group * scratch_per_head;
-  std::atomic<int64_t> next_item{0};
-
-  // One chunk per worker; each worker then pulls items until none are left, so a
-  // thread that drew short sequences keeps working instead of waiting at the barrier.
-  at::parallel_for(0, num_workers, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(scratch_floats);
-    for (int64_t w = begin; w < end; ++w) {
-      for (int64_t item = next_item++; item < num_items; item = next_item++) {
-        const int64_t seq = item / items_per_seq;
-        const int64_t kv_begin = (item % items_per_seq) * kv_per_item;
-        const int64_t seq_len = seq_lens[seq];
-        const int32_t* table = block_tables + seq * s.max_blocks;
-        const int64_t used_blocks = (seq_len + s.block_size - 1) / s.block_size;
-        TORCH_CHECK(seq_len >= 0 && used_blocks <= s.max_blocks,
-                    "seq_lens[", seq, "] = ", seq_len, " exceeds its block table");
-        for (int64_t b = 0; b < used_blocks; ++b) {
-          TORCH_CHECK(table[b] >= 0 && table[b] < num_cache_blocks,
-                      "block id ", table[b], " out of range for ", num_cache_blocks, " blocks");
-        }
-        const int64_t head = kv_begin * group;
-        kAttend(
-            s,
-            query + seq * s.q_seq_stride + head * s.q_head_stride,
-            out + seq * s.o_seq_stride + head * s.o_head_stride,
-            key_cache,
-            value_cache,
-            table,
-            seq_len,
-            kv_begin,
-            kv_begin + kv_per_item,
-            scratch.data());
-      }
+  auto item = [=](int64_t item) {
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < scratch_floats) {
+      scratch.resize(scratch_floats);
     }
-  });
+    const int64_t seq = item / items_per_seq;
+    const int64_t kv_begin = (item % items_per_seq) * kv_per_item;
+    const int64_t seq_len = seq_lens[seq];
+    const int32_t* table = block_tables + seq * s.max_blocks;
+    const int64_t used_blocks = (seq_len + s.block_size - 1) / s.block_size;
+    TORCH_CHECK(seq_len >= 0 && used_blocks <= s.max_blocks,
+                "seq_lens[", seq, "] = ", seq_len, " exceeds its block table");
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_cache_blocks,
+                  "block id ", table[b], " out of range for ", num_cache_blocks, " blocks");
+    }
+    const int64_t head = kv_begin * group;
+    kAttend(
+        s,
+        query + seq * s.q_seq_stride + head * s.q_head_stride,
+        out + seq * s.o_seq_stride + head * s.o_head_stride,
+        key_cache,
+        value_cache,
+        table,
+        seq_len,
+        kv_begin,
+        kv_begin + kv_per_item,
+        scratch.data());
+  };
+  return {s.num_seqs * items_per_seq, item};
 }
 
 template <typename T>
-void decode_dispatch(const DecodeShape& s, const at::Tensor& out, const at::Tensor& query,
-                     const at::Tensor& key_cache, const at::Tensor& value_cache,
-                     const int32_t* tables, const int32_t* lens) {
+std::pair<int64_t, corestream_cpu::Item> decode_dispatch(
+    const DecodeShape& s, const at::Tensor& out, const at::Tensor& query,
+    const at::Tensor& key_cache, const at::Tensor& value_cache, const int32_t* tables,
+    const int32_t* lens) {
   const T* q = query.const_data_ptr<T>();
   T* o = out.mutable_data_ptr<T>();
   const T* k = key_cache.const_data_ptr<T>();
@@ -282,40 +279,43 @@ void decode_dispatch(const DecodeShape& s, const at::Tensor& out, const at::Tens
   // Head sizes up to 128 in steps of 16, and 256; others take the portable code.
   const int64_t chunks = (s.head_dim + vec::kLanes - 1) / vec::kLanes;
   const int64_t avx512_scratch = (2 * chunks + 1) * vec::kLanes;
-  auto run = [&](auto chunk_count) {
+  auto avx512 = [&](auto chunk_count) {
     constexpr int kChunks = decltype(chunk_count)::value;
-    decode_impl<T, attend_one_avx512<T, kChunks>>(s, q, o, k, v, tables, lens, blocks,
-                                                  avx512_scratch);
+    return decode_items_of<T, attend_one_avx512<T, kChunks>>(s, q, o, k, v, tables, lens,
+                                                             blocks, avx512_scratch);
   };
   using std::integral_constant;
   switch (chunks) {
-    case 1: return run(integral_constant<int, 1>{});
-    case 2: return run(integral_constant<int, 2>{});
-    case 3: return run(integral_constant<int, 3>{});
-    case 4: return run(integral_constant<int, 4>{});
-    case 5: return run(integral_constant<int, 5>{});
-    case 6: return run(integral_constant<int, 6>{});
-    case 8: return run(integral_constant<int, 8>{});
-    case 16: return run(integral_constant<int, 16>{});
+    case 1: return avx512(integral_constant<int, 1>{});
+    case 2: return avx512(integral_constant<int, 2>{});
+    case 3: return avx512(integral_constant<int, 3>{});
+    case 4: return avx512(integral_constant<int, 4>{});
+    case 5: return avx512(integral_constant<int, 5>{});
+    case 6: return avx512(integral_constant<int, 6>{});
+    case 8: return avx512(integral_constant<int, 8>{});
+    case 16: return avx512(integral_constant<int, 16>{});
     default: break;
   }
 #endif
   const int64_t scratch = 2 * s.head_dim + s.block_size;
   switch (s.head_dim) {
     case 64:
-      return decode_impl<T, attend_one<T, 64>>(s, q, o, k, v, tables, lens, blocks, scratch);
+      return decode_items_of<T, attend_one<T, 64>>(s, q, o, k, v, tables, lens, blocks,
+                                                   scratch);
     case 128:
-      return decode_impl<T, attend_one<T, 128>>(s, q, o, k, v, tables, lens, blocks, scratch);
+      return decode_items_of<T, attend_one<T, 128>>(s, q, o, k, v, tables, lens, blocks,
+                                                    scratch);
     default:
-      return decode_impl<T, attend_one<T, 0>>(s, q, o, k, v, tables, lens, blocks, scratch);
+      return decode_items_of<T, attend_one<T, 0>>(s, q, o, k, v, tables, lens, blocks,
+                                                  scratch);
   }
 }
 
-// out, query: [B, H, D] (any row strides, unit stride over D).
-// key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous.
-// block_tables: [B, max_blocks] int32, contiguous; seq_lens: [B] int32.
-// window: attend only to the last `window` cached tokens; 0 = all of them.
-void paged_decode(
+}  // namespace
+
+namespace corestream_cpu {
+
+std::pair<int64_t, Item> paged_decode_items(
     const at::Tensor& out,
     const at::Tensor& query,
     const at::Tensor& key_cache,
@@ -357,17 +357,35 @@ void paged_decode(
   s.window = window;
   TORCH_CHECK(block_tables.size(0) == s.num_seqs && seq_lens.size(0) == s.num_seqs,
               "one block table row and one length per sequence");
-  if (s.num_seqs == 0) return;
-
+  if (s.num_seqs == 0) {
+    return {0, [](int64_t) {}};
+  }
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   if (query.scalar_type() == at::kFloat) {
-    decode_dispatch<float>(s, out, query, key_cache, value_cache, tables, lens);
-  } else if (query.scalar_type() == at::kBFloat16) {
-    decode_dispatch<c10::BFloat16>(s, out, query, key_cache, value_cache, tables, lens);
-  } else {
-    TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, not ", query.scalar_type());
+    return decode_dispatch<float>(s, out, query, key_cache, value_cache, tables, lens);
   }
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16,
+              "paged_decode supports float32 and bfloat16, not ", query.scalar_type());
+  return decode_dispatch<c10::BFloat16>(s, out, query, key_cache, value_cache, tables, lens);
+}
+
+}  // namespace corestream_cpu
+
+namespace {
+
+// out, query: [B, H, D] (any row strides, unit stride over D).
+// key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous.
+// block_tables: [B, max_blocks] int32, contiguous; seq_lens: [B] int32.
+// window: attend only to the last `window` cached tokens; 0 = all of them.
+void paged_decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, double scale, int64_t window) {
+  const auto [num_items, item] = corestream_cpu::paged_decode_items(
+      out, query, key_cache, value_cache, block_tables, seq_lens, scale, window);
+  // Threads pull items until none are left, so a thread that drew short sequences keeps
+  // working instead of waiting at the barrier.
+  corestream_cpu::run_items(num_items, item);
 }
 
 }  // namespace

@@ -1,8 +1,13 @@
 // The shape of one paged_decode call (paged_attention_cpu.cpp), shared with the AVX-512
-// work item in paged_attention_avx512.h.
+// work item in paged_attention_avx512.h, and the call's work as items.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
+#include <utility>
+
+#include "work_items.h"
 
 namespace corestream_cpu {
 
@@ -15,5 +20,14 @@ struct DecodeShape {
   int64_t window;  // sliding window in tokens; 0 = none
   float scale;
 };
+
+// paged_decode's work as items (one per sequence and kv head, or per sequence), for
+// callers that hand them out themselves (StagePlan); the tensors must outlive the items.
+std::pair<int64_t, Item> paged_decode_items(const at::Tensor& out, const at::Tensor& query,
+                                            const at::Tensor& key_cache,
+                                            const at::Tensor& value_cache,
+                                            const at::Tensor& block_tables,
+                                            const at::Tensor& seq_lens, double scale,
+                                            int64_t window);
 
 }  // namespace corestream_cpu

@@ -4,6 +4,7 @@ each dense family."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,12 +113,80 @@ def test_decode_model_gives_the_python_model_bits(
     python = DecodeCalls(monkeypatch, enabled=False)
     want = decode_logits(runner, prompts, steps, "py-")
     fused = DecodeCalls(monkeypatch, enabled=True)
+    plans_before = cpu_ops.stage_plan_counters()[0]
     got = decode_logits(runner, prompts, steps, "cpp-")
 
     assert python.count == 0
     assert fused.count == steps  # every decode step, never the prefill
+    # Three sequences: one StagePlan per step where every linear reads panels.
+    planned = layout == "panels" and torch.get_num_threads() > 1
+    assert cpu_ops.stage_plan_counters()[0] - plans_before == (steps if planned else 0)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_items_retaken_from_a_late_thread_give_the_same_bits(
+    cpu_ops: Any, family: str, dtype: torch.dtype, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, two_threads: None,
+) -> None:
+    """The second thread takes the first item of every stage and starts it 2 ms late, as if
+    preempted: the first computes it again and goes on, and the late thread still writes
+    it, the same bits, later."""
+    if not cpu_ops.panel_linear_supported(dtype):
+        pytest.skip(f"this CPU has no few-row kernel for {dtype}")
+    make_checkpoint(tmp_path, family, dtype=dtype, **FAMILIES[family])
+    runner = make_runner(tmp_path, dtype="auto")
+    torch.set_num_threads(2)  # the runner set the machine's count
+    prompts = random_prompts({"a": 3, "b": 17}, VOCAB)
+    steps = 4
+    DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, steps, "py-")
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    plans, stages, retaken = cpu_ops.stage_plan_counters()
+    cpu_ops.set_stage_plan_late_us(2000)
+    try:
+        got = decode_logits(runner, prompts, steps, "late-")
+    finally:
+        cpu_ops.set_stage_plan_late_us(0)
+    plans_after, stages_after, retaken_after = cpu_ops.stage_plan_counters()
+
+    assert fused.count == steps
+    assert plans_after - plans == steps
+    # Each stage's first item, unless the first thread itself was off the CPU for the
+    # whole 2 ms (a loaded machine): then the late item is done when it looks.
+    assert retaken_after - retaken > (stages_after - stages) // 2
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+
+
+def test_more_sequences_than_the_panel_rows_keep_a_region_per_op(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
+) -> None:
+    if not cpu_ops.panel_linear_supported(torch.float32):
+        pytest.skip("this CPU has no few-row kernel for float32")
+    make_checkpoint(tmp_path, "llama")
+    runner = make_runner(tmp_path, max_model_len=64)
+    torch.set_num_threads(2)
+    prompts = random_prompts({f"s{i}": 2 + i for i in range(9)}, VOCAB)  # 9 > 8 rows
+    DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, 2, "py-")
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    plans = cpu_ops.stage_plan_counters()[0]
+    got = decode_logits(runner, prompts, 2, "cpp-")
+    assert fused.count == 2
+    assert cpu_ops.stage_plan_counters()[0] == plans
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
 
 
 def test_mixture_of_experts_layers_keep_the_python_path(
