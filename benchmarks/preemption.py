@@ -7,7 +7,7 @@ Through the cluster, the serving threads (the engine's gRPC threads, the fronten
 client) take 1-1.5 ms of CPU per token on the cores the step runs on. This stands a
 process in for them that, every 5 ms, burns `--bursts` bursts of `--burst-ms` with
 `--gap-ms` of sleep between them, and times the benchmark checkpoint's decode step
-(batch 1, after a 128-token prompt, `ModelRunner.execute`) with StagePlans on and off,
+(`--batch` sequences after 128-token prompts, `ModelRunner.execute`) with StagePlans on and off,
 alternating, the same number of steps each; then the same without the burner. It prints
 each side's median step and the ratio plan/regions per round.
 """
@@ -47,13 +47,13 @@ while True:
 """
 
 
-def compare(runner: ModelRunner, ops: object, rounds: int, steps: int, tag: str
+def compare(runner: ModelRunner, ops: object, batch: int, rounds: int, steps: int, tag: str
             ) -> dict[str, list[float]]:
     medians: dict[str, list[float]] = {"regions": [], "plan": []}
     for r in range(rounds):
         for side in medians:
             ops.set_stage_plans_enabled(side == "plan")  # type: ignore[attr-defined]
-            times = decode_times(runner, 1, 128, steps, f"{tag}-{side}-{r}-")
+            times = decode_times(runner, batch, 128, steps, f"{tag}-{side}-{r}-")
             medians[side].append(statistics.median(times) * 1000)
     ops.set_stage_plans_enabled(True)  # type: ignore[attr-defined]
     return medians
@@ -74,9 +74,12 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=3, help="bursts per 5 ms")
     parser.add_argument("--burst-ms", type=float, default=0.5)
     parser.add_argument("--gap-ms", type=float, default=0.5)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="sequences per step (plans apply up to 8 in float32, 16 in bfloat16)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
     runner = ModelRunner(RunnerConfig(model=str(bench_checkpoint()), kv_cache_memory=1 << 30,
-                                      max_model_len=2048))
+                                      max_model_len=2048, dtype=args.dtype))
     runner.warmup()
     ops = load()
     if ops is None:
@@ -85,12 +88,13 @@ def main() -> None:
                                str(args.burst_ms / 1000), str(args.gap_ms / 1000)])
     try:
         time.sleep(0.3)
-        beside = compare(runner, ops, args.rounds, args.steps, "burner")
+        beside = compare(runner, ops, args.batch, args.rounds, args.steps, "burner")
     finally:
         burner.kill()
         burner.wait()
-    alone = compare(runner, ops, args.rounds, args.steps, "alone")
-    print(f"decode step, batch 1, {args.rounds} rounds of {args.steps} steps per side")
+    alone = compare(runner, ops, args.batch, args.rounds, args.steps, "alone")
+    print(f"decode step, batch {args.batch}, {args.dtype}, {args.rounds} rounds of {args.steps} "
+          "steps per side")
     report(f"beside {args.bursts} x {args.burst_ms} ms per 5 ms", beside)
     report("alone", alone)
 

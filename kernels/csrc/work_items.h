@@ -116,12 +116,18 @@ class StagePlan {
       const auto patience = std::clamp<Clock::duration>(
           4 * item_time, std::chrono::microseconds(10), std::chrono::microseconds(100));
       const auto waiting_since = Clock::now();
-      while (stage.done.load(std::memory_order_acquire) < stage.n) {
+      for (int64_t first_undone = 0;;) {
+        while (first_undone < stage.n && stage.is_done(first_undone)) {
+          ++first_undone;
+        }
+        if (first_undone == stage.n) {
+          break;
+        }
         if (Clock::now() - waiting_since < patience) {
           cpu_relax();
           continue;
         }
-        for (int64_t i = 0; i < stage.n; ++i) {
+        for (int64_t i = first_undone; i < stage.n; ++i) {
           if (!stage.is_done(i)) {
             compute(stage, i);
             stage_plan_counters().items_retaken.fetch_add(1, std::memory_order_relaxed);
@@ -141,20 +147,19 @@ class StagePlan {
   int64_t num_stages() const { return static_cast<int64_t>(stages_.size()); }
 
  private:
-  struct Stage {
-    Stage(int64_t count, Item item)
-        : n(count), fn(std::move(item)), done_flags(new std::atomic<uint8_t>[count]) {
-      for (int64_t i = 0; i < n; ++i) {
-        done_flags[i].store(0, std::memory_order_relaxed);
-      }
-    }
-    bool is_done(int64_t i) const { return done_flags[i].load(std::memory_order_acquire) != 0; }
+  // Each on a cache line of its own: the threads write them in turns, item by item.
+  struct alignas(64) Flag {
+    std::atomic<bool> done{false};
+  };
 
-    const int64_t n;
+  struct Stage {
+    Stage(int64_t count, Item item) : n(count), fn(std::move(item)), flags(new Flag[count]) {}
+    bool is_done(int64_t i) const { return flags[i].done.load(std::memory_order_acquire); }
+
+    alignas(64) std::atomic<int64_t> next{0};
+    alignas(64) const int64_t n;
     const Item fn;
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-    std::unique_ptr<std::atomic<uint8_t>[]> done_flags;
+    std::unique_ptr<Flag[]> flags;
   };
 
   void compute(Stage& stage, int64_t i) {
@@ -169,10 +174,8 @@ class StagePlan {
         failed_.store(true, std::memory_order_relaxed);
       }
     }
-    // Counted once, by whichever thread finishes the item first.
-    if (stage.done_flags[i].exchange(1, std::memory_order_acq_rel) == 0) {
-      stage.done.fetch_add(1, std::memory_order_acq_rel);
-    }
+    // Set by whichever thread finishes the item, once or twice: the same bits either way.
+    stage.flags[i].done.store(true, std::memory_order_release);
   }
 
   std::vector<std::unique_ptr<Stage>> stages_;
