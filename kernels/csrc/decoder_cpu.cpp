@@ -194,12 +194,13 @@ void check_norm_weight(const at::Tensor& weight, int64_t size, at::ScalarType dt
 // attention items (paged_decode_items) as the ops, in the same order, so the same bits,
 // but each stage writes a buffer of its own, so that any stage's item may run twice.
 template <typename T>
-at::Tensor planned_layers(const at::Tensor& hidden, at::TensorList weights,
+std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList weights,
                           at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
                           int64_t head_dim, double scale, at::IntArrayRef windows,
-                          const at::Tensor& final_norm, double eps, int threads) {
+                          const at::Tensor& final_norm, double eps, at::TensorList head,
+                          int threads) {
   using corestream_cpu::add_row;
   using corestream_cpu::normalize_row;
   using corestream_cpu::rotate_head;
@@ -364,6 +365,13 @@ at::Tensor planned_layers(const at::Tensor& hidden, at::TensorList weights,
     add_row(sum + t * size, residual + t * size, mlp_out + t * size, size);
     normalize_row(out + t * size, sum + t * size, norm, size, epsilon);
   });
+  std::vector<at::Tensor> outputs{result};
+  if (!head.empty() && present(head[1])) {  // the head's panels: its logits too
+    outputs.push_back(at::empty({tokens, head[0].size(0)}, hidden.options()));
+    auto [head_items, head_item] =
+        corestream_cpu::panel_items(result, head[1], head[2], outputs.back());
+    plan.add(head_items, std::move(head_item));
+  }
 
   corestream_cpu::stage_plan_counters().plans.fetch_add(1, std::memory_order_relaxed);
   corestream_cpu::stage_plan_counters().stages.fetch_add(plan.num_stages(),
@@ -371,13 +379,14 @@ at::Tensor planned_layers(const at::Tensor& hidden, at::TensorList weights,
 #pragma omp parallel num_threads(threads)
   plan.run(omp_get_thread_num(), omp_get_num_threads());
   plan.rethrow();
-  return result;
+  return outputs;
 }
 
-// The whole model of a decode-only step but the head: the embedding of input_ids [B],
-// the rotation rows of positions [B] from rotary_table [2, max_positions, head_dim] (cos
-// and sin, laid out as RotaryEmbedding.cos_sin hands them over), decode_layers, and the
-// final norm. Returns the final hidden states [B, hidden]. Each piece is the op the
+// The whole model of a decode-only step: the embedding of input_ids [B], the rotation
+// rows of positions [B] from rotary_table [2, max_positions, head_dim] (cos and sin, laid
+// out as RotaryEmbedding.cos_sin hands them over), decode_layers, the final norm, and
+// with `head` = [weight, panels, bias] (as `linear` takes them; or empty) the head.
+// Returns [final hidden states [B, hidden]], or [those, logits [B, vocab]] with a head. Each piece is the op the
 // Python model runs, in its order, so the bits are the same; what goes is the Python
 // between them, which after the weights have streamed through the caches costs some
 // 0.2 ms a step (services/engine/models/llama.py, LlamaModel.forward).
@@ -386,7 +395,7 @@ at::Tensor planned_layers(const at::Tensor& hidden, at::TensorList weights,
 // run as one StagePlan in one parallel region instead of a fork and join per linear and
 // attention: a thread preempted by another process then delays the step by about its
 // share of the time it is away, not by all of it (work_items.h).
-at::Tensor decode_model(
+std::vector<at::Tensor> decode_model(
     const at::Tensor& input_ids,
     const at::Tensor& positions,
     const at::Tensor& embedding,
@@ -402,7 +411,11 @@ at::Tensor decode_model(
     double scale,
     at::IntArrayRef windows,
     const at::Tensor& final_norm,
-    double eps) {
+    double eps,
+    at::TensorList head) {
+  TORCH_CHECK(head.empty() || head.size() == 3,
+              "decode_model: head must be [weight, panels, bias] or empty, got ", head.size(),
+              " tensors");
   TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(),
               "decode_model: input_ids and positions must be [B], got ", input_ids.sizes(),
               " and ", positions.sizes());
@@ -414,6 +427,7 @@ at::Tensor decode_model(
   const at::Tensor cos = cos_sin.select(0, 0).unsqueeze(1);
   const at::Tensor sin = cos_sin.select(0, 1).unsqueeze(1);
   const int threads = at::get_num_threads();
+  std::vector<at::Tensor> outputs;
   const auto& counters = corestream_cpu::stage_plan_counters();
   if (threads > 1 && !at::in_parallel_region() && counters.enabled.load() &&
       static_cast<int64_t>(weights.size()) == static_cast<int64_t>(kv_caches.size()) *
@@ -422,21 +436,26 @@ at::Tensor decode_model(
       num_heads % num_kv_heads == 0 &&
       panels_throughout(weights, input_ids.size(0), residual.scalar_type())) {
     if (residual.scalar_type() == at::kFloat) {
-      return planned_layers<float>(residual, weights, kv_caches, cos, sin, slot_mapping,
-                                   block_tables, seq_lens, num_heads, num_kv_heads, head_dim,
-                                   scale, windows, final_norm, eps, threads);
-    }
-    if (residual.scalar_type() == at::kBFloat16) {
-      return planned_layers<c10::BFloat16>(residual, weights, kv_caches, cos, sin, slot_mapping,
-                                           block_tables, seq_lens, num_heads, num_kv_heads,
-                                           head_dim, scale, windows, final_norm, eps, threads);
+      outputs = planned_layers<float>(residual, weights, kv_caches, cos, sin, slot_mapping,
+                                      block_tables, seq_lens, num_heads, num_kv_heads,
+                                      head_dim, scale, windows, final_norm, eps, head, threads);
+    } else if (residual.scalar_type() == at::kBFloat16) {
+      outputs = planned_layers<c10::BFloat16>(
+          residual, weights, kv_caches, cos, sin, slot_mapping, block_tables, seq_lens,
+          num_heads, num_kv_heads, head_dim, scale, windows, final_norm, eps, head, threads);
     }
   }
-  at::Tensor x = decode_layers(residual, weights, kv_caches, cos, sin, slot_mapping,
-                               block_tables, seq_lens, num_heads, num_kv_heads, head_dim, scale,
-                               windows, eps);
-  ops().add_rms_norm.call(x, residual, final_norm, eps);
-  return x;
+  if (outputs.empty()) {
+    at::Tensor x = decode_layers(residual, weights, kv_caches, cos, sin, slot_mapping,
+                                 block_tables, seq_lens, num_heads, num_kv_heads, head_dim,
+                                 scale, windows, eps);
+    ops().add_rms_norm.call(x, residual, final_norm, eps);
+    outputs.push_back(x);
+  }
+  if (!head.empty() && outputs.size() == 1) {  // no plan, or a head without panels
+    outputs.push_back(corestream_cpu::linear(outputs[0], head[0], head[1], head[2]));
+  }
+  return outputs;
 }
 
 }  // namespace
@@ -450,7 +469,7 @@ TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
       "decode_model(Tensor input_ids, Tensor positions, Tensor embedding, Tensor rotary_table, "
       "Tensor[] weights, Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, "
-      "int[] windows, Tensor final_norm, float eps) -> Tensor");
+      "int[] windows, Tensor final_norm, float eps, Tensor[] head) -> Tensor[]");
   // [plans, stages, items computed again after another thread was late] in this process.
   m.def("stage_plan_counters() -> int[]", [] {
     const auto& c = corestream_cpu::stage_plan_counters();

@@ -114,10 +114,23 @@ def test_decode_model_gives_the_python_model_bits(
     want = decode_logits(runner, prompts, steps, "py-")
     fused = DecodeCalls(monkeypatch, enabled=True)
     plans_before = cpu_ops.stage_plan_counters()[0]
+    head_steps = []
+    head_logits = LlamaModel.head_logits
+
+    def counted_head_logits(model: LlamaModel, hidden: torch.Tensor) -> Any:
+        found = head_logits(model, hidden)
+        head_steps.append(found is not None)
+        return found
+
+    monkeypatch.setattr(LlamaModel, "head_logits", counted_head_logits)
     got = decode_logits(runner, prompts, steps, "cpp-")
 
     assert python.count == 0
     assert fused.count == steps  # every decode step, never the prefill
+    # The head runs in the op where it has panels (an untied head, laid out with them).
+    head_in_op = runner.model.lm_head.panels is not None
+    assert head_in_op == (layout == "panels")
+    assert sum(head_steps) == (steps if head_in_op else 0)
     # Three sequences: one StagePlan per step where every linear reads panels.
     planned = layout == "panels" and torch.get_num_threads() > 1
     assert cpu_ops.stage_plan_counters()[0] - plans_before == (steps if planned else 0)
@@ -221,5 +234,5 @@ def test_decode_model_refuses_positions_that_do_not_match_the_tokens(cpu_ops: An
             torch.zeros(4, 8), torch.zeros(2, 16, 8),
             flat_weights([{"input_norm": torch.ones(8)}]), [cache],
             torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int32),
-            torch.ones(2, dtype=torch.int32), 1, 1, 8, 1.0, [0], torch.ones(8), 1e-6,
+            torch.ones(2, dtype=torch.int32), 1, 1, 8, 1.0, [0], torch.ones(8), 1e-6, [],
         )

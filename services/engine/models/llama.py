@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels.decoder_layers import DecodeModelFn, cpu_decode_model, flat_weights
+from kernels.decoder_layers import ABSENT, DecodeModelFn, cpu_decode_model, flat_weights
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import rotate_and_store_kv
@@ -216,6 +216,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._windows = [config.layer_window(i) or 0 for i in range(config.num_hidden_layers)]
+        # (hidden states, logits) of the last decode step whose head ran in the C++ op.
+        self._head_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         # [] (never the C++ decode op) when sharded: it cannot all-reduce between layers.
         self._flat_weights: list[torch.Tensor] | None = None if tp is None else []
         self.rotary_emb = RotaryEmbedding(
@@ -231,17 +233,26 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        head: Linear | None = None,
     ) -> torch.Tensor:
+        """Final hidden states `[T, hidden]`. With `head` (the LM head), a decode step
+        that runs in the C++ op computes its logits there too: `head_logits` hands
+        them over."""
         one_token_each = input_ids.shape[0] == meta.num_seqs
         if one_token_each and (decode_model := self._cpu_decode_model()) is not None:
             attn = self.layers[0].self_attn
-            return decode_model(
+            head_tensors = [] if head is None or head.panels is None else [
+                head.weight, head.panels, ABSENT if head.bias is None else head.bias]
+            outputs = decode_model(
                 input_ids, positions, self.embed_tokens.weight,
                 self.rotary_emb.table(input_ids.device), self._flat_weights, kv_caches,
                 meta.slot_mapping, meta.block_tables, meta.seq_lens, attn.num_heads,
                 attn.num_kv_heads, attn.head_dim, attn.scale, self._windows,
-                self.norm.weight, self.norm.eps,
+                self.norm.weight, self.norm.eps, head_tensors,
             )
+            if len(outputs) == 2:
+                self._head_logits = (outputs[0], outputs[1])
+            return outputs[0]
         cos, sin = self.rotary_emb.cos_sin(positions)
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
@@ -250,6 +261,12 @@ class LlamaModel(nn.Module):
         if residual is None:  # no layers
             return self.norm.forward(x)
         return self.norm.forward_with_residual(x, residual)[0]
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The head's logits for `hidden`, if the forward that returned it computed them
+        (once: they are dropped as they are handed over)."""
+        found, self._head_logits = self._head_logits, None
+        return found[1] if found is not None and found[0] is hidden else None
 
     def _cpu_decode_model(self) -> DecodeModelFn | None:
         """`kernels.decoder_layers.cpu_decode_model` for a decode-only step: None where it
@@ -309,9 +326,14 @@ class LlamaForCausalLM(nn.Module):
 
         `kv_caches[i]` is layer i's cache `[2, num_blocks, block_size, kv_heads, head_dim]`.
         """
-        return self.model(input_ids, positions, meta, kv_caches)
+        # Unsharded, the decode op may run the head too, in the same parallel region.
+        head = self.lm_head if self.tp is None else None
+        return self.model(input_ids, positions, meta, kv_caches, head)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab]` for hidden states `[N, hidden]`; the full
         vocabulary on every rank under tensor parallelism (the head all-gathers)."""
-        return self.lm_head(hidden_states).float()
+        logits = self.model.head_logits(hidden_states)
+        if logits is None:
+            logits = self.lm_head(hidden_states)
+        return logits.float()
