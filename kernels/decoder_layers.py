@@ -1,4 +1,4 @@
-"""A decode-only step's model, but the head, as one C++ call on CPU (`csrc/decoder_cpu.cpp`).
+"""A decode-only step's model as one C++ call on CPU (`csrc/decoder_cpu.cpp`).
 
 A Llama-family layer in a decode step is four small matmuls and five small ops; run from
 Python, the module calls and op dispatch between them cost about as much as the ops of a
@@ -6,8 +6,9 @@ single-stream step. The C++ op runs the same ops in the same order (the Python l
 `services.engine.models.llama` are its reference, and give the same bits), and the model
 calls it only where it applies: CPU tensors of a dtype the extension supports, one token
 per sequence, plain Llama-family layers (not mixture-of-experts ones). The embedding, the
-rotation rows and the final norm go into the same call (`decode_model`): after the weights
-have streamed through the caches, each Python op between them costs tens of microseconds.
+rotation rows, the final norm and the LM head (where it has panels) go into the same call
+(`decode_model`): after the weights have streamed through the caches, each Python op
+between them costs tens of microseconds.
 With a few sequences, where every linear reads its panels, the call is one parallel region
 in which the threads take the ops' items as they come (`csrc/work_items.h`), so that a
 thread preempted by another process does not hold the others at forty barriers a step.
@@ -34,7 +35,8 @@ ABSENT = torch.empty(0)
 
 # decode_model(input_ids, positions, embedding, rotary_table, weights, kv_caches,
 #              slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim,
-#              scale, windows, final_norm, eps) -> final hidden states
+#              scale, windows, final_norm, eps, head) -> [final hidden states] or
+#              [final hidden states, logits] where head = [weight, panels, bias]
 DecodeModelFn = Callable[..., torch.Tensor]
 
 
@@ -45,7 +47,8 @@ def cpu_decode_model(
     head layout on this step (CPU, backend not "torch") and builds; else None.
 
     It embeds the step's tokens (one per sequence), gathers their rotation rows, runs
-    `decode_layers` and the final norm, and returns the final hidden states `[B, hidden]`.
+    `decode_layers` and the final norm, and returns the final hidden states `[B, hidden]`,
+    and with a head the logits `[B, vocab]` (in the model's dtype) after them.
     """
     if not decode_shape_supported(embedding.dtype, num_heads, num_kv_heads, head_dim):
         return None
