@@ -4,7 +4,7 @@ The extension registers its ops under `torch.ops.corestream_cpu`: the decode att
 (`paged_decode`, see `kernels.cpu_paged_attention`) and the small per-layer ops
 (`rms_norm`, `add_rms_norm`, `silu_and_mul`, `rotary_store_kv`, see `kernels.rms_norm`,
 `kernels.activation` and `kernels.rotary`), all of them in a row for every layer of a
-decode-only step (`decode_layers`), and that with the embedding and the final norm
+decode-only step (`decode_layers`), and that with the embedding, the final norm and the head
 (`decode_model`, see `kernels.decoder_layers`). It is compiled with
 torch.utils.cpp_extension the first time a CPU op needs it (or on `load()`), never at
 import, and the build is cached on disk under TORCH_EXTENSIONS_DIR (default
