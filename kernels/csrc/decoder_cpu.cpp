@@ -222,13 +222,21 @@ std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList 
   check_norm_weight(final_norm, size, dtype, "the final norm");
 
   std::vector<at::Tensor> buffers;  // every stage's output, alive until the plan has run
-  buffers.reserve(12 * num_layers + 1);  // tensor() hands out references into it
-  auto buffer = [&](at::IntArrayRef sizes) -> T* {
-    buffers.push_back(at::empty(sizes, hidden.options()));
-    return buffers.back().mutable_data_ptr<T>();
+  auto buffer = [&](at::IntArrayRef sizes) -> at::Tensor {
+    return buffers.emplace_back(at::empty(sizes, hidden.options()));
   };
-  auto tensor = [&]() -> const at::Tensor& { return buffers.back(); };
+  auto data = [](const at::Tensor& t) { return t.mutable_data_ptr<T>(); };
   corestream_cpu::StagePlan plan;
+  // Per token: sum = T(residual + x), then normed = norm(sum); the pre-attention norm of
+  // every layer but the first, the post-attention norm, and the final norm.
+  auto add_and_norm = [&](const T* residual, const T* x, T* sum, T* normed,
+                          const at::Tensor& weight) {
+    const T* w = weight.const_data_ptr<T>();
+    plan.add(tokens, [=](int64_t t) {
+      add_row(sum + t * size, residual + t * size, x + t * size, size);
+      normalize_row(normed + t * size, sum + t * size, w, size, epsilon);
+    });
+  };
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   const float* cos_data = cos.const_data_ptr<float>();
   const float* sin_data = sin.const_data_ptr<float>();
@@ -256,42 +264,40 @@ std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList 
     }
 
     // The input norm, after the previous layer's residual add.
-    const T* input_norm = w[kInputNorm].const_data_ptr<T>();
-    T* normed = buffer({tokens, size});
-    const at::Tensor normed_tensor = tensor();
+    const at::Tensor normed = buffer({tokens, size});
     if (mlp_out == nullptr) {
+      const T* input_norm = w[kInputNorm].const_data_ptr<T>();
+      T* out = data(normed);
       plan.add(tokens, [=](int64_t t) {
-        normalize_row(normed + t * size, residual + t * size, input_norm, size, epsilon);
+        normalize_row(out + t * size, residual + t * size, input_norm, size, epsilon);
       });
     } else {
-      T* sum = buffer({tokens, size});
-      plan.add(tokens, [=](int64_t t) {
-        add_row(sum + t * size, residual + t * size, mlp_out + t * size, size);
-        normalize_row(normed + t * size, sum + t * size, input_norm, size, epsilon);
-      });
+      T* sum = data(buffer({tokens, size}));
+      add_and_norm(residual, mlp_out, sum, data(normed), w[kInputNorm]);
       residual = sum;
     }
 
     // q, k and v.
-    T* qkv = buffer({tokens, qkv_width});
+    const at::Tensor qkv = buffer({tokens, qkv_width});
     auto [qkv_items, qkv_item] =
-        corestream_cpu::panel_items(normed_tensor, w[kQkvPanels], w[kQkvBias], tensor());
+        corestream_cpu::panel_items(normed, w[kQkvPanels], w[kQkvBias], qkv);
     plan.add(qkv_items, std::move(qkv_item));
 
     // Per token: q and k normed per head (Qwen3), rotated; q to its buffer, k and v to
     // the cache.
-    T* query = buffer({tokens, num_heads, dim});
-    const at::Tensor query_tensor = tensor();
+    const at::Tensor query = buffer({tokens, num_heads, dim});
     const at::Tensor key_cache = cache.select(0, 0);
     const at::Tensor value_cache = cache.select(0, 1);
-    T* keys = key_cache.mutable_data_ptr<T>();
-    T* values = value_cache.mutable_data_ptr<T>();
+    const T* qkv_data = data(qkv);
+    T* query_data = data(query);
+    T* keys = data(key_cache);
+    T* values = data(value_cache);
     const T* q_norm = qk_norms ? w[kQNorm].const_data_ptr<T>() : nullptr;
     const T* k_norm = qk_norms ? w[kKNorm].const_data_ptr<T>() : nullptr;
     plan.add(tokens, [=](int64_t t) {
       thread_local std::vector<T> head;
       head.resize(dim);
-      const T* row = qkv + t * qkv_width;
+      const T* row = qkv_data + t * qkv_width;
       const float* c = cos_data + t * dim;
       const float* s = sin_data + t * dim;
       T* slot_keys = keys + slots[t] * num_kv_heads * dim;
@@ -303,7 +309,7 @@ std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList 
           normalize_row(head.data(), x, weight, dim, epsilon);
           x = head.data();
         }
-        T* out = h < num_heads ? query + (t * num_heads + h) * dim
+        T* out = h < num_heads ? query_data + (t * num_heads + h) * dim
                                : slot_keys + (h - num_heads) * dim;
         rotate_head(out, static_cast<T*>(nullptr), x, c, s, dim);
       }
@@ -311,60 +317,48 @@ std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList 
       std::copy(v, v + num_kv_heads * dim, slot_values);
     });
 
-    buffer({tokens, num_heads, dim});
-    const at::Tensor attn_tensor = tensor();
+    const at::Tensor attn = buffer({tokens, num_heads, dim});
     auto [attn_items, attn_item] = corestream_cpu::paged_decode_items(
-        attn_tensor, query_tensor, key_cache, value_cache, block_tables, seq_lens, scale,
-        windows[layer]);
+        attn, query, key_cache, value_cache, block_tables, seq_lens, scale, windows[layer]);
     plan.add(attn_items, std::move(attn_item));
 
-    T* projected = buffer({tokens, size});
+    const at::Tensor projected = buffer({tokens, size});
     auto [o_items, o_item] = corestream_cpu::panel_items(
-        attn_tensor.view({tokens, num_heads * dim}), w[kOPanels], w[kOBias], tensor());
+        attn.view({tokens, num_heads * dim}), w[kOPanels], w[kOBias], projected);
     plan.add(o_items, std::move(o_item));
 
     // The post-attention norm, after the residual add.
-    const T* post_norm = w[kPostNorm].const_data_ptr<T>();
-    T* sum = buffer({tokens, size});
-    T* post_normed = buffer({tokens, size});
-    const at::Tensor post_normed_tensor = tensor();
-    plan.add(tokens, [=](int64_t t) {
-      add_row(sum + t * size, residual + t * size, projected + t * size, size);
-      normalize_row(post_normed + t * size, sum + t * size, post_norm, size, epsilon);
-    });
+    T* sum = data(buffer({tokens, size}));
+    const at::Tensor post_normed = buffer({tokens, size});
+    add_and_norm(residual, data(projected), sum, data(post_normed), w[kPostNorm]);
     residual = sum;
 
     const int64_t gate_up_width = w[kGateUpWeight].size(0);
     const int64_t intermediate = gate_up_width / 2;
-    T* gate_up = buffer({tokens, gate_up_width});
+    const at::Tensor gate_up = buffer({tokens, gate_up_width});
     auto [gate_up_items, gate_up_item] = corestream_cpu::panel_items(
-        post_normed_tensor, w[kGateUpPanels], w[kGateUpBias], tensor());
+        post_normed, w[kGateUpPanels], w[kGateUpBias], gate_up);
     plan.add(gate_up_items, std::move(gate_up_item));
 
-    T* activated = buffer({tokens, intermediate});
-    const at::Tensor activated_tensor = tensor();
+    const at::Tensor activated = buffer({tokens, intermediate});
+    const T* gate_up_data = data(gate_up);
+    T* activated_data = data(activated);
     plan.add(tokens, [=](int64_t t) {
-      const T* row = gate_up + t * gate_up_width;
-      corestream_cpu::silu_mul_row(activated + t * intermediate, row, row + intermediate,
+      const T* row = gate_up_data + t * gate_up_width;
+      corestream_cpu::silu_mul_row(activated_data + t * intermediate, row, row + intermediate,
                                    intermediate);
     });
 
-    T* down = buffer({tokens, size});
-    auto [down_items, down_item] = corestream_cpu::panel_items(
-        activated_tensor, w[kDownPanels], w[kDownBias], tensor());
+    const at::Tensor down = buffer({tokens, size});
+    auto [down_items, down_item] =
+        corestream_cpu::panel_items(activated, w[kDownPanels], w[kDownBias], down);
     plan.add(down_items, std::move(down_item));
-    mlp_out = down;
+    mlp_out = data(down);
   }
 
   // The final norm, after the last residual add.
-  at::Tensor result = at::empty({tokens, size}, hidden.options());
-  T* out = result.mutable_data_ptr<T>();
-  T* sum = buffer({tokens, size});
-  const T* norm = final_norm.const_data_ptr<T>();
-  plan.add(tokens, [=](int64_t t) {
-    add_row(sum + t * size, residual + t * size, mlp_out + t * size, size);
-    normalize_row(out + t * size, sum + t * size, norm, size, epsilon);
-  });
+  const at::Tensor result = at::empty({tokens, size}, hidden.options());
+  add_and_norm(residual, mlp_out, data(buffer({tokens, size})), data(result), final_norm);
   std::vector<at::Tensor> outputs{result};
   if (!head.empty() && present(head[1])) {  // the head's panels: its logits too
     outputs.push_back(at::empty({tokens, head[0].size(0)}, hidden.options()));

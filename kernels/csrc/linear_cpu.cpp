@@ -29,7 +29,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -229,12 +228,30 @@ void check_panel_args(const at::Tensor& x, const at::Tensor& panels, const at::T
               "panel_linear: bias must be empty or [", out_features, "] of x's dtype");
 }
 
+// The items of x @ panels + bias into out, the arguments checked (check_panel_args).
+std::pair<int64_t, corestream_cpu::Item> checked_panel_items(const at::Tensor& x,
+                                                             const at::Tensor& panels,
+                                                             const at::Tensor& bias,
+                                                             const at::Tensor& out) {
+#ifdef CORESTREAM_AVX512
+  if (x.scalar_type() == at::kFloat) {
+    return {panels.size(0), panel_item<float>(x, panels, bias, out.size(1), out)};
+  }
+#endif
+#ifdef CORESTREAM_AVX512_BF16
+  if (x.scalar_type() == at::kBFloat16) {
+    return {panels.size(0), panel_item<c10::BFloat16>(x, panels, bias, out.size(1), out)};
+  }
+#endif
+  TORCH_CHECK(false, "panel_linear: no kernel for ", x.scalar_type(), " in this build");
+}
+
 // x [M, K] contiguous; panels as above; bias [N] or empty; out [M, N].
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias,
                         int64_t out_features) {
   check_panel_args(x, panels, bias, out_features);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  const auto [num_panels, item] = corestream_cpu::panel_items(x, panels, bias, out);
+  const auto [num_panels, item] = checked_panel_items(x, panels, bias, out);
   // Threads take panels one at a time, not a fixed share each: on a machine with few
   // cores the frontend and other processes preempt one thread or another every token,
   // and with fixed shares the others would wait at the end of every layer for the
@@ -258,17 +275,7 @@ std::pair<int64_t, Item> panel_items(const at::Tensor& x, const at::Tensor& pane
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous() &&
                   out.scalar_type() == x.scalar_type(),
               "panel_linear: out must be a contiguous [", x.size(0), ", N] of x's dtype");
-#ifdef CORESTREAM_AVX512
-  if (x.scalar_type() == at::kFloat) {
-    return {panels.size(0), panel_item<float>(x, panels, bias, out_features, out)};
-  }
-#endif
-#ifdef CORESTREAM_AVX512_BF16
-  if (x.scalar_type() == at::kBFloat16) {
-    return {panels.size(0), panel_item<c10::BFloat16>(x, panels, bias, out_features, out)};
-  }
-#endif
-  TORCH_CHECK(false, "panel_linear: no kernel for ", x.scalar_type(), " in this build");
+  return checked_panel_items(x, panels, bias, out);
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,

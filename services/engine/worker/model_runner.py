@@ -140,7 +140,7 @@ class ModelRunner:
         # per step.
         self._on_cpu = self._device.type == "cpu"
         num_threads = resolve_num_threads(config.num_threads)
-        if self._device.type == "cpu" and num_threads is not None:
+        if self._on_cpu and num_threads is not None:
             # The intra-op pool is per process: this sets it for every runner in it.
             torch.set_num_threads(num_threads)
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
