@@ -17,6 +17,7 @@ thread preempted by another process does not hold the others at forty barriers a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -54,6 +55,36 @@ def cpu_decode_model(
         return None
     ops = cpu_ops(embedding)
     return None if ops is None else ops.decode_model
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeModel:
+    """`decode_model` with the arguments that stay the same from step to step bound once:
+    a single-stream step runs right after the weights have streamed through the caches,
+    where each Python attribute read and check on the way to the op costs microseconds."""
+
+    op: DecodeModelFn
+    embedding: torch.Tensor
+    rotary_table: torch.Tensor
+    weights: list[torch.Tensor]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    windows: list[int]
+    final_norm: torch.Tensor
+    eps: float
+    head: list[torch.Tensor]
+    """[weight, panels, bias] of the LM head, or [] to leave it to the caller."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+        """[final hidden states], or [final hidden states, logits] with a head."""
+        return self.op(input_ids, positions, self.embedding, self.rotary_table, self.weights,
+                       kv_caches, slot_mapping, block_tables, seq_lens, self.num_heads,
+                       self.num_kv_heads, self.head_dim, self.scale, self.windows,
+                       self.final_norm, self.eps, self.head)
 
 
 def flat_weights(layers: Sequence[dict[str, torch.Tensor | None]]) -> list[torch.Tensor]:

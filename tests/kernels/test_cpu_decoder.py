@@ -4,6 +4,7 @@ each dense family."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.decoder_layers import LAYER_TENSORS, flat_weights
+from kernels import backend
+from kernels.decoder_layers import LAYER_TENSORS, DecodeModel, flat_weights
 from services.common.sampling import SamplingParams
 from services.engine.models import linear as linear_module
 from services.engine.models.llama import LlamaModel
@@ -21,7 +23,7 @@ from tests.unit.engine.hf_checkpoints import VOCAB, make_checkpoint
 from tests.unit.engine.runner_driver import all_logits, make_runner, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0)
-CPU_DECODE_MODEL = LlamaModel._cpu_decode_model
+DECODE_MODEL = LlamaModel._decode_model
 
 # Each family switches on a different part of the op: plain Llama; Mistral's sliding
 # window (shorter than the contexts below); Qwen2's q/k/v bias and a window in some
@@ -41,18 +43,18 @@ class DecodeCalls:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
         self.count = 0
 
-        def wrapped(model: LlamaModel) -> Any:
-            op = CPU_DECODE_MODEL(model) if enabled else None
-            if op is None:
+        def wrapped(model: LlamaModel, head: Any) -> DecodeModel | None:
+            bound = DECODE_MODEL(model, head) if enabled else None
+            if bound is None:
                 return None
 
-            def counted(*args: Any) -> torch.Tensor:
+            def counted(*args: Any) -> list[torch.Tensor]:
                 self.count += 1
-                return op(*args)
+                return bound.op(*args)
 
-            return counted
+            return dataclasses.replace(bound, op=counted)
 
-        monkeypatch.setattr(LlamaModel, "_cpu_decode_model", wrapped)
+        monkeypatch.setattr(LlamaModel, "_decode_model", wrapped)
 
 
 def decode_logits(runner: ModelRunner, prompts: dict[str, list[int]], steps: int,
@@ -200,6 +202,31 @@ def test_more_sequences_than_the_panel_rows_keep_a_region_per_op(
     assert cpu_ops.stage_plan_counters()[0] == plans
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def test_the_bound_op_follows_the_backend(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The op is bound to the model on its first decode step; switching the backend to
+    torch afterwards still takes the Python layers, and switching back the op again."""
+    make_checkpoint(tmp_path, "llama")
+    runner = make_runner(tmp_path, max_model_len=64)
+    prompts = random_prompts({"a": 5}, VOCAB)
+    calls = DecodeCalls(monkeypatch, enabled=True)
+    fused = decode_logits(runner, prompts, 2, "cpp-")
+    assert calls.count == 2
+    previous = backend.get_backend()
+    backend.set_backend("torch")
+    try:
+        python = decode_logits(runner, prompts, 2, "py-")
+    finally:
+        backend.set_backend(previous)
+    assert calls.count == 2
+    again = decode_logits(runner, prompts, 2, "again-")
+    assert calls.count == 4
+    for f, p, a in zip(fused, python, again, strict=True):
+        torch.testing.assert_close(p, f, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a, f)
 
 
 def test_mixture_of_experts_layers_keep_the_python_path(

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels.decoder_layers import ABSENT, DecodeModelFn, cpu_decode_model, flat_weights
+from kernels.backend import get_backend
+from kernels.decoder_layers import ABSENT, DecodeModel, cpu_decode_model, flat_weights
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import rotate_and_store_kv
@@ -220,6 +221,9 @@ class LlamaModel(nn.Module):
         self._head_logits: tuple[torch.Tensor, torch.Tensor] | None = None
         # [] (never the C++ decode op) when sharded: it cannot all-reduce between layers.
         self._flat_weights: list[torch.Tensor] | None = None if tp is None else []
+        # The C++ decode op bound to this model, for the backend and head it was bound
+        # for (tests switch backends; relatives may call without a head).
+        self._decode: tuple[str, Linear | None, DecodeModel | None] | None = None
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -238,18 +242,10 @@ class LlamaModel(nn.Module):
         """Final hidden states `[T, hidden]`. With `head` (the LM head), a decode step
         that runs in the C++ op computes its logits there too: `head_logits` hands
         them over."""
-        one_token_each = input_ids.shape[0] == meta.num_seqs
-        if one_token_each and (decode_model := self._cpu_decode_model()) is not None:
-            attn = self.layers[0].self_attn
-            head_tensors = [] if head is None or head.panels is None else [
-                head.weight, head.panels, ABSENT if head.bias is None else head.bias]
-            outputs = decode_model(
-                input_ids, positions, self.embed_tokens.weight,
-                self.rotary_emb.table(input_ids.device), self._flat_weights, kv_caches,
-                meta.slot_mapping, meta.block_tables, meta.seq_lens, attn.num_heads,
-                attn.num_kv_heads, attn.head_dim, attn.scale, self._windows,
-                self.norm.weight, self.norm.eps, head_tensors,
-            )
+        if (input_ids.shape[0] == len(meta.seq_lens_host)  # one token each
+                and (decode := self._decode_model(head)) is not None):
+            outputs = decode(input_ids, positions, kv_caches, meta.slot_mapping,
+                             meta.block_tables, meta.seq_lens)
             if len(outputs) == 2:
                 self._head_logits = (outputs[0], outputs[1])
             return outputs[0]
@@ -268,9 +264,16 @@ class LlamaModel(nn.Module):
         found, self._head_logits = self._head_logits, None
         return found[1] if found is not None and found[0] is hidden else None
 
-    def _cpu_decode_model(self) -> DecodeModelFn | None:
-        """`kernels.decoder_layers.cpu_decode_model` for a decode-only step: None where it
-        does not apply, or where the layers are not all plain Llama-family ones."""
+    def _decode_model(self, head: Linear | None) -> DecodeModel | None:
+        """The C++ op for a decode-only step, bound once per backend and head: None where
+        it does not apply, or where the layers are not all plain Llama-family ones."""
+        backend = get_backend()
+        bound = self._decode
+        if bound is None or bound[0] != backend or bound[1] is not head:
+            bound = self._decode = (backend, head, self._bind_decode_model(head))
+        return bound[2]
+
+    def _bind_decode_model(self, head: Linear | None) -> DecodeModel | None:
         if self._flat_weights is None:
             # Gathered on first use, once the loader has put the checkpoint's tensors in
             # place (and laid them out); nothing replaces them after that.
@@ -280,8 +283,16 @@ class LlamaModel(nn.Module):
         if not self._flat_weights:
             return None
         attn = self.layers[0].self_attn
-        return cpu_decode_model(self.embed_tokens.weight, attn.num_heads, attn.num_kv_heads,
-                                attn.head_dim)
+        embedding = self.embed_tokens.weight
+        op = cpu_decode_model(embedding, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        if op is None:
+            return None
+        head_tensors = [] if head is None or head.panels is None else [
+            head.weight, head.panels, ABSENT if head.bias is None else head.bias]
+        return DecodeModel(
+            op, embedding, self.rotary_emb.table(embedding.device), self._flat_weights,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, self._windows,
+            self.norm.weight, self.norm.eps, head_tensors)
 
 
 class LlamaForCausalLM(nn.Module):
