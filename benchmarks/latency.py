@@ -128,6 +128,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=None,
                         help="run llama.cpp side by side (default: when it is built)")
+    parser.add_argument("--corestream-args", default="",
+                        help="extra flags for corestream serve, e.g. '--event-loop asyncio'")
     args = parser.parse_args()
     if args.llama_cpp and not llama_cpp.is_built():
         parser.error("--llama-cpp: not built; run benchmarks/llama_cpp.py --build first")
@@ -152,7 +154,8 @@ def main() -> None:
     if with_llama_cpp:
         for prompt in prompts[:half]:
             before += llama_cpp.decode(prompt, args.output_tokens).step_ms
-    cluster = Cluster(["--model", str(model), "--log-level", "warning"])
+    cluster = Cluster(["--model", str(model), "--log-level", "warning",
+                       *args.corestream_args.split()])
     try:
         with grpc.insecure_channel(cluster.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 from services.common.config import from_args
 from services.common.logs import setup_logging
@@ -48,7 +49,24 @@ def run(args: argparse.Namespace) -> int:
         "model %s: vocab %d, context %d tokens", model.name, model.vocab_size, model.max_model_len
     )
     observability = Observability("frontend", obs_config, config.host, (config, security))
-    return asyncio.run(_serve(config, security, tokenizer, model, observability, templates))
+    loop_factory = event_loop_factory(config.event_loop)
+    log.info("event loop: %s", "uvloop" if loop_factory else "asyncio")
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(_serve(config, security, tokenizer, model, observability, templates))
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory for "uvloop" (ImportError without it) and "auto" where it is
+    installed; None (asyncio's own loop) otherwise."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop
 
 
 async def _serve(config: FrontendConfig, security: SecurityConfig, tokenizer: TextTokenizer,

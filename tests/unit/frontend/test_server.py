@@ -19,6 +19,7 @@ from grpc_status import rpc_status
 
 from services.common.model_info import ModelInfo
 from services.frontend.config import FrontendConfig
+from services.frontend.main import event_loop_factory
 from services.frontend.server import SERVICE_NAME, FrontendServer
 from services.frontend.tokenizer import TextTokenizer
 
@@ -35,6 +36,7 @@ def _serve(
     model_info: ModelInfo,
     engine: FakeEngine | None,
     body: Body,
+    event_loop: str = "asyncio",
     **config: Any,
 ) -> None:
     async def main() -> None:
@@ -58,7 +60,8 @@ def _serve(
             if engine_server is not None:
                 await engine_server.stop(0)
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
+        runner.run(main())
 
 
 def _script(tokenizer: TextTokenizer, text: str = TEXT, eos: bool = True) -> list[int]:
@@ -72,8 +75,9 @@ async def _readiness(channel: grpc.aio.Channel) -> int:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])  # `corestream frontend` runs uvloop
 def test_stream_detokenizes_and_reports_usage(
-    tokenizer: TextTokenizer, model_info: ModelInfo
+    tokenizer: TextTokenizer, model_info: ModelInfo, event_loop: str
 ) -> None:
     engine = FakeEngine(_script(tokenizer))
 
@@ -103,7 +107,17 @@ def test_stream_detokenizes_and_reports_usage(
         assert add.sampling.max_tokens == MAX_MODEL_LEN - len(prompt)
         assert len(engine.hellos) == 1 and engine.hellos[0].frontend_id
 
-    _serve(tokenizer, model_info, engine, body)
+    _serve(tokenizer, model_info, engine, body, event_loop)
+
+
+def test_event_loop_choices() -> None:
+    import uvloop
+
+    assert event_loop_factory("asyncio") is None
+    assert event_loop_factory("auto") is uvloop.new_event_loop
+    assert event_loop_factory("uvloop") is uvloop.new_event_loop
+    with pytest.raises(ValueError, match="event_loop must be one of"):
+        FrontendConfig(event_loop="trio")
 
 
 @pytest.mark.timeout(60)
