@@ -197,4 +197,19 @@ def _json_object(field: str, text: str) -> dict[str, Any]:
 def _template_kwargs(request: ChatRequestLike | chat_pb2.RenderChatRequest) -> dict[str, Any]:
     if not request.HasField("chat_template_kwargs"):
         return {}
-    return json_format.MessageToDict(request.chat_template_kwargs)
+    kwargs: dict[str, Any] = _whole_numbers_as_ints(
+        json_format.MessageToDict(request.chat_template_kwargs))
+    return kwargs
+
+
+def _whole_numbers_as_ints(value: Any) -> Any:
+    """A Struct holds every number as a double, so `{"budget": 1024}` would reach the
+    template as 1024.0 and print so; whole numbers go back to ints, as a JSON parser
+    gives them to transformers' apply_chat_template."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers_as_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers_as_ints(v) for v in value]
+    return value

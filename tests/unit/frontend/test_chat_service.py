@@ -256,6 +256,21 @@ def test_chat_template_kwargs_reach_the_template() -> None:
     _serve(None, body, templates=ChatTemplates(default=template))
 
 
+@pytest.mark.timeout(30)
+def test_chat_template_kwargs_whole_numbers_print_as_ints() -> None:
+    """Struct numbers are doubles; a template must still print 1024, not 1024.0."""
+    template = "{{ budget }} {{ ratio }} {{ nested.n[0] }} {{ flag }}"
+    kwargs = struct_pb2.Struct()
+    kwargs.update({"budget": 1024, "ratio": 0.5, "nested": {"n": [3, "a"]}, "flag": True})
+
+    async def body(stub: chat_grpc.ChatServiceStub) -> None:
+        response = await stub.RenderChat(chat_pb2.RenderChatRequest(
+            messages=QUESTION, chat_template_kwargs=kwargs))
+        assert response.prompt == "1024 0.5 3 True"
+
+    _serve(None, body, templates=ChatTemplates(default=template))
+
+
 async def _status(call: Awaitable[Any]) -> tuple[grpc.StatusCode, str, list[str]]:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
