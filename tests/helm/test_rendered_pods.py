@@ -4,10 +4,10 @@ real services.
 Each rendered pod becomes a process whose POD_IP is 127.0.0.1, started with exactly the
 container's args and env. Two things a cluster provides are stood in for: DNS (the
 in-cluster names of the release's Services resolve to 127.0.0.1) and volumes (each
-mountPath maps to a local folder holding what its Secret or emptyDir would). Then the
-test does what the kubelet and a client would: the gRPC probes on the ports and service
-names the pod spec names, a request with mTLS and an API key, a metrics scrape, and
-SIGTERM with the pod's grace period.
+mountPath maps to a local folder holding what its Secret, ConfigMap or emptyDir would).
+Then the test does what the kubelet and a client would: the gRPC probes on the ports and
+service names the pod spec names, a request with mTLS and an API key, a chat rendered with
+the template from the values, a metrics scrape, and SIGTERM with the pod's grace period.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import Any
 import grpc
 import pytest
 from corestream.common.v1 import common_pb2
+from corestream.generate.v1 import chat_service_pb2 as chat_pb
+from corestream.generate.v1 import chat_service_pb2_grpc as chat_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from cryptography.hazmat.primitives import serialization
@@ -44,6 +46,8 @@ pytestmark = [pytest.mark.usefixtures("helm_binary"), pytest.mark.timeout(300)]
 COMPONENTS = ("coordinator", "engine", "frontend")
 API_KEY = "test-key-0123456789"
 SERVING = health_pb2.HealthCheckResponse.SERVING
+# The tiny checkpoint has no chat template: ChatService answers only with the chart's.
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 # The emptyDir cache outlives the test, so the engine's CPU kernel is compiled once.
 CACHE = Path.home() / ".cache" / "corestream-helm-pods"
 
@@ -96,8 +100,8 @@ def expand(text: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), text)
 
 
-def start(component: str, obj: dict[str, Any], tmp: Path, secrets: dict[str, dict[str, bytes]]
-          ) -> Pod:
+def start(component: str, obj: dict[str, Any], tmp: Path, secrets: dict[str, dict[str, bytes]],
+          config_maps: dict[str, dict[str, str]]) -> Pod:
     (container,) = [c for c in containers(obj, init=False) if c["name"] == component]
     pod_name = f"{RELEASE}-engine-0" if component == "engine" else f"{RELEASE}-{component}-x"
     downward = {"metadata.name": pod_name, "metadata.namespace": NAMESPACE,
@@ -114,8 +118,14 @@ def start(component: str, obj: dict[str, Any], tmp: Path, secrets: dict[str, dic
             folder.mkdir(parents=True)
             for name, data in secrets[volume["secret"]["secretName"]].items():
                 (folder / name).write_bytes(data)
+        elif "configMap" in volume:
+            folder = tmp / component / mount["name"]
+            folder.mkdir(parents=True)
+            for name, text in config_maps[volume["configMap"]["name"]].items():
+                (folder / name).write_text(text)
         else:
-            assert "emptyDir" in volume, f"{mount['name']}: only emptyDirs and Secrets here"
+            assert "emptyDir" in volume, (
+                f"{mount['name']}: only emptyDirs, Secrets and ConfigMaps here")
             folder = CACHE / mount["name"]
             folder.mkdir(parents=True, exist_ok=True)
         mounts[mount["mountPath"]] = str(folder)
@@ -178,7 +188,8 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pod]]:
         "engine": {"kvCacheMemory": "64MiB"},
         **{c: {"port": port} for c, port in ports.items()},
     }
-    values["frontend"] = {**values["frontend"], "http": {"enabled": True, "port": free_port()}}
+    values["frontend"] = {**values["frontend"], "http": {"enabled": True, "port": free_port()},
+                          "chatTemplate": {"template": CHAT_TEMPLATE}}
     started: dict[str, Pod] = {}
     try:
         for component in COMPONENTS:
@@ -189,7 +200,9 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pod]]:
             objs = render(set_json=[f"{k}={json.dumps(v)}" for k, v in {**values, **own}.items()])
             (obj,) = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")
                       and o["metadata"]["name"] == f"{RELEASE}-{component}"]
-            started[component] = start(component, obj, tmp, secrets)
+            config_maps = {o["metadata"]["name"]: o["data"] for o in objs
+                           if o["kind"] == "ConfigMap"}
+            started[component] = start(component, obj, tmp, secrets, config_maps)
         deadline = time.monotonic() + 240
         for pod in started.values():
             wait_until_serving(pod, "startup", deadline)
@@ -238,6 +251,22 @@ def test_generate_with_mtls_and_an_api_key(pods: dict[str, Pod]) -> None:
         with pytest.raises(grpc.RpcError) as info:
             stub.Generate(request, timeout=60)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_chat_renders_with_the_template_from_the_values(pods: dict[str, Pod]) -> None:
+    frontend = pods["frontend"]
+    pki = {name: (frontend.log.parent / "frontend" / "tls" / name).read_bytes()
+           for name in ("ca.crt", "tls.crt", "tls.key")}
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=pki["ca.crt"], private_key=pki["tls.key"],
+        certificate_chain=pki["tls.crt"])
+    with grpc.secure_channel(f"127.0.0.1:{frontend.port('grpc')}", credentials) as channel:
+        response = chat_grpc.ChatServiceStub(channel).RenderChat(
+            chat_pb.RenderChatRequest(messages=[
+                chat_pb.ChatMessage(role="system", content="Be brief."),
+                chat_pb.ChatMessage(role="user", content="Hi")]),
+            timeout=60, metadata=[("authorization", f"Bearer {API_KEY}")])
+    assert response.prompt == "<system>Be brief.<user>Hi"
 
 
 def test_http_api_with_mtls_and_an_api_key(pods: dict[str, Pod]) -> None:

@@ -47,6 +47,8 @@ def refused(*overrides: tuple[str, object]) -> str:
     ("engine.cpusPerRank", -1, "/engine/cpusPerRank"),
     ("engine.cpusPerRank", 1.5, "/engine/cpusPerRank"),
     ("engine.cpusPerRank", "4", "/engine/cpusPerRank"),
+    ("frontend.chatTemplate.key", "../t.jinja", "/frontend/chatTemplate/key"),
+    ("frontend.chatTemplate.template", ["{{ x }}"], "/frontend/chatTemplate/template"),
 ])
 def test_schema_rejects_wrong_values(key: str, value: object, where: str) -> None:
     message = refused((key, value))
@@ -89,6 +91,8 @@ def test_schema_rejects_wrong_values(key: str, value: object, where: str) -> Non
      "frontend.http.port and frontend.port are both 50051"),
     ({"frontend.http.enabled": True, "frontend.http.port": 9090},
      "frontend.http.port and metrics.port are both 9090"),
+    ({"frontend.chatTemplate": {"template": "{{ x }}", "existingConfigMap": "mine"}},
+     "frontend.chatTemplate: give the template inline (template) or in a ConfigMap of yours"),
 ])
 def test_template_rules_fail_with_a_clear_message(
         overrides: dict[str, object], expected: str) -> None:
