@@ -46,7 +46,7 @@ pytestmark = [pytest.mark.usefixtures("helm_binary"), pytest.mark.timeout(300)]
 COMPONENTS = ("coordinator", "engine", "frontend")
 API_KEY = "test-key-0123456789"
 SERVING = health_pb2.HealthCheckResponse.SERVING
-# The tiny checkpoint has no chat template: ChatService answers only with the chart's.
+# Replaces the built-in checkpoint's own (hermes-style) template: the prompt shows which ran.
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 # The emptyDir cache outlives the test, so the engine's CPU kernel is compiled once.
 CACHE = Path.home() / ".cache" / "corestream-helm-pods"
