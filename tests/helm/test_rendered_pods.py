@@ -214,6 +214,15 @@ def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pod]]:
                 pod.process.wait(timeout=30)
 
 
+def client_credentials(frontend: Pod) -> grpc.ChannelCredentials:
+    """mTLS with the certificate the pods hold (the chart's TLS Secret)."""
+    pki = {name: (frontend.log.parent / "frontend" / "tls" / name).read_bytes()
+           for name in ("ca.crt", "tls.crt", "tls.key")}
+    return grpc.ssl_channel_credentials(
+        root_certificates=pki["ca.crt"], private_key=pki["tls.key"],
+        certificate_chain=pki["tls.crt"])
+
+
 def test_probes_pass_on_the_health_port(pods: dict[str, Pod]) -> None:
     deadline = time.monotonic() + 120
     for pod in pods.values():
@@ -227,12 +236,8 @@ def test_probes_pass_on_the_health_port(pods: dict[str, Pod]) -> None:
 
 def test_generate_with_mtls_and_an_api_key(pods: dict[str, Pod]) -> None:
     frontend = pods["frontend"]
-    pki = {name: (frontend.log.parent / "frontend" / "tls" / name).read_bytes()
-           for name in ("ca.crt", "tls.crt", "tls.key")}
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=pki["ca.crt"], private_key=pki["tls.key"],
-        certificate_chain=pki["tls.crt"])
-    with grpc.secure_channel(f"127.0.0.1:{frontend.port('grpc')}", credentials) as channel:
+    with grpc.secure_channel(f"127.0.0.1:{frontend.port('grpc')}",
+                             client_credentials(frontend)) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
         request = pb.GenerateRequest(
             text="hello", sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4,
@@ -255,12 +260,8 @@ def test_generate_with_mtls_and_an_api_key(pods: dict[str, Pod]) -> None:
 
 def test_chat_renders_with_the_template_from_the_values(pods: dict[str, Pod]) -> None:
     frontend = pods["frontend"]
-    pki = {name: (frontend.log.parent / "frontend" / "tls" / name).read_bytes()
-           for name in ("ca.crt", "tls.crt", "tls.key")}
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=pki["ca.crt"], private_key=pki["tls.key"],
-        certificate_chain=pki["tls.crt"])
-    with grpc.secure_channel(f"127.0.0.1:{frontend.port('grpc')}", credentials) as channel:
+    with grpc.secure_channel(f"127.0.0.1:{frontend.port('grpc')}",
+                             client_credentials(frontend)) as channel:
         response = chat_grpc.ChatServiceStub(channel).RenderChat(
             chat_pb.RenderChatRequest(messages=[
                 chat_pb.ChatMessage(role="system", content="Be brief."),
