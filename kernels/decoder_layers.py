@@ -38,14 +38,14 @@ ABSENT = torch.empty(0)
 #              slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim,
 #              scale, windows, final_norm, eps, head) -> [final hidden states] or
 #              [final hidden states, logits] where head = [weight, panels, bias]
-DecodeModelFn = Callable[..., torch.Tensor]
+DecodeModelFn = Callable[..., list[torch.Tensor]]
 
 
 def cpu_decode_model(
     embedding: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> DecodeModelFn | None:
     """The C++ `decode_model` if it applies to a model with this embedding table and
-    head layout on this step (CPU, backend not "torch") and builds; else None.
+    head layout (CPU, backend not "torch") and builds; else None.
 
     It embeds the step's tokens (one per sequence), gathers their rotation rows, runs
     `decode_layers` and the final norm, and returns the final hidden states `[B, hidden]`,
