@@ -100,6 +100,9 @@ class _StatsCollector(Collector):
              s.prefix_cache_hits),
             ("num_preemptions", "Requests preempted (to be recomputed).",
              s.num_preemptions),
+            ("num_prefix_waits", "Times a waiting request was held back a step for "
+             "prompt blocks that running requests were computing (then it reuses them).",
+             s.num_prefix_waits),
             ("engine_steps", "Busy-loop steps scheduled.", s.step_counter),
         ):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=names)

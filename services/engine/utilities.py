@@ -122,6 +122,7 @@ class Utilities:
             "num_cached_blocks": kv.pool.num_cached_blocks,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
+            "num_prefix_waits": stats.num_prefix_waits,
             "step_counter": stats.step_counter,
             **({"wave": wave.wave, "wave_running": wave.running,
                 "dummy_steps": wave.num_dummy_steps} if wave is not None else {}),

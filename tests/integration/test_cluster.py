@@ -297,6 +297,7 @@ def test_admin_stats_and_reset_prefix_cache(admin: admin_grpc.AdminServiceStub,
     assert stats and all(s["state"] == "RUNNING" and s["paused"] is None for s in stats)
     assert sum(s["num_cached_blocks"] for s in stats) > 0  # type: ignore[misc]
     assert all(s["step_counter"] > 0 for s in stats)  # type: ignore[operator]
+    assert all(isinstance(s["num_prefix_waits"], int) for s in stats)
     reply = admin.ResetPrefixCache(admin_pb.ResetPrefixCacheRequest(), timeout=20)
     assert all(r.ok for r in reply.results), reply
     assert sum(s["num_cached_blocks"] for s in engine_stats(admin)) == 0  # type: ignore[misc]

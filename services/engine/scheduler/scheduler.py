@@ -67,6 +67,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_prefix_waits: int = 0
 
 
 class Scheduler:
@@ -173,6 +174,7 @@ class Scheduler:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            num_prefix_waits=self.num_prefix_waits,
         )
 
     # ---- one step ------------------------------------------------------------------

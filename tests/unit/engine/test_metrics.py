@@ -130,6 +130,23 @@ def test_preemptions_are_counted() -> None:
     assert h.sample("corestream:generation_tokens_total") == 16
 
 
+def test_prefix_waits_are_counted() -> None:
+    # b's prompt is a's (the harness numbers every prompt 1..n). After a's first chunk
+    # (the whole budget), a computes blocks 16-24 that b would compute too: b waits.
+    h = Harness()
+    h.scheduler.wait_for_prefix_tokens = 8
+    h.add("a", prompt_len=100, max_tokens=2)
+    h.add("b", prompt_len=100, max_tokens=2)
+    assert h.sample("corestream:num_prefix_waits_total") == 0
+    h.step()
+    h.step()
+    assert h.scheduler.stats().num_prefix_waits == 1
+    assert h.sample("corestream:num_prefix_waits_total") == 1
+    while h.scheduler.has_work():
+        h.step()
+    assert h.sample("corestream:prefix_cache_hits_total") >= 64  # b reused a's blocks
+
+
 def test_one_span_per_request_with_phases_and_no_span_per_token() -> None:
     exporter = InMemorySpanExporter()
     tracing = Tracing("engine", ObservabilityConfig(), exporter=exporter)
