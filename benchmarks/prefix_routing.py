@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import statistics
@@ -44,7 +45,19 @@ from services.common.block_hash import prompt_block_hashes  # noqa: E402
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
 BLOCK_SIZE = 16
-KV_BYTES_PER_TOKEN = 8 * 2 * 4 * 64 * 4  # layers x (k, v) x KV heads x head dim x fp32
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """The KV cache's bytes per token for `model`: layers x (k, v) x KV heads x head
+    dim x the checkpoint dtype's size, so that `--kv-tokens` holds whatever the model."""
+    from services.engine.models.decoder_config import DecoderConfig
+
+    raw = json.loads((model / "config.json").read_text())
+    config = DecoderConfig.from_hf(raw)
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return (config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim
+            * DTYPE_BYTES[dtype])
 
 
 @dataclass
@@ -169,7 +182,7 @@ def run_policy(policy: str, model: Path, args: argparse.Namespace
 
     metrics_port = free_port()
     cluster = Cluster(["--model", str(model), "--engines", "2", "--routing-policy", policy,
-                       "--kv-cache-memory", str(args.kv_tokens * KV_BYTES_PER_TOKEN),
+                       "--kv-cache-memory", str(args.kv_tokens * kv_bytes_per_token(model)),
                        "--max-model-len", str(args.prefix_len + args.turns * (
                            args.question_len + args.answer_len) + BLOCK_SIZE),
                        "--max-num-seqs", "64", "--log-level", "warning",
