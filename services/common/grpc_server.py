@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.security_config import SecurityConfig
+from services.common.thread_names import name_native_thread
 
 MiB = 1024 * 1024
 
@@ -254,7 +255,8 @@ def start_health_port(health_: Health, security: SecurityConfig) -> grpc.Server 
     if not security.health_port:
         return None
     server = grpc.server(
-        futures.ThreadPoolExecutor(_HEALTH_PORT_WORKERS, thread_name_prefix="health"),
+        futures.ThreadPoolExecutor(_HEALTH_PORT_WORKERS, thread_name_prefix="health",
+                                   initializer=name_native_thread),
         options=server_options(_HEALTH_MAX_MESSAGE_BYTES))
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
     bind(server, host_port(security.health_host, security.health_port), SecurityConfig())

@@ -23,6 +23,7 @@ from services.common.observability import Observability
 from services.common.observability_config import ObservabilityConfig
 from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
+from services.common.thread_names import name_native_thread
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.metrics import CoordinatorCollector
 from services.coordinator.registry import EngineRegistry
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     observability.registry.register(CoordinatorCollector(registry))
     # Each WatchLoad and ReportLoad stream holds a thread for its lifetime.
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="coordinator-rpc"),
+        futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="coordinator-rpc",
+                                   initializer=name_native_thread),
         options=server_options(INTERNAL_MAX_MESSAGE_BYTES),
         interceptors=observability.interceptors(),
     )

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from services.common.thread_names import name_native_thread
 from services.engine.executor import Executor
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -29,7 +30,8 @@ class BatchQueue:
         self._depth = depth
         self._wakeup = wakeup
         self._batches: deque[tuple[Future[RunnerOutput], SchedulerOutput]] = deque()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine-execute")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine-execute",
+                                          initializer=name_native_thread)
 
     def __len__(self) -> int:
         return len(self._batches)

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.common.thread_names import name_native_thread
 from services.engine.batch_queue import BatchQueue
 from services.engine.compiles import GrammarCompiles
 from services.engine.config import EngineConfig
@@ -211,6 +212,7 @@ class EngineCore:
     # ---- the busy loop ---------------------------------------------------------
 
     def _run_busy_loop(self) -> None:
+        name_native_thread()
         try:
             while self.state in (EngineState.RUNNING, EngineState.DRAINING):
                 self.lifecycle.feed_watchdog()

@@ -25,6 +25,7 @@ from corestream.coordinator.v1 import coordinator_service_pb2_grpc
 from services.common.backoff import Backoff
 from services.common.grpc_server import make_channel
 from services.common.security_config import PLAINTEXT, SecurityConfig
+from services.common.thread_names import name_native_thread
 from services.engine.scheduler.scheduler import SchedulerStats
 from services.engine.session_router import EngineState
 from services.engine.wave import WaveState
@@ -68,6 +69,7 @@ class LoadReporter:
         self._channel.close()
 
     def _run(self) -> None:
+        name_native_thread()
         backoff = Backoff(initial_s=0.2, max_s=2.0)
         ever_registered = False
         failures = 0

@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from services.common import tracing as tr
 from services.common.metrics import PREFIX, REQUEST_LATENCY_BUCKETS
+from services.common.thread_names import name_native_thread
 from services.common.tracing import Tracing
 from services.engine.executor import Executor
 from services.engine.observer import EngineObserver
@@ -268,6 +269,7 @@ class EngineMetrics(EngineObserver):
     # ---- spans, on their own thread ---------------------------------------------
 
     def _build_spans(self) -> None:
+        name_native_thread()
         while (item := self._finished.get()) is not None:
             try:
                 self._request_span(item)

@@ -42,6 +42,7 @@ from services.common.grpc_server import (
     start_health_port,
 )
 from services.common.security_config import PLAINTEXT, SecurityConfig
+from services.common.thread_names import name_native_thread
 from services.engine.engine_core import EngineCore
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.kv_events import BlockRemoved, BlockStored, KvEvent
@@ -237,6 +238,7 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
     def _read_session(
         self, request_iterator: Iterator[pb.SessionRequest], session: _SessionState
     ) -> None:
+        name_native_thread()
         try:
             for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
@@ -304,7 +306,8 @@ class EngineServer:
         self._security = security
         self._health_server: grpc.Server | None = None
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="grpc"),
+            futures.ThreadPoolExecutor(max_workers=MAX_WORKERS, thread_name_prefix="grpc",
+                                       initializer=name_native_thread),
             options=server_options(INTERNAL_MAX_MESSAGE_BYTES), interceptors=interceptors,
         )
         engine_core_service_pb2_grpc.add_EngineCoreServiceServicer_to_server(

@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from services.common.thread_names import name_native_thread
+
 logger = logging.getLogger(__name__)
 
 # How often the timeout is checked, as a fraction of it: expiry is noticed at most
@@ -53,6 +55,7 @@ class Watchdog:
         self._armed = False
 
     def _run(self) -> None:
+        name_native_thread()
         interval = min(MAX_CHECK_S, self.timeout_s * CHECK_FRACTION)
         last_check = time.monotonic()
         while not self._stop.wait(interval):

@@ -22,6 +22,7 @@ from corestream.coordinator.v1 import coordinator_service_pb2_grpc
 from services.common.backoff import Backoff
 from services.common.grpc_server import make_channel
 from services.common.security_config import PLAINTEXT, SecurityConfig
+from services.common.thread_names import name_native_thread
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class WaveRelay:
         self._channel.close()
 
     def _send(self) -> None:
+        name_native_thread()
         backoff = Backoff(initial_s=0.05, max_s=1.0)
         while (wave := self._outbox.get()) is not None:
             request = pb.StartWaveRequest(model=self._group, engine_index=self._engine_index,
@@ -79,6 +81,7 @@ class WaveRelay:
                     return  # the channel was closed by stop()
 
     def _listen(self) -> None:
+        name_native_thread()
         backoff = Backoff(initial_s=0.1, max_s=2.0)
         request = pb.WatchWavesRequest(model=self._group, engine_index=self._engine_index)
         while not self._stop.is_set():

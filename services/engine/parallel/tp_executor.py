@@ -50,6 +50,7 @@ import torch
 
 from services.common.model_info import ModelInfo
 from services.common.ports import free_port
+from services.common.thread_names import name_native_thread
 from services.engine.fault_injection import FaultSpec
 from services.engine.parallel.step_channel import CallKind, LeaderChannel, read_report
 from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
@@ -262,6 +263,7 @@ class TensorParallelExecutor:
         return counts
 
     def _watch(self) -> None:
+        name_native_thread()
         conns = self._channel.connections
         by_object: dict[object, tuple[int, BaseProcess]] = {}
         for (rank, process), conn in zip(self._ranks(), conns, strict=True):

@@ -27,6 +27,7 @@ from services.common.constraints import (
     llguidance_grammar,
 )
 from services.common.model_info import ModelInfo
+from services.common.thread_names import name_native_thread
 from services.engine.structured.grammar import Grammar
 
 
@@ -49,7 +50,8 @@ class _Pristine:
 class GrammarCompiler:
     def __init__(self, model: ModelInfo, workers: int = 2, cache_size: int = 256) -> None:
         self._model = model
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="engine-grammar")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="engine-grammar",
+                                        initializer=name_native_thread)
         # Compiles done or under way, so that a burst of requests with one schema
         # compiles it once; a failed compile is dropped (its requests fail).
         self._cache: OrderedDict[OutputConstraint, Future[_Pristine]] = OrderedDict()

@@ -18,6 +18,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from services.common.thread_names import name_native_thread
 from services.engine.scheduler.output import GrammarMask, SchedulerOutput
 from services.engine.structured.grammar import Grammar
 
@@ -29,7 +30,8 @@ class StepMasks:
     def __init__(self, vocab_size: int, num_threads: int | None = None,
                  on_mask: Callable[[float, int], None] | None = None) -> None:
         self._vocab_size = vocab_size
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine-mask")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine-mask",
+                                          initializer=name_native_thread)
         self._executor: llguidance.LLExecutor | None = None
         self._num_threads = num_threads
         self._on_mask = on_mask

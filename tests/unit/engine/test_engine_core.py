@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ import pytest
 
 from services.common.model_info import ModelInfo
 from services.common.sampling import SamplingParams
+from services.common.thread_names import native_thread_name
 from services.engine.config import EngineConfig
 from services.engine.engine_core import EngineCore
 from services.engine.executor import Executor
@@ -92,6 +94,18 @@ def core() -> Iterator[EngineCore]:
     c = EngineCore(EngineConfig(), FakeRunner())
     yield c
     c.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_loop_thread_carries_its_name_to_the_os(core: EngineCore) -> None:
+    core.start()
+    tid = core._loop_thread.native_id  # noqa: SLF001
+    assert tid is not None
+    deadline = time.monotonic() + 10
+    # The thread names itself as it starts, which may be just after start() returns.
+    while native_thread_name(tid) != "engine-loop" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert native_thread_name(tid) == "engine-loop"
 
 
 @pytest.mark.timeout(30)
