@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
 from benchmarks import llama_cpp  # noqa: E402
-from benchmarks.workload import VOCAB, bench_checkpoint  # noqa: E402
+from benchmarks.workload import VOCAB, bench_checkpoint, chunk_timings  # noqa: E402
 
 # llama.cpp's ms/token when the target was set; the machine's speed has since swung by 2x.
 LLAMA_CPP_MS = 5.5
@@ -53,22 +53,20 @@ def stream_request(prompt: list[int], max_tokens: int) -> Any:
     )
 
 
-def ttft_and_gaps(start: float, arrivals: list[float], max_tokens: int
+def ttft_and_gaps(start: float, arrivals: list[tuple[float, int]], max_tokens: int
                   ) -> tuple[float, list[float]]:
-    """Time to first token and each later token's gap to the one before (tokens of one
-    chunk arrive together)."""
-    assert len(arrivals) == max_tokens, len(arrivals)
-    return arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    """Time to first token and the gaps, counted as vllm_reference.py counts them."""
+    assert sum(n for _, n in arrivals) == max_tokens, arrivals
+    return chunk_timings(start, arrivals)
 
 
 def stream_once(stub: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
     """One stream through the synchronous gRPC client."""
     request = stream_request(prompt, max_tokens)
     start = time.perf_counter()
-    arrivals: list[float] = []
+    arrivals: list[tuple[float, int]] = []
     for chunk in stub.GenerateStream(request, timeout=600):
-        now = time.perf_counter()
-        arrivals += [now] * len(chunk.token_ids)
+        arrivals.append((time.perf_counter(), len(chunk.token_ids)))
     return ttft_and_gaps(start, arrivals, max_tokens)
 
 
@@ -85,11 +83,10 @@ def streams_async(address: str, prompts: list[list[int]], max_tokens: int
             stub = pb_grpc.GenerateServiceStub(channel)
             for prompt in prompts:
                 start = time.perf_counter()
-                arrivals: list[float] = []
+                arrivals: list[tuple[float, int]] = []
                 async for chunk in stub.GenerateStream(stream_request(prompt, max_tokens),
                                                        timeout=600):
-                    now = time.perf_counter()
-                    arrivals += [now] * len(chunk.token_ids)
+                    arrivals.append((time.perf_counter(), len(chunk.token_ids)))
                 ttft, g = ttft_and_gaps(start, arrivals, max_tokens)
                 ttfts.append(ttft)
                 gaps += g

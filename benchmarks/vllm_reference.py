@@ -53,6 +53,7 @@ from benchmarks.workload import (  # noqa: E402
     VOCAB,
     BenchRequest,
     bench_checkpoint,
+    chunk_timings,
     fresh_prompts,
     mixed_workload,
     warmup_workload,
@@ -117,9 +118,9 @@ class Timings:
 
     def add(self, start: float, arrivals: list[tuple[float, int]]) -> None:
         """One request: (arrival time, tokens) per chunk."""
-        self.ttft_s.append(arrivals[0][0] - start)
-        for (before, _), (now, n) in zip(arrivals, arrivals[1:], strict=False):
-            self.itl_s += [(now - before) / n] * n
+        ttft, gaps = chunk_timings(start, arrivals)
+        self.ttft_s.append(ttft)
+        self.itl_s += gaps
         self.output_tokens += sum(n for _, n in arrivals)
 
 

@@ -23,6 +23,18 @@ class BenchRequest:
     max_tokens: int
 
 
+def chunk_timings(start: float, arrivals: list[tuple[float, int]]
+                  ) -> tuple[float, list[float]]:
+    """One stream's time to first token and inter-token gaps from its chunks' (arrival
+    time, tokens). A later chunk of n tokens counts as n gaps of its wait / n, so that a
+    server that batches tokens into chunks neither gains nor loses by it; the first
+    chunk's extra tokens count as none (they came with the first token)."""
+    gaps: list[float] = []
+    for (before, _), (now, n) in zip(arrivals, arrivals[1:], strict=False):
+        gaps += [(now - before) / n] * n
+    return arrivals[0][0] - start, gaps
+
+
 def bench_checkpoint(path: Path = CACHE / "bench-llama-512x8") -> Path:
     """Write the benchmark checkpoint once; later calls reuse it."""
     if (path / "model.safetensors").exists():
