@@ -9,9 +9,14 @@ through the asyncio one. Also times the engine's decode step in process, so the 
 share of the inter-token latency shows.
 
 The reference is llama.cpp on the same checkpoint (f32, 2 threads, the same prompts),
-run in the same invocation, half of its streams before ours and half after, when
-benchmarks/llama_cpp.py --build has been run (`--llama-cpp` insists on it,
-`--no-llama-cpp` skips it). Without it, the ratio is to the 5.5 ms/token llama.cpp took
+run in the same invocation when benchmarks/llama_cpp.py --build has been run
+(`--llama-cpp` insists on it, `--no-llama-cpp` skips it). The run goes in rounds: each
+round streams one prompt through llama.cpp (the cluster idle meanwhile), then through the
+synchronous client, then another through the asyncio one. So each ratio compares streams
+a second or two apart: on a shared machine whose memory bandwidth swings by a third from
+one minute to the next, ratios of runs minutes apart say more about the neighbours than
+about either system. The medians of the per-round ratios are printed beside the ratio of
+the overall medians. Without llama.cpp, the ratio is to the 5.5 ms/token llama.cpp took
 on this machine when the latency target was set.
 """
 
@@ -70,29 +75,35 @@ def stream_once(stub: Any, prompt: list[int], max_tokens: int) -> tuple[float, l
     return ttft_and_gaps(start, arrivals, max_tokens)
 
 
-def streams_async(address: str, prompts: list[list[int]], max_tokens: int
-                  ) -> tuple[list[float], list[float]]:
-    """The streams one after another through the asyncio gRPC client: TTFTs and gaps."""
-    import grpc
-    from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+class AsyncStreams:
+    """Streams one at a time through the asyncio gRPC client, on one event loop and one
+    channel for the whole run."""
 
-    async def main() -> tuple[list[float], list[float]]:
-        ttfts: list[float] = []
-        gaps: list[float] = []
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = pb_grpc.GenerateServiceStub(channel)
-            for prompt in prompts:
-                start = time.perf_counter()
-                arrivals: list[tuple[float, int]] = []
-                async for chunk in stub.GenerateStream(stream_request(prompt, max_tokens),
-                                                       timeout=600):
-                    arrivals.append((time.perf_counter(), len(chunk.token_ids)))
-                ttft, g = ttft_and_gaps(start, arrivals, max_tokens)
-                ttfts.append(ttft)
-                gaps += g
-        return ttfts, gaps
+    def __init__(self, address: str) -> None:
+        self._runner = asyncio.Runner()
+        self._address = address
+        self._channel: Any = None
 
-    return asyncio.run(main())
+    def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        return self._runner.run(self._stream(prompt, max_tokens))
+
+    async def _stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        import grpc
+        from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self._address)
+        stub = pb_grpc.GenerateServiceStub(self._channel)
+        start = time.perf_counter()
+        arrivals: list[tuple[float, int]] = []
+        async for chunk in stub.GenerateStream(stream_request(prompt, max_tokens), timeout=600):
+            arrivals.append((time.perf_counter(), len(chunk.token_ids)))
+        return ttft_and_gaps(start, arrivals, max_tokens)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._runner.run(self._channel.close())
+        self._runner.close()
 
 
 def engine_step_ms(model: Path, prompt: list[int], max_tokens: int) -> float:
@@ -120,7 +131,8 @@ def engine_step_ms(model: Path, prompt: list[int], max_tokens: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--requests", type=int, default=10,
+                        help="rounds: each streams one prompt through each client (and llama.cpp)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=None,
@@ -142,58 +154,63 @@ def main() -> None:
     prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_tokens)]
                for _ in range(args.requests + 1)]
     async_prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_tokens)]
-                     for _ in range(args.requests)]
+                     for _ in range(args.requests + 1)]
 
-    # Half of llama.cpp's streams before ours and half after, so drift shows in neither alone.
-    half = args.requests // 2
-    before: list[float] = []
-    after: list[float] = []
-    if with_llama_cpp:
-        for prompt in prompts[:half]:
-            before += llama_cpp.decode(prompt, args.output_tokens).step_ms
+    # Rounds of llama.cpp, then the synchronous client, then the asyncio one.
+    reference: list[list[float]] = []
+    ttfts: list[float] = []
+    gaps: list[list[float]] = []
+    async_ttfts: list[float] = []
+    async_gaps: list[list[float]] = []
     cluster = Cluster(["--model", str(model), "--log-level", "warning",
                        *args.corestream_args.split()])
+    async_streams = AsyncStreams(cluster.address)
     try:
         with grpc.insecure_channel(cluster.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
             stream_once(stub, prompts[-1], 8)  # warm-up
-            ttfts, gaps = [], []
-            for prompt in prompts[:-1]:
+            async_streams.stream(async_prompts[-1], 8)
+            for prompt, async_prompt in zip(prompts[:-1], async_prompts[:-1], strict=True):
+                if with_llama_cpp:
+                    reference.append(llama_cpp.decode(prompt, args.output_tokens).step_ms)
                 ttft, g = stream_once(stub, prompt, args.output_tokens)
                 ttfts.append(ttft)
-                gaps += g
-        # The same number of streams again through the asyncio client, on new prompts
-        # (the first ones are in the prefix cache now).
-        async_ttfts, async_gaps = streams_async(cluster.address, async_prompts,
-                                                args.output_tokens)
+                gaps.append(g)
+                # A prompt of its own: the synchronous stream's is in the prefix cache now.
+                ttft, g = async_streams.stream(async_prompt, args.output_tokens)
+                async_ttfts.append(ttft)
+                async_gaps.append(g)
     finally:
+        async_streams.close()
         cluster.stop()
-    if with_llama_cpp:
-        for prompt in prompts[half:-1]:
-            after += llama_cpp.decode(prompt, args.output_tokens).step_ms
-    reference_steps = before + after
     step_ms = engine_step_ms(model, prompts[0], args.output_tokens)
 
-    itl = statistics.median(gaps) * 1000
-    print(f"{args.requests} streams, prompt {args.prompt_tokens}, output {args.output_tokens}")
+    all_gaps = [gap for g in gaps for gap in g]
+    all_async_gaps = [gap for g in async_gaps for gap in g]
+    itl = statistics.median(all_gaps) * 1000
+    async_itl = statistics.median(all_async_gaps) * 1000
+    print(f"{args.requests} rounds, prompt {args.prompt_tokens}, output {args.output_tokens}")
     print(f"time to first token: median {statistics.median(ttfts) * 1000:.1f} ms, "
           f"p90 {percentile(ttfts, 0.9) * 1000:.1f} ms")
-    print(f"inter-token latency: median {itl:.2f} ms, p90 {percentile(gaps, 0.9) * 1000:.2f} ms")
-    async_itl = statistics.median(async_gaps) * 1000
+    print(f"inter-token latency: median {itl:.2f} ms, "
+          f"p90 {percentile(all_gaps, 0.9) * 1000:.2f} ms")
     print(f"asyncio client: time to first token median "
           f"{statistics.median(async_ttfts) * 1000:.1f} ms, inter-token median "
-          f"{async_itl:.2f} ms, p90 {percentile(async_gaps, 0.9) * 1000:.2f} ms")
-    if reference_steps:
-        reference = statistics.median(reference_steps)
+          f"{async_itl:.2f} ms, p90 {percentile(all_async_gaps, 0.9) * 1000:.2f} ms")
+    if reference:
+        steps = [step for r in reference for step in r]
+        median_step = statistics.median(steps)
         print(f"llama.cpp {llama_cpp.VERSION} (f32, 2 threads, same prompts, this run): decode "
-              f"median {reference:.2f} ms/token, p90 {percentile(reference_steps, 0.9):.2f} ms;"
-              f" ours/llama.cpp {itl / reference:.2f}x (synchronous client), "
-              f"{async_itl / reference:.2f}x (asyncio)")
-        if before:
-            first, last = statistics.median(before), statistics.median(after)
-            drift = " (apart by more than 25%: the load changed mid-run)" \
-                if max(first, last) > 1.25 * min(first, last) else ""
-            print(f"  llama.cpp before ours: median {first:.2f} ms, after: {last:.2f} ms{drift}")
+              f"median {median_step:.2f} ms/token, p90 {percentile(steps, 0.9):.2f} ms "
+              f"(rounds {min(map(statistics.median, reference)):.2f}-"
+              f"{max(map(statistics.median, reference)):.2f})")
+        print(f"ours/llama.cpp, overall medians: {itl / median_step:.2f}x (synchronous client), "
+              f"{async_itl / median_step:.2f}x (asyncio)")
+        for name, ours in (("synchronous", gaps), ("asyncio", async_gaps)):
+            ratios = sorted(statistics.median(g) * 1000 / statistics.median(r)
+                            for g, r in zip(ours, reference, strict=True))
+            print(f"ours/llama.cpp per round, {name} client: median "
+                  f"{statistics.median(ratios):.2f}x, range {ratios[0]:.2f}-{ratios[-1]:.2f}")
     else:
         print(f"ours/llama.cpp {itl / LLAMA_CPP_MS:.2f}x, against the {LLAMA_CPP_MS} ms/token "
               "llama.cpp took when the target was set (not this run: see --llama-cpp)")
