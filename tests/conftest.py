@@ -23,6 +23,18 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # The C++ CPU kernels compile on first use, about a minute on 2 cores and more on a
+    # loaded machine (or whenever another checkout's build of the same sources last used
+    # the cache). Built here, the compile counts against no test's timeout, instead of
+    # against that of whichever test needs the kernels first.
+    if importlib.util.find_spec("torch") is None:
+        return
+    from kernels.cpu_extension import load
+
+    load()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any(item.get_closest_marker("gpu") for item in items) and not _cuda_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
