@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 import threading
 import time
@@ -78,11 +77,10 @@ def _build() -> Any:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
-    name = _extension_name()
     # Loaded as a plain library: its static initializers register the ops.
     cpp_extension.load(
-        name=name,
-        sources=[str(source) for source in _shared_sources(name)],
+        name=_extension_name(),
+        sources=[str(_CSRC / source) for source in _SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         # NOTE: links libgomp.so.1 by soname; torch has already loaded its own copy under
         # that soname, so the kernels' parallel regions share torch's OpenMP pool.
@@ -91,31 +89,6 @@ def _build() -> Any:
     )
     logger.info("CPU kernels ready in %.1fs", time.perf_counter() - start)
     return torch.ops.corestream_cpu
-
-
-def _shared_sources(name: str) -> list[Path]:
-    """The sources to compile, from a copy in the build directory. torch's build cache is
-    keyed by the name (whose hash covers the sources' content) but its ninja file names the
-    sources' paths, so two checkouts of the same code (a second clone, CI's fresh one on a
-    cached home) would each recompile it, in turn, for about a minute; built from one copy
-    of the sources, they share one build."""
-    from torch.utils import cpp_extension
-
-    try:
-        build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
-    except (AttributeError, TypeError):  # a torch without it: compile where they are
-        return [_CSRC / source for source in _SOURCES]
-    copy = build_directory / "src"
-    copy.mkdir(parents=True, exist_ok=True)
-    for path in _CSRC.glob("*.[ch]*"):
-        target = copy / path.name
-        if not target.exists():
-            # Whole or absent for a process that builds at the same time; same content
-            # whoever writes it, since the name hashes it.
-            partial = target.with_name(f".{target.name}.{os.getpid()}")
-            partial.write_bytes(path.read_bytes())
-            os.replace(partial, target)
-    return [copy / source for source in _SOURCES]
 
 
 def _extension_name() -> str:
@@ -132,6 +105,11 @@ def _extension_name() -> str:
     except OSError:
         cpu = f"{platform.machine()} {platform.processor()}"
     digest = hashlib.sha256(cpu.encode())
+    # And the torch it is built against, by version and place: torch's ninja file names the
+    # include and library paths of that torch and the sources' paths, so two checkouts with
+    # a virtualenv each, sharing one build directory, would recompile it in turn (a minute
+    # each time on 2 cores); with the torch in the name, each gets its own.
+    digest.update(f"{torch.__version__} {Path(torch.__file__).parent}".encode())
     for path in sorted(_CSRC.glob("*.[ch]*")):
         digest.update(path.name.encode() + path.read_bytes())
     return f"corestream_cpu_{digest.hexdigest()[:12]}"

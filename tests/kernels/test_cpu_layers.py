@@ -254,3 +254,12 @@ def test_model_decodes_alike_on_both_backends(
         prompts = random_prompts({"x": 3, "y": 17, "z": 40}, runner.model_info.vocab_size)
         tokens[name] = generate(runner, prompts, num_tokens=24, first_chunk={"z": 20})
     assert tokens["cpp"] == tokens["torch"]
+
+
+def test_each_torch_install_gets_its_own_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two checkouts with a virtualenv each must not share (and so rebuild in turn) one
+    # build directory: torch's ninja file names that torch's include and library paths.
+    name = cpu_extension._extension_name()  # noqa: SLF001
+    assert name == cpu_extension._extension_name()  # noqa: SLF001
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/.venv/site-packages/torch/__init__.py")
+    assert cpu_extension._extension_name() != name  # noqa: SLF001
