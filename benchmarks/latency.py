@@ -4,8 +4,8 @@
 
 One stream at a time: a 128-token prompt (random ids, a new one per request so the
 prefix cache never helps), 128 output tokens, greedy, ignore_eos, on the benchmark
-checkpoint; `--requests` streams through the synchronous gRPC client, then as many
-through the asyncio one. Also times the engine's decode step in process, so the gRPC
+checkpoint; `--requests` rounds, each one stream through the synchronous gRPC client and
+one through the asyncio one. Also times the engine's decode step in process, so the gRPC
 share of the inter-token latency shows.
 
 The reference is llama.cpp on the same checkpoint (f32, 2 threads, the same prompts),
