@@ -380,10 +380,10 @@ std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList 
 // rows of positions [B] from rotary_table [2, max_positions, head_dim] (cos and sin, laid
 // out as RotaryEmbedding.cos_sin hands them over), decode_layers, the final norm, and
 // with `head` = [weight, panels, bias] (as `linear` takes them; or empty) the head.
-// Returns [final hidden states [B, hidden]], or [those, logits [B, vocab]] with a head. Each piece is the op the
-// Python model runs, in its order, so the bits are the same; what goes is the Python
-// between them, which after the weights have streamed through the caches costs some
-// 0.2 ms a step (services/engine/models/llama.py, LlamaModel.forward).
+// Returns [final hidden states [B, hidden]], or [those, logits [B, vocab]] with a head.
+// Each piece is the op the Python model runs, in its order, so the bits are the same; what
+// goes is the Python between them, which after the weights have streamed through the
+// caches costs some 0.2 ms a step (services/engine/models/llama.py, LlamaModel.forward).
 //
 // With a few sequences, where every linear reads panels, the layers and the final norm
 // run as one StagePlan in one parallel region instead of a fork and join per linear and
