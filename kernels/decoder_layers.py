@@ -12,12 +12,19 @@ between them costs tens of microseconds.
 With a few sequences, where every linear reads its panels, the call is one parallel region
 in which the threads take the ops' items as they come (`csrc/work_items.h`), so that a
 thread preempted by another process does not hold the others at forty barriers a step.
+The model binds its weights to the op once (`DecodeModel`), which keeps that region's plan
+and buffers from one step to the next while the batch size holds.
+
+The op without binding, for tests: decode_model(input_ids, positions, embedding,
+rotary_table, weights, kv_caches, slot_mapping, block_tables, seq_lens, num_heads,
+num_kv_heads, head_dim, scale, windows, final_norm, eps, head) -> [final hidden states]
+or [final hidden states, logits], where head = [weight, panels, bias] or [].
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,57 +41,55 @@ or panels (`kernels.cpu_linear.weight_panels`) the layer lacks goes as `ABSENT`.
 
 ABSENT = torch.empty(0)
 
-# decode_model(input_ids, positions, embedding, rotary_table, weights, kv_caches,
-#              slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, head_dim,
-#              scale, windows, final_norm, eps, head) -> [final hidden states] or
-#              [final hidden states, logits] where head = [weight, panels, bias]
-DecodeModelFn = Callable[..., list[torch.Tensor]]
-
-
 def cpu_decode_model(
     embedding: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
-) -> DecodeModelFn | None:
-    """The C++ `decode_model` if it applies to a model with this embedding table and
-    head layout (CPU, backend not "torch") and builds; else None.
+) -> Callable[..., Any] | None:
+    """The C++ `DecodeModel` class (torch.classes.corestream_cpu) if it applies to a model
+    with this embedding table and head layout (CPU, backend not "torch") and builds; else
+    None. `decode_model`'s arguments but the step's construct it; its `forward` takes
+    the step's.
 
-    It embeds the step's tokens (one per sequence), gathers their rotation rows, runs
+    A step embeds its tokens (one per sequence), gathers their rotation rows, runs
     `decode_layers` and the final norm, and returns the final hidden states `[B, hidden]`,
     and with a head the logits `[B, vocab]` (in the model's dtype) after them.
     """
     if not decode_shape_supported(embedding.dtype, num_heads, num_kv_heads, head_dim):
         return None
     ops = cpu_ops(embedding)
-    return None if ops is None else ops.decode_model
+    return None if ops is None else torch.classes.corestream_cpu.DecodeModel
 
 
-@dataclass(frozen=True, slots=True)
 class DecodeModel:
-    """`decode_model` with the arguments that stay the same from step to step bound once:
-    a single-stream step runs right after the weights have streamed through the caches,
-    where each Python attribute read and check on the way to the op costs microseconds."""
+    """The C++ `DecodeModel` of one model: bound to its weights once, and to the KV caches
+    it is stepped with, anew whenever the caller hands over another list of them.
 
-    op: DecodeModelFn
-    embedding: torch.Tensor
-    rotary_table: torch.Tensor
-    weights: list[torch.Tensor]
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    windows: list[int]
-    final_norm: torch.Tensor
-    eps: float
-    head: list[torch.Tensor]
-    """[weight, panels, bias] of the LM head, or [] to leave it to the caller."""
+    Bound, the op keeps the plan of its last batch size and takes only the step's five
+    tensors per call: a single-stream step runs right after the weights have streamed
+    through the caches, where each Python attribute read and each tensor the dispatcher
+    converts costs microseconds."""
+
+    __slots__ = ("_make", "_args", "_kv_caches", "_bound")
+
+    def __init__(self, make: Callable[..., Any], embedding: torch.Tensor,
+                 rotary_table: torch.Tensor, weights: list[torch.Tensor], num_heads: int,
+                 num_kv_heads: int, head_dim: int, scale: float, windows: list[int],
+                 final_norm: torch.Tensor, eps: float, head: list[torch.Tensor]) -> None:
+        """`head`: [weight, panels, bias] of the LM head, or [] to leave it to the caller."""
+        self._make = make
+        self._args = (embedding, rotary_table, weights, num_heads, num_kv_heads, head_dim,
+                      scale, windows, final_norm, eps, head)
+        self._kv_caches: list[torch.Tensor] | None = None
+        self._bound: Any = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
         """[final hidden states], or [final hidden states, logits] with a head."""
-        return self.op(input_ids, positions, self.embedding, self.rotary_table, self.weights,
-                       kv_caches, slot_mapping, block_tables, seq_lens, self.num_heads,
-                       self.num_kv_heads, self.head_dim, self.scale, self.windows,
-                       self.final_norm, self.eps, self.head)
+        if kv_caches is not self._kv_caches:
+            embedding, rotary_table, weights, *rest = self._args
+            self._bound = self._make(embedding, rotary_table, weights, kv_caches, *rest)
+            self._kv_caches = kv_caches
+        return self._bound.forward(input_ids, positions, slot_mapping, block_tables, seq_lens)
 
 
 def flat_weights(layers: Sequence[dict[str, torch.Tensor | None]]) -> list[torch.Tensor]:

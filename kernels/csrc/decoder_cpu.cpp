@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "layer_rows.h"
@@ -24,6 +25,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -189,72 +192,74 @@ void check_norm_weight(const at::Tensor& weight, int64_t size, at::ScalarType dt
               ", got ", weight.sizes(), " ", weight.scalar_type());
 }
 
-// decode_layers and the final norm as one StagePlan (work_items.h), run by every thread in
-// one parallel region: the same row functions (layer_rows.h), panels (panel_items) and
-// attention items (paged_decode_items) as the ops, in the same order, so the same bits,
-// but each stage writes a buffer of its own, so that any stage's item may run twice.
+// What a planned step runs on: the step's inputs, staged into tensors of its own, every
+// stage's output buffer, and the plan over them (work_items.h). Built once for a batch of
+// `tokens` sequences and run again step after step: building it (some fifty tensors and
+// seventy stages for an 8-layer model) cost ~0.2 ms a step on the cold caches a step
+// starts with, measured on 2 cores (AMD EPYC) with the benchmark checkpoint.
+struct PlannedStep {
+  int64_t tokens = 0;
+  int threads = 0;
+  at::Tensor residual;  // the step's embeddings [B, hidden]
+  at::Tensor cos_sin;   // its rotation rows [2, B, head_dim], float32
+  at::Tensor slots;     // [B] int64
+  at::Tensor tables;    // [B, width] int32; a step copies in as many columns as it has
+  at::Tensor lens;      // [B] int32
+  std::vector<at::Tensor> buffers;  // every stage's output
+  // The final norm's inputs (T*): the last layer's residual stream and MLP output.
+  const void* last_residual = nullptr;
+  const void* last_mlp_out = nullptr;
+  at::Tensor final_sum;  // their sum; only the normed result leaves the step
+  int64_t layer_stages = 0;  // the plan's stages that the next step runs again
+  corestream_cpu::StagePlan plan;
+};
+
+// Per token: sum = T(residual + x), then normed = norm(sum): the pre-attention norm of
+// every layer but the first, the post-attention norm, and the final norm.
 template <typename T>
-std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList weights,
-                          at::TensorList kv_caches, const at::Tensor& cos, const at::Tensor& sin,
-                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                          const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t head_dim, double scale, at::IntArrayRef windows,
-                          const at::Tensor& final_norm, double eps, at::TensorList head,
-                          int threads) {
-  using corestream_cpu::add_row;
+void add_and_norm(corestream_cpu::StagePlan& plan, int64_t tokens, int64_t size,
+                  float epsilon, const T* residual, const T* x, T* sum, T* normed,
+                  const at::Tensor& weight) {
+  const T* w = weight.const_data_ptr<T>();
+  plan.add(tokens, [=](int64_t t) {
+    corestream_cpu::add_row(sum + t * size, residual + t * size, x + t * size, size);
+    corestream_cpu::normalize_row(normed + t * size, sum + t * size, w, size, epsilon);
+  });
+}
+
+// decode_layers as stages of `step.plan`, over `step`'s staged inputs: the same row
+// functions (layer_rows.h), panels (panel_items) and attention items (paged_decode_items)
+// as the ops, in the same order, so the same bits, but each stage writes a buffer of its
+// own, so that any stage's item may run twice.
+template <typename T>
+void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
+                 const std::vector<at::Tensor>& kv_caches, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, double scale,
+                 const std::vector<int64_t>& windows, double eps) {
   using corestream_cpu::normalize_row;
   using corestream_cpu::rotate_head;
-  const int64_t tokens = hidden.size(0);
-  const int64_t size = hidden.size(1);
+  const int64_t tokens = step.tokens;
+  const int64_t size = step.residual.size(1);
   const int64_t num_layers = static_cast<int64_t>(kv_caches.size());
   const int64_t dim = head_dim;
   const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * dim;
   const float epsilon = static_cast<float>(eps);
-  const at::ScalarType dtype = hidden.scalar_type();
+  const at::ScalarType dtype = step.residual.scalar_type();
   TORCH_CHECK(dim % 2 == 0, "decode_model: head_dim must be even, got ", dim);
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * dim &&
-                  sin.numel() == tokens * dim && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat,
-              "decode_model: the rotary table must be float32");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == tokens,
-              "decode_model: slot_mapping must be contiguous int64 [", tokens, "]");
-  check_norm_weight(final_norm, size, dtype, "the final norm");
 
-  std::vector<at::Tensor> buffers;  // every stage's output, alive until the plan has run
   auto buffer = [&](at::IntArrayRef sizes) -> at::Tensor {
-    return buffers.emplace_back(at::empty(sizes, hidden.options()));
+    return step.buffers.emplace_back(at::empty(sizes, step.residual.options()));
   };
   auto data = [](const at::Tensor& t) { return t.mutable_data_ptr<T>(); };
-  corestream_cpu::StagePlan plan;
-  // Per token: sum = T(residual + x), then normed = norm(sum); the pre-attention norm of
-  // every layer but the first, the post-attention norm, and the final norm.
-  auto add_and_norm = [&](const T* residual, const T* x, T* sum, T* normed,
-                          const at::Tensor& weight) {
-    const T* w = weight.const_data_ptr<T>();
-    plan.add(tokens, [=](int64_t t) {
-      add_row(sum + t * size, residual + t * size, x + t * size, size);
-      normalize_row(normed + t * size, sum + t * size, w, size, epsilon);
-    });
-  };
-  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-  const float* cos_data = cos.const_data_ptr<float>();
-  const float* sin_data = sin.const_data_ptr<float>();
-  const T* residual = hidden.const_data_ptr<T>();
+  corestream_cpu::StagePlan& plan = step.plan;
+  const int64_t* slots = step.slots.const_data_ptr<int64_t>();
+  const float* cos_data = step.cos_sin.const_data_ptr<float>();
+  const float* sin_data = cos_data + tokens * dim;
+  const T* residual = step.residual.const_data_ptr<T>();
   const T* mlp_out = nullptr;  // the previous layer's down projection
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kSlotsPerLayer;
     const at::Tensor& cache = kv_caches[layer];
-    TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
-                    cache.size(3) == num_kv_heads && cache.size(4) == dim &&
-                    cache.scalar_type() == dtype,
-                "decode_model: layer ", layer, "'s cache must be a contiguous [2, blocks, "
-                "block_size, ", num_kv_heads, ", ", dim, "] of ", dtype);
-    const int64_t num_slots = cache.size(1) * cache.size(2);
-    for (int64_t t = 0; t < tokens; ++t) {
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode_model: slot_mapping[", t,
-                  "] = ", slots[t], " outside the cache's ", num_slots, " slots");
-    }
     check_norm_weight(w[kInputNorm], size, dtype, "input_layernorm");
     check_norm_weight(w[kPostNorm], size, dtype, "post_attention_layernorm");
     const bool qk_norms = present(w[kQNorm]);
@@ -273,7 +278,8 @@ std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList 
       });
     } else {
       T* sum = data(buffer({tokens, size}));
-      add_and_norm(residual, mlp_out, sum, data(normed), w[kInputNorm]);
+      add_and_norm(plan, tokens, size, epsilon, residual, mlp_out, sum, data(normed),
+                   w[kInputNorm]);
       residual = sum;
     }
 
@@ -319,7 +325,7 @@ std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList 
 
     const at::Tensor attn = buffer({tokens, num_heads, dim});
     auto [attn_items, attn_item] = corestream_cpu::paged_decode_items(
-        attn, query, key_cache, value_cache, block_tables, seq_lens, scale, windows[layer]);
+        attn, query, key_cache, value_cache, step.tables, step.lens, scale, windows[layer]);
     plan.add(attn_items, std::move(attn_item));
 
     const at::Tensor projected = buffer({tokens, size});
@@ -330,7 +336,8 @@ std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList 
     // The post-attention norm, after the residual add.
     T* sum = data(buffer({tokens, size}));
     const at::Tensor post_normed = buffer({tokens, size});
-    add_and_norm(residual, data(projected), sum, data(post_normed), w[kPostNorm]);
+    add_and_norm(plan, tokens, size, epsilon, residual, data(projected), sum,
+                 data(post_normed), w[kPostNorm]);
     residual = sum;
 
     const int64_t gate_up_width = w[kGateUpWeight].size(0);
@@ -355,40 +362,241 @@ std::vector<at::Tensor> planned_layers(const at::Tensor& hidden, at::TensorList 
     plan.add(down_items, std::move(down_item));
     mlp_out = data(down);
   }
+  step.last_residual = residual;
+  step.last_mlp_out = mlp_out;
+  step.final_sum = buffer({tokens, size});
+  step.layer_stages = plan.num_stages();
+}
 
-  // The final norm, after the last residual add.
-  const at::Tensor result = at::empty({tokens, size}, hidden.options());
-  add_and_norm(residual, mlp_out, data(buffer({tokens, size})), data(result), final_norm);
+// The plan's last stages, anew for each step: the final norm, after the last residual
+// add, and the head, into output tensors of the step's own, which the caller keeps.
+template <typename T>
+std::vector<at::Tensor> plan_outputs(PlannedStep& step, const at::Tensor& final_norm,
+                                     double eps, const std::vector<at::Tensor>& head) {
+  step.plan.rearm(step.layer_stages);
+  const int64_t tokens = step.tokens;
+  const int64_t size = step.residual.size(1);
+  const at::Tensor result = at::empty({tokens, size}, step.residual.options());
   std::vector<at::Tensor> outputs{result};
+  add_and_norm(step.plan, tokens, size, static_cast<float>(eps),
+               static_cast<const T*>(step.last_residual),
+               static_cast<const T*>(step.last_mlp_out), step.final_sum.mutable_data_ptr<T>(),
+               result.mutable_data_ptr<T>(), final_norm);
   if (!head.empty() && present(head[1])) {  // the head's panels: its logits too
-    outputs.push_back(at::empty({tokens, head[0].size(0)}, hidden.options()));
+    outputs.push_back(at::empty({tokens, head[0].size(0)}, step.residual.options()));
     auto [head_items, head_item] =
         corestream_cpu::panel_items(result, head[1], head[2], outputs.back());
-    plan.add(head_items, std::move(head_item));
+    step.plan.add(head_items, std::move(head_item));
   }
-
-  corestream_cpu::stage_plan_counters().plans.fetch_add(1, std::memory_order_relaxed);
-  corestream_cpu::stage_plan_counters().stages.fetch_add(plan.num_stages(),
-                                                          std::memory_order_relaxed);
-#pragma omp parallel num_threads(threads)
-  plan.run(omp_get_thread_num(), omp_get_num_threads());
-  plan.rethrow();
   return outputs;
 }
 
-// The whole model of a decode-only step: the embedding of input_ids [B], the rotation
-// rows of positions [B] from rotary_table [2, max_positions, head_dim] (cos and sin, laid
-// out as RotaryEmbedding.cos_sin hands them over), decode_layers, the final norm, and
-// with `head` = [weight, panels, bias] (as `linear` takes them; or empty) the head.
-// Returns [final hidden states [B, hidden]], or [those, logits [B, vocab]] with a head.
-// Each piece is the op the Python model runs, in its order, so the bits are the same; what
-// goes is the Python between them, which after the weights have streamed through the
-// caches costs some 0.2 ms a step (services/engine/models/llama.py, LlamaModel.forward).
+// A model's decode-only step with the arguments that stay the same from step to step
+// bound once (torch.classes.corestream_cpu.DecodeModel, see kernels/decoder_layers.py):
+// the embedding of input_ids [B], the rotation rows of positions [B] from rotary_table
+// [2, max_positions, head_dim] (cos and sin, laid out as RotaryEmbedding.cos_sin hands
+// them over), decode_layers, the final norm, and with `head` = [weight, panels, bias] (as
+// `linear` takes them; or empty) the head. forward returns [final hidden states
+// [B, hidden]], or [those, logits [B, vocab]] with a head. Each piece is the op the
+// Python model runs, in its order, so the bits are the same; what goes is the Python
+// between them, which after the weights have streamed through the caches costs some
+// 0.2 ms a step (services/engine/models/llama.py, LlamaModel.forward).
 //
 // With a few sequences, where every linear reads panels, the layers and the final norm
 // run as one StagePlan in one parallel region instead of a fork and join per linear and
 // attention: a thread preempted by another process then delays the step by about its
-// share of the time it is away, not by all of it (work_items.h).
+// share of the time it is away, not by all of it (work_items.h). The plan of the last
+// batch size is kept, with its buffers: a step of the same size stages its inputs into
+// it and runs it again. Binding the weights here, not passing them per call, also saves
+// the dispatcher's conversion of a hundred-odd tensors each way: ~0.1 ms a step.
+class DecodeModel : public torch::CustomClassHolder {
+ public:
+  DecodeModel(at::Tensor embedding, at::Tensor rotary_table, std::vector<at::Tensor> weights,
+              std::vector<at::Tensor> kv_caches, int64_t num_heads, int64_t num_kv_heads,
+              int64_t head_dim, double scale, std::vector<int64_t> windows,
+              at::Tensor final_norm, double eps, std::vector<at::Tensor> head)
+      : embedding_(std::move(embedding)),
+        rotary_table_(std::move(rotary_table)),
+        weights_(std::move(weights)),
+        kv_caches_(std::move(kv_caches)),
+        num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        scale_(scale),
+        windows_(std::move(windows)),
+        final_norm_(std::move(final_norm)),
+        eps_(eps),
+        head_(std::move(head)) {
+    TORCH_CHECK(head_.empty() || head_.size() == 3,
+                "decode_model: head must be [weight, panels, bias] or empty, got ",
+                head_.size(), " tensors");
+    TORCH_CHECK(rotary_table_.dim() == 3 && rotary_table_.size(0) == 2,
+                "decode_model: rotary_table must be [2, max_positions, head_dim], got ",
+                rotary_table_.sizes());
+    const auto num_layers = static_cast<int64_t>(kv_caches_.size());
+    layers_plannable_ = num_layers > 0 &&
+                        static_cast<int64_t>(weights_.size()) == num_layers * kSlotsPerLayer &&
+                        static_cast<int64_t>(windows_.size()) == num_layers &&
+                        num_kv_heads_ > 0 && num_heads_ % num_kv_heads_ == 0 &&
+                        panels_throughout(weights_, 0, embedding_.scalar_type());
+  }
+
+  std::vector<at::Tensor> forward(const at::Tensor& input_ids, const at::Tensor& positions,
+                                  const at::Tensor& slot_mapping,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+    TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(),
+                "decode_model: input_ids and positions must be [B], got ", input_ids.sizes(),
+                " and ", positions.sizes());
+    const int64_t tokens = input_ids.size(0);
+    const int threads = at::get_num_threads();
+    const at::ScalarType dtype = embedding_.scalar_type();
+    std::lock_guard<std::mutex> guard(lock_);
+    if (layers_plannable_ && threads > 1 && !at::in_parallel_region() &&
+        corestream_cpu::stage_plan_counters().enabled.load() &&
+        tokens <= corestream_cpu::max_panel_rows(dtype) &&
+        (dtype == at::kFloat || dtype == at::kBFloat16)) {
+      check_step_inputs(tokens, slot_mapping, block_tables, seq_lens);
+      if (!planned_ || planned_->tokens != tokens || planned_->threads != threads ||
+          block_tables.size(1) > planned_->tables.size(1)) {
+        planned_.reset();  // its memory first, before the next one's
+        planned_ = plan(tokens, threads, block_tables.size(1));
+      }
+      stage_inputs(*planned_, input_ids, positions, slot_mapping, block_tables, seq_lens);
+      return dtype == at::kFloat ? run_planned<float>(*planned_, threads)
+                                 : run_planned<c10::BFloat16>(*planned_, threads);
+    }
+    const at::Tensor residual = at::embedding(embedding_, input_ids);
+    const at::Tensor cos_sin = rotary_table_.index_select(1, positions);
+    at::Tensor x = decode_layers(residual, weights_, kv_caches_, cos_sin.select(0, 0).unsqueeze(1),
+                                 cos_sin.select(0, 1).unsqueeze(1), slot_mapping, block_tables,
+                                 seq_lens, num_heads_, num_kv_heads_, head_dim_, scale_,
+                                 windows_, eps_);
+    ops().add_rms_norm.call(x, residual, final_norm_, eps_);
+    std::vector<at::Tensor> outputs{x};
+    if (!head_.empty()) {
+      outputs.push_back(corestream_cpu::linear(x, head_[0], head_[1], head_[2]));
+    }
+    return outputs;
+  }
+
+ private:
+  std::unique_ptr<PlannedStep> plan(int64_t tokens, int threads, int64_t table_width) {
+    const at::Tensor& first_cache = kv_caches_[0];
+    for (size_t layer = 0; layer < kv_caches_.size(); ++layer) {
+      const at::Tensor& cache = kv_caches_[layer];
+      TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
+                      cache.sizes() == first_cache.sizes() &&
+                      cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_ &&
+                      cache.scalar_type() == embedding_.scalar_type(),
+                  "decode_model: layer ", layer, "'s cache must be a contiguous [2, blocks, "
+                  "block_size, ", num_kv_heads_, ", ", head_dim_, "] of ",
+                  embedding_.scalar_type(), " like the first layer's");
+    }
+    TORCH_CHECK(rotary_table_.scalar_type() == at::kFloat && rotary_table_.size(2) == head_dim_,
+                "decode_model: the rotary table must be float32 [2, max_positions, ",
+                head_dim_, "]");
+    const int64_t size = embedding_.size(1);
+    check_norm_weight(final_norm_, size, embedding_.scalar_type(), "the final norm");
+    // Wide enough for any sequence the rotary table has positions for: a growing
+    // sequence then keeps its plan.
+    const int64_t block_size = first_cache.size(2);
+    const int64_t width = std::max(table_width,
+                                   (rotary_table_.size(1) + block_size - 1) / block_size);
+    auto step = std::make_unique<PlannedStep>();
+    step->tokens = tokens;
+    step->threads = threads;
+    step->residual = at::empty({tokens, size}, embedding_.options());
+    step->cos_sin = at::empty({2, tokens, head_dim_}, rotary_table_.options());
+    step->slots = at::empty({tokens}, at::TensorOptions().dtype(at::kLong));
+    step->tables = at::zeros({tokens, width}, at::TensorOptions().dtype(at::kInt));
+    step->lens = at::zeros({tokens}, at::TensorOptions().dtype(at::kInt));
+    if (embedding_.scalar_type() == at::kFloat) {
+      plan_layers<float>(*step, weights_, kv_caches_, num_heads_, num_kv_heads_, head_dim_,
+                         scale_, windows_, eps_);
+    } else {
+      plan_layers<c10::BFloat16>(*step, weights_, kv_caches_, num_heads_, num_kv_heads_,
+                                 head_dim_, scale_, windows_, eps_);
+    }
+    corestream_cpu::stage_plan_counters().plans_built.fetch_add(1, std::memory_order_relaxed);
+    return step;
+  }
+
+  // The step's inputs checked as the ops would check them.
+  void check_step_inputs(int64_t tokens, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                    slot_mapping.numel() == tokens,
+                "decode_model: slot_mapping must be contiguous int64 [", tokens, "]");
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+                "block_tables and seq_lens must be int32");
+    TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(),
+                "tables must be contiguous");
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == tokens &&
+                    seq_lens.dim() == 1 && seq_lens.size(0) == tokens,
+                "one block table row and one length per sequence");
+  }
+
+  // The step's inputs into the plan's tensors, the values checked against the cache.
+  void stage_inputs(PlannedStep& step, const at::Tensor& input_ids, const at::Tensor& positions,
+                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                    const at::Tensor& seq_lens) const {
+    const int64_t tokens = step.tokens;
+    const int64_t num_slots = kv_caches_[0].size(1) * kv_caches_[0].size(2);
+    const int64_t block_size = kv_caches_[0].size(2);
+    const int64_t width = block_tables.size(1);
+    const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+    const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "decode_model: slot_mapping[", t,
+                  "] = ", slots[t], " outside the cache's ", num_slots, " slots");
+      TORCH_CHECK(lens[t] >= 0 && (lens[t] + block_size - 1) / block_size <= width,
+                  "seq_lens[", t, "] = ", lens[t], " exceeds its block table");
+    }
+    at::index_select_out(step.residual, embedding_, 0, input_ids);
+    at::index_select_out(step.cos_sin, rotary_table_, 1, positions);
+    std::copy(slots, slots + tokens, step.slots.mutable_data_ptr<int64_t>());
+    std::copy(lens, lens + tokens, step.lens.mutable_data_ptr<int32_t>());
+    const int32_t* rows = block_tables.const_data_ptr<int32_t>();
+    int32_t* staged = step.tables.mutable_data_ptr<int32_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::copy(rows + t * width, rows + (t + 1) * width, staged + t * step.tables.size(1));
+    }
+  }
+
+  template <typename T>
+  std::vector<at::Tensor> run_planned(PlannedStep& step, int threads) {
+    std::vector<at::Tensor> outputs = plan_outputs<T>(step, final_norm_, eps_, head_);
+    auto& counters = corestream_cpu::stage_plan_counters();
+    counters.plans.fetch_add(1, std::memory_order_relaxed);
+    counters.stages.fetch_add(step.plan.num_stages(), std::memory_order_relaxed);
+#pragma omp parallel num_threads(threads)
+    step.plan.run(omp_get_thread_num(), omp_get_num_threads());
+    step.plan.rethrow();
+    if (head_.size() == 3 && outputs.size() == 1) {  // a head without panels
+      outputs.push_back(corestream_cpu::linear(outputs[0], head_[0], head_[1], head_[2]));
+    }
+    return outputs;
+  }
+
+  const at::Tensor embedding_;
+  const at::Tensor rotary_table_;
+  const std::vector<at::Tensor> weights_;
+  const std::vector<at::Tensor> kv_caches_;
+  const int64_t num_heads_;
+  const int64_t num_kv_heads_;
+  const int64_t head_dim_;
+  const double scale_;
+  const std::vector<int64_t> windows_;
+  const at::Tensor final_norm_;
+  const double eps_;
+  const std::vector<at::Tensor> head_;
+  bool layers_plannable_ = false;
+  std::mutex lock_;  // one step at a time: the plan and its buffers are shared
+  std::unique_ptr<PlannedStep> planned_;
+};
+
+// decode_model as an op, binding its arguments for one call (tests, and callers that
+// have not bound them): every call plans anew.
 std::vector<at::Tensor> decode_model(
     const at::Tensor& input_ids,
     const at::Tensor& positions,
@@ -407,49 +615,9 @@ std::vector<at::Tensor> decode_model(
     const at::Tensor& final_norm,
     double eps,
     at::TensorList head) {
-  TORCH_CHECK(head.empty() || head.size() == 3,
-              "decode_model: head must be [weight, panels, bias] or empty, got ", head.size(),
-              " tensors");
-  TORCH_CHECK(input_ids.dim() == 1 && positions.sizes() == input_ids.sizes(),
-              "decode_model: input_ids and positions must be [B], got ", input_ids.sizes(),
-              " and ", positions.sizes());
-  TORCH_CHECK(rotary_table.dim() == 3 && rotary_table.size(0) == 2,
-              "decode_model: rotary_table must be [2, max_positions, head_dim], got ",
-              rotary_table.sizes());
-  const at::Tensor residual = at::embedding(embedding, input_ids);
-  const at::Tensor cos_sin = rotary_table.index_select(1, positions);
-  const at::Tensor cos = cos_sin.select(0, 0).unsqueeze(1);
-  const at::Tensor sin = cos_sin.select(0, 1).unsqueeze(1);
-  const int threads = at::get_num_threads();
-  std::vector<at::Tensor> outputs;
-  const auto& counters = corestream_cpu::stage_plan_counters();
-  if (threads > 1 && !at::in_parallel_region() && counters.enabled.load() &&
-      static_cast<int64_t>(weights.size()) == static_cast<int64_t>(kv_caches.size()) *
-                                                   kSlotsPerLayer &&
-      !kv_caches.empty() && static_cast<int64_t>(windows.size()) == kv_caches.size() &&
-      num_heads % num_kv_heads == 0 &&
-      panels_throughout(weights, input_ids.size(0), residual.scalar_type())) {
-    if (residual.scalar_type() == at::kFloat) {
-      outputs = planned_layers<float>(residual, weights, kv_caches, cos, sin, slot_mapping,
-                                      block_tables, seq_lens, num_heads, num_kv_heads,
-                                      head_dim, scale, windows, final_norm, eps, head, threads);
-    } else if (residual.scalar_type() == at::kBFloat16) {
-      outputs = planned_layers<c10::BFloat16>(
-          residual, weights, kv_caches, cos, sin, slot_mapping, block_tables, seq_lens,
-          num_heads, num_kv_heads, head_dim, scale, windows, final_norm, eps, head, threads);
-    }
-  }
-  if (outputs.empty()) {
-    at::Tensor x = decode_layers(residual, weights, kv_caches, cos, sin, slot_mapping,
-                                 block_tables, seq_lens, num_heads, num_kv_heads, head_dim,
-                                 scale, windows, eps);
-    ops().add_rms_norm.call(x, residual, final_norm, eps);
-    outputs.push_back(x);
-  }
-  if (!head.empty() && outputs.size() == 1) {  // no plan, or a head without panels
-    outputs.push_back(corestream_cpu::linear(outputs[0], head[0], head[1], head[2]));
-  }
-  return outputs;
+  return DecodeModel(embedding, rotary_table, weights.vec(), kv_caches.vec(), num_heads,
+                     num_kv_heads, head_dim, scale, windows.vec(), final_norm, eps, head.vec())
+      .forward(input_ids, positions, slot_mapping, block_tables, seq_lens);
 }
 
 }  // namespace
@@ -464,10 +632,17 @@ TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
       "Tensor[] weights, Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, "
       "int[] windows, Tensor final_norm, float eps, Tensor[] head) -> Tensor[]");
-  // [plans, stages, items computed again after another thread was late] in this process.
+  m.class_<DecodeModel>("DecodeModel")
+      .def(torch::init<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       int64_t, int64_t, int64_t, double, std::vector<int64_t>, at::Tensor,
+                       double, std::vector<at::Tensor>>())
+      .def("forward", &DecodeModel::forward);
+  // [plans run, stages run, items computed again after another thread was late, plans
+  // built] in this process.
   m.def("stage_plan_counters() -> int[]", [] {
     const auto& c = corestream_cpu::stage_plan_counters();
-    return std::vector<int64_t>{c.plans.load(), c.stages.load(), c.items_retaken.load()};
+    return std::vector<int64_t>{c.plans.load(), c.stages.load(), c.items_retaken.load(),
+                                c.plans_built.load()};
   });
   // For benchmarks: off, decode_model forks a region per op as decode_layers does.
   m.def("set_stage_plans_enabled(bool enabled) -> ()", [](bool enabled) {

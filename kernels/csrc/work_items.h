@@ -61,7 +61,8 @@ void run_items(int64_t n, const F& fn) {
 
 // What StagePlans did in this process, for tests and benchmarks.
 struct StagePlanCounters {
-  std::atomic<int64_t> plans{0};
+  std::atomic<int64_t> plans{0};  // run
+  std::atomic<int64_t> plans_built{0};  // built: a plan runs again while the batch size holds
   std::atomic<int64_t> stages{0};
   std::atomic<int64_t> items_retaken{0};  // computed again after another thread was late
   // Test hook: threads other than the region's first take the first item of every stage
@@ -145,6 +146,22 @@ class StagePlan {
   }
 
   int64_t num_stages() const { return static_cast<int64_t>(stages_.size()); }
+
+  // Keeps the first `stages` stages, ready to run again, and drops the rest: a plan is
+  // built once for a batch shape and run step after step, its last stages (those that
+  // write the step's outputs) added anew each time. Not while a region runs it.
+  void rearm(int64_t stages) {
+    stages_.resize(std::min<int64_t>(stages, num_stages()));
+    for (const auto& stage : stages_) {
+      stage->next.store(0, std::memory_order_relaxed);
+      for (int64_t i = 0; i < stage->n; ++i) {
+        stage->flags[i].done.store(false, std::memory_order_relaxed);
+      }
+    }
+    failed_.store(false, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> guard(error_lock_);
+    error_ = nullptr;
+  }
 
  private:
   // Each on a cache line of its own: the threads write them in turns, item by item.

@@ -4,7 +4,6 @@ each dense family."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,9 +49,9 @@ class DecodeCalls:
 
             def counted(*args: Any) -> list[torch.Tensor]:
                 self.count += 1
-                return bound.op(*args)
+                return bound(*args)
 
-            return dataclasses.replace(bound, op=counted)
+            return counted
 
         monkeypatch.setattr(LlamaModel, "_decode_model", wrapped)
 
@@ -115,7 +114,7 @@ def test_decode_model_gives_the_python_model_bits(
     python = DecodeCalls(monkeypatch, enabled=False)
     want = decode_logits(runner, prompts, steps, "py-")
     fused = DecodeCalls(monkeypatch, enabled=True)
-    plans_before = cpu_ops.stage_plan_counters()[0]
+    plans_before, _, _, built_before = cpu_ops.stage_plan_counters()
     head_steps = []
     head_logits = LlamaModel.head_logits
 
@@ -135,7 +134,11 @@ def test_decode_model_gives_the_python_model_bits(
     assert sum(head_steps) == (steps if head_in_op else 0)
     # Three sequences: one StagePlan per step where every linear reads panels.
     planned = layout == "panels" and torch.get_num_threads() > 1
-    assert cpu_ops.stage_plan_counters()[0] - plans_before == (steps if planned else 0)
+    plans_after, _, _, built_after = cpu_ops.stage_plan_counters()
+    assert plans_after - plans_before == (steps if planned else 0)
+    # Built for the first step, run again for the others: the batch size holds, and the
+    # block tables grow within the width it was built with.
+    assert built_after - built_before == (1 if planned else 0)
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
 
@@ -167,13 +170,13 @@ def test_items_retaken_from_a_late_thread_give_the_same_bits(
     DecodeCalls(monkeypatch, enabled=False)
     want = decode_logits(runner, prompts, steps, "py-")
     fused = DecodeCalls(monkeypatch, enabled=True)
-    plans, stages, retaken = cpu_ops.stage_plan_counters()
+    plans, stages, retaken, _ = cpu_ops.stage_plan_counters()
     cpu_ops.set_stage_plan_late_us(2000)
     try:
         got = decode_logits(runner, prompts, steps, "late-")
     finally:
         cpu_ops.set_stage_plan_late_us(0)
-    plans_after, stages_after, retaken_after = cpu_ops.stage_plan_counters()
+    plans_after, stages_after, retaken_after, _ = cpu_ops.stage_plan_counters()
 
     assert fused.count == steps
     assert plans_after - plans == steps
@@ -202,6 +205,66 @@ def test_more_sequences_than_the_panel_rows_keep_a_region_per_op(
     assert cpu_ops.stage_plan_counters()[0] == plans
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def test_a_kept_plan_is_rebuilt_for_another_batch_size(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
+) -> None:
+    if not cpu_ops.panel_linear_supported(torch.float32):
+        pytest.skip("this CPU has no few-row kernel for float32")
+    make_checkpoint(tmp_path, "llama")
+    runner = make_runner(tmp_path, max_model_len=64)
+    torch.set_num_threads(2)
+    batches = [random_prompts({"a": 3, "b": 9}, VOCAB), random_prompts({"c": 5}, VOCAB),
+               random_prompts({"d": 4, "e": 2}, VOCAB)]
+    DecodeCalls(monkeypatch, enabled=False)
+    want = [decode_logits(runner, prompts, 2, f"py{i}-") for i, prompts in enumerate(batches)]
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    built = cpu_ops.stage_plan_counters()[3]
+    got = [decode_logits(runner, prompts, 2, f"cpp{i}-") for i, prompts in enumerate(batches)]
+    assert fused.count == 6
+    assert cpu_ops.stage_plan_counters()[3] - built == 3  # sizes 2, 1, 2: one plan kept
+    for g_steps, w_steps in zip(got, want, strict=True):
+        for g, w in zip(g_steps, w_steps, strict=True):
+            assert torch.equal(g, w)
+
+
+def test_each_step_returns_tensors_of_its_own(cpu_ops: Any, tmp_path: Path,
+                                              two_threads: None) -> None:
+    """A kept plan's buffers are the next step's: what a step returns must not be among
+    them. A step refused for its inputs leaves the plan as it was."""
+    if not cpu_ops.panel_linear_supported(torch.float32):
+        pytest.skip("this CPU has no few-row kernel for float32")
+    make_checkpoint(tmp_path, "llama")
+    runner = make_runner(tmp_path, max_model_len=64)
+    torch.set_num_threads(2)
+    decode = runner.model.model._decode_model(runner.model.lm_head)
+    assert decode is not None
+    prompt = [5, 7]
+
+    def step(position: int, block_tables: torch.Tensor | None = None) -> list[torch.Tensor]:
+        r = ScheduledRequest("x", [prompt[position]], position, [0], True, GREEDY, prompt, [])
+        batch = runner._prepare([r])
+        meta = batch.meta
+        tables = meta.block_tables if block_tables is None else block_tables
+        with torch.inference_mode():
+            return decode(batch.input_ids, batch.positions, runner.kv_caches,
+                          meta.slot_mapping, tables, meta.seq_lens)
+
+    built = cpu_ops.stage_plan_counters()[3]
+    first = step(0)
+    kept = [t.clone() for t in first]
+    second = step(1)
+    assert len(first) == 2  # hidden states and logits: the head has panels
+    assert not torch.equal(first[1], second[1])
+    for before, now in zip(kept, first, strict=True):
+        assert torch.equal(before, now)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 2 exceeds its block table"):
+        step(1, block_tables=torch.zeros(1, 0, dtype=torch.int32))
+    again = step(1)
+    for a, b in zip(again, second, strict=True):
+        assert torch.equal(a, b)
+    assert cpu_ops.stage_plan_counters()[3] - built == 1
 
 
 def test_the_bound_op_follows_the_backend(
