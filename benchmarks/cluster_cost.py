@@ -36,6 +36,8 @@ from benchmarks.latency import stream_once  # noqa: E402
 from benchmarks.workload import VOCAB, bench_checkpoint, fixed_logits_checkpoint  # noqa: E402
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+BUSY = ("engine", "frontend")
+"""The serve children whose threads --threads lists."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -120,7 +122,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--threads", action="store_true",
-                        help="also the engine's busiest threads: CPU and context switches "
+                        help="also the engine's and the frontend's busiest threads: CPU and "
+                        "context switches "
                         "per token each (a thread that sleeps and wakes per op shows here)")
     parser.add_argument("--fixed-logits", action="store_true",
                         help="a model that costs nothing: only the serving path is left")
@@ -149,7 +152,7 @@ def main() -> None:
             run(stub, prompts[args.requests:], args.streams, 8)  # warm-up
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             switches_before = {name: context_switches(pid) for name, pid in pids.items()}
-            threads_before = thread_stats(pids["engine"])
+            threads_before = {name: thread_stats(pids[name]) for name in BUSY}
             client_before, wall_before = own_cpu_seconds(), time.perf_counter()
             gaps = run(stub, prompts[:args.requests], args.streams, args.output_tokens)
             wall = time.perf_counter() - wall_before
@@ -157,7 +160,7 @@ def main() -> None:
             switches = {name: context_switches(pid) - switches_before[name]
                         for name, pid in pids.items()}
             cpu["client"] = own_cpu_seconds() - client_before
-            threads_after = thread_stats(pids["engine"])
+            threads_after = {name: thread_stats(pids[name]) for name in BUSY}
     finally:
         cluster.stop()
 
@@ -173,15 +176,16 @@ def main() -> None:
         f"{name} {switches[name] / tokens:.1f}"
         for name in ("engine", "frontend", "coordinator") if name in switches))
     if args.threads:
-        deltas = {thread: [after - before for after, before in
-                           zip(stats, threads_before.get(thread, (0.0, 0, 0)), strict=True)]
-                  for thread, stats in threads_after.items()}
-        print("engine threads, per token (CPU ms, voluntary / involuntary switches):")
-        for thread, (cpu_s, voluntary, involuntary) in sorted(
-                deltas.items(), key=lambda kv: -kv[1][0])[:6]:
-            print(f"  {thread:<24} {cpu_s / tokens * 1000:6.2f} ms "
-                  f"{voluntary / tokens:6.1f} / {involuntary / tokens:.1f}")
-
+        for name in BUSY:
+            before_threads = threads_before[name]
+            deltas = {thread: [after - before for after, before in
+                               zip(stats, before_threads.get(thread, (0.0, 0, 0)), strict=True)]
+                      for thread, stats in threads_after[name].items()}
+            print(f"{name} threads, per token (CPU ms, voluntary / involuntary switches):")
+            for thread, (cpu_s, voluntary, involuntary) in sorted(
+                    deltas.items(), key=lambda kv: -kv[1][0])[:6]:
+                print(f"  {thread:<24} {cpu_s / tokens * 1000:6.2f} ms "
+                      f"{voluntary / tokens:6.1f} / {involuntary / tokens:.1f}")
 
 if __name__ == "__main__":
     main()
