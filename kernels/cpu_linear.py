@@ -80,7 +80,10 @@ def weight_panels(weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | 
     padded = weight.new_zeros(num_panels * PANEL_WIDTH, rows * pair)
     padded[:out_features, :in_features] = weight
     expected = padded.view(num_panels, PANEL_WIDTH, rows, pair).transpose(1, 2)
-    return panels if torch.equal(panels, expected.reshape(shape)) else None
+    # Bit for bit: a NaN in the weight (NaN != NaN) must not cost the layer its panels.
+    bits = torch.int32 if weight.element_size() == 4 else torch.int16
+    same = torch.equal(panels.view(bits), expected.reshape(shape).view(bits))
+    return panels if same else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -18,7 +18,7 @@ and buffers from one step to the next while the batch size holds.
 The op without binding, for tests: decode_model(input_ids, positions, embedding,
 rotary_table, weights, kv_caches, slot_mapping, block_tables, seq_lens, num_heads,
 num_kv_heads, head_dim, scale, windows, final_norm, eps, head) -> [final hidden states]
-or [final hidden states, logits], where head = [weight, panels, bias] or [].
+or [final hidden states, logits, argmax], where head = [weight, panels, bias] or [].
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def cpu_decode_model(
 
     A step embeds its tokens (one per sequence), gathers their rotation rows, runs
     `decode_layers` and the final norm, and returns the final hidden states `[B, hidden]`,
-    and with a head the logits `[B, vocab]` (in the model's dtype) after them.
+    and with a head the logits `[B, vocab]` (in the model's dtype) and each row's argmax
+    `[B]` (int64) after them.
     """
     if not decode_shape_supported(embedding.dtype, num_heads, num_kv_heads, head_dim):
         return None
@@ -84,7 +85,7 @@ class DecodeModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
-        """[final hidden states], or [final hidden states, logits] with a head."""
+        """[final hidden states], or [final hidden states, logits, argmax] with a head."""
         if kv_caches is not self._kv_caches:
             embedding, rotary_table, weights, *rest = self._args
             self._bound = self._make(embedding, rotary_table, weights, kv_caches, *rest)

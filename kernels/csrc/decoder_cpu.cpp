@@ -24,6 +24,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -190,6 +191,25 @@ void check_norm_weight(const at::Tensor& weight, int64_t size, at::ScalarType dt
                   weight.scalar_type() == dtype,
               "decode_model: ", what, " must be a contiguous [", size, "] of ", dtype,
               ", got ", weight.sizes(), " ", weight.scalar_type());
+}
+
+// The index of the first largest value of row[0, n), as torch.argmax picks it: a NaN
+// counts as larger than any number, so the first NaN if there is one.
+template <typename T>
+int64_t first_argmax(const T* row, int64_t n) {
+  int64_t best = 0;
+  float best_value = static_cast<float>(row[0]);
+  for (int64_t i = 0; i < n; ++i) {
+    const float value = static_cast<float>(row[i]);
+    if (std::isnan(value)) {
+      return i;
+    }
+    if (value > best_value) {
+      best = i;
+      best_value = value;
+    }
+  }
+  return best;
 }
 
 // What a planned step runs on: the step's inputs, staged into tensors of its own, every
@@ -383,10 +403,19 @@ std::vector<at::Tensor> plan_outputs(PlannedStep& step, const at::Tensor& final_
                static_cast<const T*>(step.last_mlp_out), step.final_sum.mutable_data_ptr<T>(),
                result.mutable_data_ptr<T>(), final_norm);
   if (!head.empty() && present(head[1])) {  // the head's panels: its logits too
-    outputs.push_back(at::empty({tokens, head[0].size(0)}, step.residual.options()));
-    auto [head_items, head_item] =
-        corestream_cpu::panel_items(result, head[1], head[2], outputs.back());
+    const at::Tensor logits = outputs.emplace_back(
+        at::empty({tokens, head[0].size(0)}, step.residual.options()));
+    auto [head_items, head_item] = corestream_cpu::panel_items(result, head[1], head[2], logits);
     step.plan.add(head_items, std::move(head_item));
+    // And each row's argmax, the token a greedy request takes (the sampler's argmax).
+    const at::Tensor greedy = outputs.emplace_back(
+        at::empty({tokens}, at::TensorOptions().dtype(at::kLong)));
+    const int64_t vocab = logits.size(1);
+    const T* rows = logits.const_data_ptr<T>();
+    int64_t* tokens_out = greedy.mutable_data_ptr<int64_t>();
+    step.plan.add(tokens, [=](int64_t t) {
+      tokens_out[t] = first_argmax(rows + t * vocab, vocab);
+    });
   }
   return outputs;
 }
@@ -397,7 +426,8 @@ std::vector<at::Tensor> plan_outputs(PlannedStep& step, const at::Tensor& final_
 // [2, max_positions, head_dim] (cos and sin, laid out as RotaryEmbedding.cos_sin hands
 // them over), decode_layers, the final norm, and with `head` = [weight, panels, bias] (as
 // `linear` takes them; or empty) the head. forward returns [final hidden states
-// [B, hidden]], or [those, logits [B, vocab]] with a head. Each piece is the op the
+// [B, hidden]], or with a head [those, logits [B, vocab], each row's argmax [B] int64]
+// (a greedy step's tokens, without a sampler in Python). Each piece is the op the
 // Python model runs, in its order, so the bits are the same; what goes is the Python
 // between them, which after the weights have streamed through the caches costs some
 // 0.2 ms a step (services/engine/models/llama.py, LlamaModel.forward).
@@ -475,6 +505,7 @@ class DecodeModel : public torch::CustomClassHolder {
     std::vector<at::Tensor> outputs{x};
     if (!head_.empty()) {
       outputs.push_back(corestream_cpu::linear(x, head_[0], head_[1], head_[2]));
+      outputs.push_back(outputs.back().argmax(-1));
     }
     return outputs;
   }
@@ -574,6 +605,7 @@ class DecodeModel : public torch::CustomClassHolder {
     step.plan.rethrow();
     if (head_.size() == 3 && outputs.size() == 1) {  // a head without panels
       outputs.push_back(corestream_cpu::linear(outputs[0], head_[0], head_[1], head_[2]));
+      outputs.push_back(outputs.back().argmax(-1));
     }
     return outputs;
   }

@@ -16,7 +16,7 @@ from kernels.decoder_layers import LAYER_TENSORS, DecodeModel, flat_weights
 from services.common.sampling import SamplingParams
 from services.engine.models import linear as linear_module
 from services.engine.models.llama import LlamaModel
-from services.engine.scheduler.output import ScheduledRequest
+from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from services.engine.worker.model_runner import ModelRunner
 from tests.unit.engine.hf_checkpoints import VOCAB, make_checkpoint
 from tests.unit.engine.runner_driver import all_logits, make_runner, random_prompts
@@ -255,7 +255,7 @@ def test_each_step_returns_tensors_of_its_own(cpu_ops: Any, tmp_path: Path,
     first = step(0)
     kept = [t.clone() for t in first]
     second = step(1)
-    assert len(first) == 2  # hidden states and logits: the head has panels
+    assert len(first) == 3  # hidden states, logits, argmax: the head has panels
     assert not torch.equal(first[1], second[1])
     for before, now in zip(kept, first, strict=True):
         assert torch.equal(before, now)
@@ -265,6 +265,52 @@ def test_each_step_returns_tensors_of_its_own(cpu_ops: Any, tmp_path: Path,
     for a, b in zip(again, second, strict=True):
         assert torch.equal(a, b)
     assert cpu_ops.stage_plan_counters()[3] - built == 1
+
+
+@pytest.mark.parametrize("nan", [False, True], ids=["ties", "nan"])
+def test_greedy_steps_take_the_ops_argmax_as_torch_picks_it(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
+    nan: bool,
+) -> None:
+    """A greedy decode step takes its tokens from the op's own argmax, not the sampler's:
+    on tied maxima it must pick the first, as torch.argmax does, and a NaN over any
+    number, the first NaN."""
+    if not cpu_ops.panel_linear_supported(torch.float32):
+        pytest.skip("this CPU has no few-row kernel for float32")
+    model = make_checkpoint(tmp_path, "llama")
+    with torch.no_grad():  # rows 3 and 5 tie for the largest logit, or for the smallest
+        head = model.lm_head.weight
+        head.zero_()
+        head[3] = head[5] = 1.0
+        if nan:
+            head[9, 0] = head[11, 0] = float("nan")
+    model.save_pretrained(tmp_path)
+    runner = make_runner(tmp_path, max_model_len=64)
+    torch.set_num_threads(2)
+    from_op = []
+    greedy_tokens = runner._greedy_tokens
+    assert greedy_tokens is not None
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor | None:
+        found = greedy_tokens(hidden)
+        from_op.append(found is not None)
+        return found
+
+    monkeypatch.setattr(runner, "_greedy_tokens", counted)
+    prompt = random_prompts({"a": 6}, VOCAB)["a"]
+    known = list(prompt)
+    blocks = list(range(16))
+    for step in range(4):
+        start = 0 if step == 0 else len(known) - 1
+        request = ScheduledRequest("a", known[start:], start, blocks, True, GREEDY, prompt,
+                                   known[len(prompt):])
+        with torch.inference_mode():
+            reference = all_logits(runner, [request])[-1]  # the same step, in Python
+        token = runner.execute(SchedulerOutput([request])).sampled["a"]
+        assert token == reference.argmax().item(), f"step {step}"
+        assert token in ((9,) if nan else (0, 3))
+        known.append(token)
+    assert from_op == [True, True, True]  # each decode step; the prefill is the sampler's
 
 
 def test_the_bound_op_follows_the_backend(

@@ -218,7 +218,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._windows = [config.layer_window(i) or 0 for i in range(config.num_hidden_layers)]
         # (hidden states, logits) of the last decode step whose head ran in the C++ op.
-        self._head_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._head_outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # [] (never the C++ decode op) when sharded: it cannot all-reduce between layers.
         self._flat_weights: list[torch.Tensor] | None = None if tp is None else []
         # The C++ decode op bound to this model, for the backend and head it was bound
@@ -246,8 +246,8 @@ class LlamaModel(nn.Module):
                 and (decode := self._decode_model(head)) is not None):
             outputs = decode(input_ids, positions, kv_caches, meta.slot_mapping,
                              meta.block_tables, meta.seq_lens)
-            if len(outputs) == 2:
-                self._head_logits = (outputs[0], outputs[1])
+            if len(outputs) == 3:
+                self._head_outputs = (outputs[0], outputs[1], outputs[2])
             return outputs[0]
         cos, sin = self.rotary_emb.cos_sin(positions)
         x = self.embed_tokens(input_ids)
@@ -261,8 +261,14 @@ class LlamaModel(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The head's logits for `hidden`, if the forward that returned it computed them
         (once: they are dropped as they are handed over)."""
-        found, self._head_logits = self._head_logits, None
+        found, self._head_outputs = self._head_outputs, None
         return found[1] if found is not None and found[0] is hidden else None
+
+    def head_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax `[N]` of the head's logits for `hidden`, if the forward that
+        returned it computed them and they have not been handed over."""
+        found = self._head_outputs
+        return found[2] if found is not None and found[0] is hidden else None
 
     def _decode_model(self, head: Linear | None) -> DecodeModel | None:
         """The C++ op for a decode-only step, bound once per backend and head: None where
@@ -340,6 +346,12 @@ class LlamaForCausalLM(nn.Module):
         # Unsharded, the decode op may run the head too, in the same parallel region.
         head = self.lm_head if self.tp is None else None
         return self.model(input_ids, positions, meta, kv_caches, head)
+
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The argmax of each row's logits `[N]`, if the forward that returned
+        `hidden_states` computed them (a decode step in the C++ op, with its head): a
+        greedy step's tokens, the sampler's own answer, without the logits in Python."""
+        return self.model.head_argmax(hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab]` for hidden states `[N, hidden]`; the full
