@@ -480,6 +480,9 @@ class DecodeModel : public torch::CustomClassHolder {
     const int64_t tokens = input_ids.size(0);
     const int threads = at::get_num_threads();
     const at::ScalarType dtype = embedding_.scalar_type();
+    // A forward never differentiates; outside inference mode, the staging copies' out=
+    // would refuse the model's parameters, which require grad.
+    const at::NoGradGuard no_grad;
     std::lock_guard<std::mutex> guard(lock_);
     if (layers_plannable_ && threads > 1 && !at::in_parallel_region() &&
         corestream_cpu::stage_plan_counters().enabled.load() &&
@@ -533,6 +536,9 @@ class DecodeModel : public torch::CustomClassHolder {
     const int64_t block_size = first_cache.size(2);
     const int64_t width = std::max(table_width,
                                    (rotary_table_.size(1) + block_size - 1) / block_size);
+    // Normal tensors, not inference ones, whatever mode this first step runs in: the
+    // later steps that write into them may run outside inference mode.
+    const c10::InferenceMode normal_tensors(false);
     auto step = std::make_unique<PlannedStep>();
     step->tokens = tokens;
     step->threads = threads;

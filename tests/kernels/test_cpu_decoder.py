@@ -232,7 +232,8 @@ def test_a_kept_plan_is_rebuilt_for_another_batch_size(
 def test_each_step_returns_tensors_of_its_own(cpu_ops: Any, tmp_path: Path,
                                               two_threads: None) -> None:
     """A kept plan's buffers are the next step's: what a step returns must not be among
-    them. A step refused for its inputs leaves the plan as it was."""
+    them. A step refused for its inputs leaves the plan as it was. Outside inference
+    mode (the model's parameters require grad) the op runs all the same."""
     if not cpu_ops.panel_linear_supported(torch.float32):
         pytest.skip("this CPU has no few-row kernel for float32")
     make_checkpoint(tmp_path, "llama")
@@ -242,12 +243,13 @@ def test_each_step_returns_tensors_of_its_own(cpu_ops: Any, tmp_path: Path,
     assert decode is not None
     prompt = [5, 7]
 
-    def step(position: int, block_tables: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def step(position: int, block_tables: torch.Tensor | None = None,
+             inference: bool = True) -> list[torch.Tensor]:
         r = ScheduledRequest("x", [prompt[position]], position, [0], True, GREEDY, prompt, [])
         batch = runner._prepare([r])
         meta = batch.meta
         tables = meta.block_tables if block_tables is None else block_tables
-        with torch.inference_mode():
+        with torch.inference_mode(inference):
             return decode(batch.input_ids, batch.positions, runner.kv_caches,
                           meta.slot_mapping, tables, meta.seq_lens)
 
@@ -261,7 +263,8 @@ def test_each_step_returns_tensors_of_its_own(cpu_ops: Any, tmp_path: Path,
         assert torch.equal(before, now)
     with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 2 exceeds its block table"):
         step(1, block_tables=torch.zeros(1, 0, dtype=torch.int32))
-    again = step(1)
+    assert runner.model.model.embed_tokens.weight.requires_grad
+    again = step(1, inference=False)
     for a, b in zip(again, second, strict=True):
         assert torch.equal(a, b)
     assert cpu_ops.stage_plan_counters()[3] - built == 1

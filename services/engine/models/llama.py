@@ -31,6 +31,7 @@ makes some 70 such calls, which shows in a single-stream decode step.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
@@ -205,6 +206,11 @@ class LlamaDecoderLayer(nn.Module):
         }
 
 
+@dataclasses.dataclass(slots=True)
+class _HeadOutputs:
+    outputs: list[torch.Tensor] | None = None
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: DecoderConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -217,8 +223,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._windows = [config.layer_window(i) or 0 for i in range(config.num_hidden_layers)]
-        # (hidden states, logits) of the last decode step whose head ran in the C++ op.
-        self._head_outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # [hidden states, logits, argmax] of the last decode step whose head ran in the
+        # C++ op. Kept in a holder: nn.Module's __setattr__ would cost tens of
+        # microseconds a step on the cold caches after the op.
+        self._head = _HeadOutputs()
         # [] (never the C++ decode op) when sharded: it cannot all-reduce between layers.
         self._flat_weights: list[torch.Tensor] | None = None if tp is None else []
         # The C++ decode op bound to this model, for the backend and head it was bound
@@ -247,7 +255,7 @@ class LlamaModel(nn.Module):
             outputs = decode(input_ids, positions, kv_caches, meta.slot_mapping,
                              meta.block_tables, meta.seq_lens)
             if len(outputs) == 3:
-                self._head_outputs = (outputs[0], outputs[1], outputs[2])
+                self._head.outputs = outputs
             return outputs[0]
         cos, sin = self.rotary_emb.cos_sin(positions)
         x = self.embed_tokens(input_ids)
@@ -261,13 +269,13 @@ class LlamaModel(nn.Module):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The head's logits for `hidden`, if the forward that returned it computed them
         (once: they are dropped as they are handed over)."""
-        found, self._head_outputs = self._head_outputs, None
+        found, self._head.outputs = self._head.outputs, None
         return found[1] if found is not None and found[0] is hidden else None
 
     def head_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax `[N]` of the head's logits for `hidden`, if the forward that
         returned it computed them and they have not been handed over."""
-        found = self._head_outputs
+        found = self._head.outputs
         return found[2] if found is not None and found[0] is hidden else None
 
     def _decode_model(self, head: Linear | None) -> DecodeModel | None:
