@@ -40,6 +40,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
 _ops: Any = None  # torch.ops.corestream_cpu once built
+_module: Any = None  # the extension as a Python module (its pybind11 classes) once built
 _failed = False
 
 
@@ -73,19 +74,26 @@ def load() -> Any:
         return _ops
 
 
+def python_module() -> Any:
+    """The extension as a Python module, for what it binds with pybind11 rather than as
+    ops (`DecodeModel`); None unless `load()` built it."""
+    return _module
+
+
 def _build() -> Any:
+    global _module
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
-    # Loaded as a plain library: its static initializers register the ops.
-    cpp_extension.load(
+    # Imported as a Python module: its static initializers register the ops.
+    _module = cpp_extension.load(
         name=_extension_name(),
         sources=[str(_CSRC / source) for source in _SOURCES],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         # NOTE: links libgomp.so.1 by soname; torch has already loaded its own copy under
         # that soname, so the kernels' parallel regions share torch's OpenMP pool.
         extra_ldflags=["-fopenmp"],
-        is_python_module=False,
+        is_python_module=True,
     )
     logger.info("CPU kernels ready in %.1fs", time.perf_counter() - start)
     return torch.ops.corestream_cpu

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_extension import cpu_ops
+from kernels.cpu_extension import cpu_ops, python_module
 from kernels.cpu_paged_attention import decode_shape_supported
 
 LAYER_TENSORS = (
@@ -44,7 +44,7 @@ ABSENT = torch.empty(0)
 def cpu_decode_model(
     embedding: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> Callable[..., Any] | None:
-    """The C++ `DecodeModel` class (torch.classes.corestream_cpu) if it applies to a model
+    """The C++ `DecodeModel` class (the extension module's) if it applies to a model
     with this embedding table and head layout (CPU, backend not "torch") and builds; else
     None. `decode_model`'s arguments but the step's construct it; its `forward` takes
     the step's.
@@ -56,8 +56,9 @@ def cpu_decode_model(
     """
     if not decode_shape_supported(embedding.dtype, num_heads, num_kv_heads, head_dim):
         return None
-    ops = cpu_ops(embedding)
-    return None if ops is None else torch.classes.corestream_cpu.DecodeModel
+    if cpu_ops(embedding) is None:
+        return None
+    return python_module().DecodeModel
 
 
 class DecodeModel:

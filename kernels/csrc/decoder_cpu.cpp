@@ -13,7 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/custom_class.h>
+#include <torch/extension.h>
 #include <torch/library.h>
 
 #include "layer_rows.h"
@@ -421,7 +421,7 @@ std::vector<at::Tensor> plan_outputs(PlannedStep& step, const at::Tensor& final_
 }
 
 // A model's decode-only step with the arguments that stay the same from step to step
-// bound once (torch.classes.corestream_cpu.DecodeModel, see kernels/decoder_layers.py):
+// bound once (the extension module's DecodeModel, see kernels/decoder_layers.py):
 // the embedding of input_ids [B], the rotation rows of positions [B] from rotary_table
 // [2, max_positions, head_dim] (cos and sin, laid out as RotaryEmbedding.cos_sin hands
 // them over), decode_layers, the final norm, and with `head` = [weight, panels, bias] (as
@@ -437,9 +437,11 @@ std::vector<at::Tensor> plan_outputs(PlannedStep& step, const at::Tensor& final_
 // attention: a thread preempted by another process then delays the step by about its
 // share of the time it is away, not by all of it (work_items.h). The plan of the last
 // batch size is kept, with its buffers: a step of the same size stages its inputs into
-// it and runs it again. Binding the weights here, not passing them per call, also saves
-// the dispatcher's conversion of a hundred-odd tensors each way: ~0.1 ms a step.
-class DecodeModel : public torch::CustomClassHolder {
+// it and runs it again. Bound here, and called through pybind11 rather than torch's
+// dispatcher, a step's call takes its five tensors and no more: the dispatcher's
+// conversion of a hundred-odd weights each way, or even a TorchScript class method's
+// call, cost ~0.1 ms a step on the cold caches after the op.
+class DecodeModel {
  public:
   DecodeModel(at::Tensor embedding, at::Tensor rotary_table, std::vector<at::Tensor> weights,
               std::vector<at::Tensor> kv_caches, int64_t num_heads, int64_t num_kv_heads,
@@ -670,11 +672,6 @@ TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
       "Tensor[] weights, Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, "
       "int[] windows, Tensor final_norm, float eps, Tensor[] head) -> Tensor[]");
-  m.class_<DecodeModel>("DecodeModel")
-      .def(torch::init<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       int64_t, int64_t, int64_t, double, std::vector<int64_t>, at::Tensor,
-                       double, std::vector<at::Tensor>>())
-      .def("forward", &DecodeModel::forward);
   // [plans run, stages run, items computed again after another thread was late, plans
   // built] in this process.
   m.def("stage_plan_counters() -> int[]", [] {
@@ -702,4 +699,15 @@ TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(corestream_cpu, MkldnnCPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("decode_model", &decode_model);
+}
+
+// The extension is also a Python module (kernels/cpu_extension.py): the bound model, whose
+// forward releases the GIL like an op, so that the engine's other threads run meanwhile.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<DecodeModel>(m, "DecodeModel")
+      .def(pybind11::init<at::Tensor, at::Tensor, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, int64_t, int64_t, int64_t, double,
+                          std::vector<int64_t>, at::Tensor, double, std::vector<at::Tensor>>())
+      .def("forward", &DecodeModel::forward,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -118,7 +118,7 @@ class StagePlan {
           4 * item_time, std::chrono::microseconds(10), std::chrono::microseconds(100));
       const auto waiting_since = Clock::now();
       for (int64_t first_undone = 0;;) {
-        while (first_undone < stage.n && stage.is_done(first_undone)) {
+        while (first_undone < stage.n && stage.is_done(first_undone, run_)) {
           ++first_undone;
         }
         if (first_undone == stage.n) {
@@ -129,7 +129,7 @@ class StagePlan {
           continue;
         }
         for (int64_t i = first_undone; i < stage.n; ++i) {
-          if (!stage.is_done(i)) {
+          if (!stage.is_done(i, run_)) {
             compute(stage, i);
             stage_plan_counters().items_retaken.fetch_add(1, std::memory_order_relaxed);
           }
@@ -149,15 +149,15 @@ class StagePlan {
 
   // Keeps the first `stages` stages, ready to run again, and drops the rest: a plan is
   // built once for a batch shape and run step after step, its last stages (those that
-  // write the step's outputs) added anew each time. Not while a region runs it.
+  // write the step's outputs) added anew each time. Not while a region runs it. The done
+  // flags are not cleared but hold the number of the run that set them: clearing them
+  // would touch a cache line per item, each one cold after the step's weights streamed.
   void rearm(int64_t stages) {
     stages_.resize(std::min<int64_t>(stages, num_stages()));
     for (const auto& stage : stages_) {
       stage->next.store(0, std::memory_order_relaxed);
-      for (int64_t i = 0; i < stage->n; ++i) {
-        stage->flags[i].done.store(false, std::memory_order_relaxed);
-      }
     }
+    ++run_;
     failed_.store(false, std::memory_order_relaxed);
     std::lock_guard<std::mutex> guard(error_lock_);
     error_ = nullptr;
@@ -166,12 +166,14 @@ class StagePlan {
  private:
   // Each on a cache line of its own: the threads write them in turns, item by item.
   struct alignas(64) Flag {
-    std::atomic<bool> done{false};
+    std::atomic<int64_t> done{0};  // the run that finished it
   };
 
   struct Stage {
     Stage(int64_t count, Item item) : n(count), fn(std::move(item)), flags(new Flag[count]) {}
-    bool is_done(int64_t i) const { return flags[i].done.load(std::memory_order_acquire); }
+    bool is_done(int64_t i, int64_t run) const {
+      return flags[i].done.load(std::memory_order_acquire) == run;
+    }
 
     alignas(64) std::atomic<int64_t> next{0};
     alignas(64) const int64_t n;
@@ -192,10 +194,11 @@ class StagePlan {
       }
     }
     // Set by whichever thread finishes the item, once or twice: the same bits either way.
-    stage.flags[i].done.store(true, std::memory_order_release);
+    stage.flags[i].done.store(run_, std::memory_order_release);
   }
 
   std::vector<std::unique_ptr<Stage>> stages_;
+  int64_t run_ = 1;  // this run's number: its items' done flags hold it once done
   std::atomic<bool> failed_{false};
   std::mutex error_lock_;
   std::exception_ptr error_;
