@@ -187,14 +187,21 @@ def test_items_retaken_from_a_late_thread_give_the_same_bits(
         assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
 
 
-def test_more_sequences_than_the_panel_rows_keep_a_region_per_op(
-    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
-) -> None:
+@pytest.fixture
+def llama_runner(cpu_ops: Any, tmp_path: Path, two_threads: None) -> ModelRunner:
+    """A Llama runner whose decode steps the op runs in one region (two threads, panels)."""
     if not cpu_ops.panel_linear_supported(torch.float32):
         pytest.skip("this CPU has no few-row kernel for float32")
     make_checkpoint(tmp_path, "llama")
     runner = make_runner(tmp_path, max_model_len=64)
-    torch.set_num_threads(2)
+    torch.set_num_threads(2)  # the runner set the machine's count
+    return runner
+
+
+def test_more_sequences_than_the_panel_rows_keep_a_region_per_op(
+    cpu_ops: Any, llama_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runner = llama_runner
     prompts = random_prompts({f"s{i}": 2 + i for i in range(9)}, VOCAB)  # 9 > 8 rows
     DecodeCalls(monkeypatch, enabled=False)
     want = decode_logits(runner, prompts, 2, "py-")
@@ -208,13 +215,9 @@ def test_more_sequences_than_the_panel_rows_keep_a_region_per_op(
 
 
 def test_a_kept_plan_is_rebuilt_for_another_batch_size(
-    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
+    cpu_ops: Any, llama_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if not cpu_ops.panel_linear_supported(torch.float32):
-        pytest.skip("this CPU has no few-row kernel for float32")
-    make_checkpoint(tmp_path, "llama")
-    runner = make_runner(tmp_path, max_model_len=64)
-    torch.set_num_threads(2)
+    runner = llama_runner
     batches = [random_prompts({"a": 3, "b": 9}, VOCAB), random_prompts({"c": 5}, VOCAB),
                random_prompts({"d": 4, "e": 2}, VOCAB)]
     DecodeCalls(monkeypatch, enabled=False)
@@ -229,16 +232,11 @@ def test_a_kept_plan_is_rebuilt_for_another_batch_size(
             assert torch.equal(g, w)
 
 
-def test_each_step_returns_tensors_of_its_own(cpu_ops: Any, tmp_path: Path,
-                                              two_threads: None) -> None:
+def test_each_step_returns_tensors_of_its_own(cpu_ops: Any, llama_runner: ModelRunner) -> None:
     """A kept plan's buffers are the next step's: what a step returns must not be among
     them. A step refused for its inputs leaves the plan as it was. Outside inference
     mode (the model's parameters require grad) the op runs all the same."""
-    if not cpu_ops.panel_linear_supported(torch.float32):
-        pytest.skip("this CPU has no few-row kernel for float32")
-    make_checkpoint(tmp_path, "llama")
-    runner = make_runner(tmp_path, max_model_len=64)
-    torch.set_num_threads(2)
+    runner = llama_runner
     decode = runner.model.model._decode_model(runner.model.lm_head)
     assert decode is not None
     prompt = [5, 7]
