@@ -168,12 +168,10 @@ at::Tensor decode_layers(
   return x;
 }
 
-// Whether every linear of the step reads its panels (a few rows, panels present): then
-// all of the step's parallel work can be items of one StagePlan (work_items.h).
-bool panels_throughout(at::TensorList weights, int64_t tokens, at::ScalarType dtype) {
-  if (tokens > corestream_cpu::max_panel_rows(dtype)) {
-    return false;
-  }
+// Whether every linear of the model has panels: then a step of a few rows
+// (corestream_cpu::max_panel_rows) reads them throughout, and all of its parallel work can
+// be items of one StagePlan (work_items.h).
+bool panels_throughout(at::TensorList weights) {
   for (size_t layer = 0; layer < weights.size() / kSlotsPerLayer; ++layer) {
     const at::Tensor* w = weights.data() + layer * kSlotsPerLayer;
     for (Slot panels : {kQkvPanels, kOPanels, kGateUpPanels, kDownPanels}) {
@@ -470,7 +468,7 @@ class DecodeModel {
                         static_cast<int64_t>(weights_.size()) == num_layers * kSlotsPerLayer &&
                         static_cast<int64_t>(windows_.size()) == num_layers &&
                         num_kv_heads_ > 0 && num_heads_ % num_kv_heads_ == 0 &&
-                        panels_throughout(weights_, 0, embedding_.scalar_type());
+                        panels_throughout(weights_);
   }
 
   std::vector<at::Tensor> forward(const at::Tensor& input_ids, const at::Tensor& positions,
@@ -509,8 +507,7 @@ class DecodeModel {
     ops().add_rms_norm.call(x, residual, final_norm_, eps_);
     std::vector<at::Tensor> outputs{x};
     if (!head_.empty()) {
-      outputs.push_back(corestream_cpu::linear(x, head_[0], head_[1], head_[2]));
-      outputs.push_back(outputs.back().argmax(-1));
+      add_head_outputs(outputs);
     }
     return outputs;
   }
@@ -560,19 +557,22 @@ class DecodeModel {
     return step;
   }
 
+  // The head's logits of the final hidden states outputs[0], and each row's argmax, where
+  // the plan did not compute them.
+  void add_head_outputs(std::vector<at::Tensor>& outputs) const {
+    outputs.push_back(corestream_cpu::linear(outputs[0], head_[0], head_[1], head_[2]));
+    outputs.push_back(outputs.back().argmax(-1));
+  }
+
   // The step's inputs checked as the ops would check them.
   void check_step_inputs(int64_t tokens, const at::Tensor& slot_mapping,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                     slot_mapping.numel() == tokens,
                 "decode_model: slot_mapping must be contiguous int64 [", tokens, "]");
-    TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-                "block_tables and seq_lens must be int32");
-    TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(),
-                "tables must be contiguous");
-    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == tokens &&
-                    seq_lens.dim() == 1 && seq_lens.size(0) == tokens,
+    TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1,
                 "one block table row and one length per sequence");
+    corestream_cpu::check_block_tables(block_tables, seq_lens, tokens);
   }
 
   // The step's inputs into the plan's tensors, the values checked against the cache.
@@ -612,8 +612,7 @@ class DecodeModel {
     step.plan.run(omp_get_thread_num(), omp_get_num_threads());
     step.plan.rethrow();
     if (head_.size() == 3 && outputs.size() == 1) {  // a head without panels
-      outputs.push_back(corestream_cpu::linear(outputs[0], head_[0], head_[1], head_[2]));
-      outputs.push_back(outputs.back().argmax(-1));
+      add_head_outputs(outputs);
     }
     return outputs;
   }

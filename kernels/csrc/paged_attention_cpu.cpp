@@ -314,6 +314,15 @@ std::pair<int64_t, corestream_cpu::Item> decode_dispatch(
 
 namespace corestream_cpu {
 
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t num_seqs) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
+  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs,
+              "one block table row and one length per sequence");
+}
+
 std::pair<int64_t, Item> paged_decode_items(
     const at::Tensor& out,
     const at::Tensor& query,
@@ -328,9 +337,7 @@ std::pair<int64_t, Item> paged_decode_items(
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "block_tables and seq_lens must be int32");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
+  check_block_tables(block_tables, seq_lens, query.size(0));
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
                   value_cache.scalar_type() == key_cache.scalar_type() &&
                   out.scalar_type() == key_cache.scalar_type(),
@@ -354,8 +361,6 @@ std::pair<int64_t, Item> paged_decode_items(
   TORCH_CHECK(s.num_heads <= kMaxHeads, "more than ", kMaxHeads, " query heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window), got ", window);
   s.window = window;
-  TORCH_CHECK(block_tables.size(0) == s.num_seqs && seq_lens.size(0) == s.num_seqs,
-              "one block table row and one length per sequence");
   if (s.num_seqs == 0) {
     return {0, [](int64_t) {}};
   }

@@ -21,6 +21,11 @@ struct DecodeShape {
   float scale;
 };
 
+// block_tables [num_seqs, max_blocks] and seq_lens [num_seqs]: int32, contiguous, a row and
+// a length per sequence, as paged_decode reads them.
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                        int64_t num_seqs);
+
 // paged_decode's work as items (one per sequence and kv head, or per sequence), for
 // callers that hand them out themselves (StagePlan); the tensors must outlive the items.
 std::pair<int64_t, Item> paged_decode_items(const at::Tensor& out, const at::Tensor& query,

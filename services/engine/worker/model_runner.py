@@ -40,7 +40,7 @@ from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_
 from services.engine.worker.kv_cache_memory import available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.profiler import Profiler
-from services.engine.worker.sampler import Sampler, TokenMask, has_logit_processors
+from services.engine.worker.sampler import Sampler, TokenMask, plain_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -337,8 +337,7 @@ class ModelRunner:
                 or len(batch.sample_rows) != hidden.shape[0]):
             return None
         for r in batch.sampled:
-            if not r.sampling.greedy or r.sampling.logprobs is not None \
-                    or has_logit_processors(r):
+            if not plain_greedy(r) or r.sampling.logprobs is not None:
                 return None
         return self._greedy_tokens(hidden)
 

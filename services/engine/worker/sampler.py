@@ -42,6 +42,11 @@ def has_logit_processors(request: ScheduledRequest) -> bool:
     )
 
 
+def plain_greedy(request: ScheduledRequest) -> bool:
+    """Greedy without logit processors: its token is its logits' argmax."""
+    return request.sampling.greedy and not has_logit_processors(request)
+
+
 def step_seed(seed: int, num_output_tokens: int) -> int:
     # Tuple hashing of ints is stable across processes (only str/bytes are salted).
     return hash((seed, num_output_tokens)) & _SEED_MASK
@@ -59,8 +64,7 @@ class Sampler:
         `mask` restricts the rows of constrained requests."""
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
         # One lazy pass decides the common case, an all-greedy batch without processors.
-        if mask is None and all(
-                r.sampling.greedy and not has_logit_processors(r) for r in requests):
+        if mask is None and all(plain_greedy(r) for r in requests):
             return logits.argmax(dim=-1)
         params = [r.sampling for r in requests]
         raw = logits
