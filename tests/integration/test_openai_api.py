@@ -281,21 +281,30 @@ def test_disconnect_mid_stream_frees_the_request(client: openai.OpenAI,
     admin = admin_grpc.AdminServiceStub(channel)
     assert _running(admin) == 0
     max_tokens = 2000
-    before = _steps(admin)
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
                                        temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     for _, chunk in zip(range(3), stream, strict=False):
         assert chunk.choices[0].finish_reason is None
-    assert _running(admin) == 1
-    stream.close()
-    deadline = time.monotonic() + 30
-    while _running(admin):
-        assert time.monotonic() < deadline, "the request still runs after its client left"
-        time.sleep(0.05)
-    # Each step decodes one token of the only request: had it run to its end, the engine
-    # would have taken max_tokens steps.
-    steps = _steps(admin) - before
+    # Frozen where it is, the request cannot run to its end before its client leaves,
+    # however fast the engine steps against this client: left running, a fresh clone's
+    # loaded run once reached 1,032 of its 2,000 tokens before the abort landed. Only the
+    # disconnect can free it now.
+    admin.PauseScheduling(admin_pb2.PauseSchedulingRequest(mode=admin_pb2.PAUSE_MODE_KEEP),
+                          timeout=20)
+    try:
+        assert _running(admin) == 1
+        before = _steps(admin)
+        stream.close()
+        deadline = time.monotonic() + 30
+        while _running(admin):
+            assert time.monotonic() < deadline, "the request still runs after its client left"
+            time.sleep(0.05)
+        # Each step decodes one token of the only request: had it run to its end, the
+        # engine would have taken the rest of its max_tokens steps.
+        steps = _steps(admin) - before
+    finally:
+        admin.ResumeScheduling(admin_pb2.ResumeSchedulingRequest(), timeout=20)
     assert steps < max_tokens // 2, steps
 
 
