@@ -87,11 +87,28 @@ class DecodeModel:
                  kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
         """[final hidden states], or [final hidden states, logits, argmax] with a head."""
+        return self._bound_to(kv_caches).forward(input_ids, positions, slot_mapping,
+                                                 block_tables, seq_lens)
+
+    @property
+    def has_head(self) -> bool:
+        return bool(self._args[-1])
+
+    def greedy(self, kv_caches: list[torch.Tensor], input_ids: list[int],
+               positions: list[int], slot_mapping: list[int],
+               block_tables: list[Sequence[int]], seq_lens: list[int]) -> list[int]:
+        """Each sequence's greedy next token (the argmax of its logits; needs the head),
+        for a step given as plain lists: one token, position, cache slot, block table
+        (unpadded) and length per sequence."""
+        return self._bound_to(kv_caches).greedy(input_ids, positions, slot_mapping,
+                                                block_tables, seq_lens)
+
+    def _bound_to(self, kv_caches: list[torch.Tensor]) -> Any:
         if kv_caches is not self._kv_caches:
             embedding, rotary_table, weights, *rest = self._args
             self._bound = self._make(embedding, rotary_table, weights, kv_caches, *rest)
             self._kv_caches = kv_caches
-        return self._bound.forward(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        return self._bound
 
 
 def flat_weights(layers: Sequence[dict[str, torch.Tensor | None]]) -> list[torch.Tensor]:

@@ -41,17 +41,24 @@ class DecodeCalls:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
         self.count = 0
+        calls = self
 
-        def wrapped(model: LlamaModel, head: Any) -> DecodeModel | None:
+        class Counted:
+            def __init__(self, bound: DecodeModel) -> None:
+                self.bound = bound
+                self.has_head = bound.has_head
+
+            def __call__(self, *args: Any) -> list[torch.Tensor]:
+                calls.count += 1
+                return self.bound(*args)
+
+            def greedy(self, *args: Any) -> list[int]:
+                calls.count += 1
+                return self.bound.greedy(*args)
+
+        def wrapped(model: LlamaModel, head: Any) -> Counted | None:
             bound = DECODE_MODEL(model, head) if enabled else None
-            if bound is None:
-                return None
-
-            def counted(*args: Any) -> list[torch.Tensor]:
-                self.count += 1
-                return bound(*args)
-
-            return counted
+            return None if bound is None else Counted(bound)
 
         monkeypatch.setattr(LlamaModel, "_decode_model", wrapped)
 
@@ -273,9 +280,9 @@ def test_greedy_steps_take_the_ops_argmax_as_torch_picks_it(
     cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
     nan: bool,
 ) -> None:
-    """A greedy decode step takes its tokens from the op's own argmax, not the sampler's:
-    on tied maxima it must pick the first, as torch.argmax does, and a NaN over any
-    number, the first NaN."""
+    """A greedy decode step takes its tokens from the op's own argmax, not the sampler's
+    (the whole step from the scheduler's lists, `decode_greedy`): on tied maxima it must
+    pick the first, as torch.argmax does, and a NaN over any number, the first NaN."""
     if not cpu_ops.panel_linear_supported(torch.float32):
         pytest.skip("this CPU has no few-row kernel for float32")
     model = make_checkpoint(tmp_path, "llama")
@@ -289,15 +296,15 @@ def test_greedy_steps_take_the_ops_argmax_as_torch_picks_it(
     runner = make_runner(tmp_path, max_model_len=64)
     torch.set_num_threads(2)
     from_op = []
-    greedy_tokens = runner._greedy_tokens
-    assert greedy_tokens is not None
+    decode_greedy = runner._decode_greedy
+    assert decode_greedy is not None
 
-    def counted(hidden: torch.Tensor) -> torch.Tensor | None:
-        found = greedy_tokens(hidden)
+    def counted(*args: Any) -> list[int] | None:
+        found = decode_greedy(*args)
         from_op.append(found is not None)
         return found
 
-    monkeypatch.setattr(runner, "_greedy_tokens", counted)
+    monkeypatch.setattr(runner, "_decode_greedy", counted)
     prompt = random_prompts({"a": 6}, VOCAB)["a"]
     known = list(prompt)
     blocks = list(range(16))
@@ -373,3 +380,65 @@ def test_decode_model_refuses_positions_that_do_not_match_the_tokens(cpu_ops: An
             torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int32),
             torch.ones(2, dtype=torch.int32), 1, 1, 8, 1.0, [0], torch.ones(8), 1e-6, [],
         )
+
+
+def greedy_decode(runner: ModelRunner, prompts: dict[str, list[int]], steps: int,
+                  tag: str) -> dict[str, list[int]]:
+    """The tokens of a prefill and `steps` decode steps of every prompt at once, each
+    step through runner.execute as the scheduler hands it over."""
+    per_request = runner.model_info.max_model_len // runner.block_size
+    blocks = {rid: list(range(i * per_request, (i + 1) * per_request))
+              for i, rid in enumerate(prompts)}
+    known = {rid: list(p) for rid, p in prompts.items()}
+    start = dict.fromkeys(prompts, 0)
+    for _ in range(steps + 1):
+        requests = [
+            ScheduledRequest(f"{tag}{rid}", known[rid][start[rid]:], start[rid],
+                             blocks[rid][: -(-len(known[rid]) // runner.block_size)], True,
+                             GREEDY, prompts[rid], known[rid][len(prompts[rid]):])
+            for rid in prompts]
+        sampled = runner.execute(SchedulerOutput(requests)).sampled
+        for rid in prompts:
+            start[rid] = len(known[rid])
+            known[rid].append(sampled[f"{tag}{rid}"])
+    return {rid: k[len(prompts[rid]):] for rid, k in known.items()}
+
+
+def test_greedy_steps_from_lists_give_the_general_paths_tokens(
+    llama_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Greedy decode steps go from the scheduler's lists straight to the op's argmax
+    (`decode_greedy`), across block boundaries, with sequences of different lengths, and
+    give the tokens that the batch tensors, the logits and the sampler give."""
+    runner = llama_runner
+    prompts = random_prompts({"a": 3, "b": 14, "c": 30}, VOCAB)  # blocks of 16
+    calls = DecodeCalls(monkeypatch, enabled=True)
+    fast = greedy_decode(runner, prompts, 8, "fast-")
+    assert calls.count == 8  # every decode step; the prefill is the sampler's
+    decode_greedy = runner._decode_greedy
+    monkeypatch.setattr(runner, "_decode_greedy", None)
+    general = greedy_decode(runner, prompts, 8, "general-")
+    assert calls.count == 16  # the general path's forward ran the op
+    assert fast == general
+    monkeypatch.setattr(runner, "_decode_greedy", decode_greedy)
+    # Rows that need the sampler or a logprob take the general path.
+    logprobs = SamplingParams(temperature=0.0, logprobs=1)
+    request = ScheduledRequest("lp", [prompts["a"][-1]], 2, [60], True, logprobs,
+                               prompts["a"], [])
+    assert runner._greedy_decode([request]) is None
+
+
+def test_a_greedy_step_from_lists_refuses_blocks_outside_the_cache(
+    llama_runner: ModelRunner,
+) -> None:
+    runner = llama_runner
+    decode = runner.model.model._decode_model(runner.model.lm_head)
+    assert decode is not None and decode.has_head
+    with pytest.raises(RuntimeError, match=f"block {runner.num_blocks} outside the cache's "
+                                           f"{runner.num_blocks} blocks"):
+        decode.greedy(runner.kv_caches, [5], [0], [0], [[runner.num_blocks]], [1])
+    with pytest.raises(RuntimeError, match="one token, position, slot, block table and length"):
+        decode.greedy(runner.kv_caches, [5, 6], [0], [0], [[0]], [1])
+    with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 40 exceeds its block table"):
+        decode.greedy(runner.kv_caches, [5], [39], [0], [[0]], [40])
+    assert decode.greedy(runner.kv_caches, [5], [0], [0], [[0]], [1])  # still usable

@@ -32,6 +32,7 @@ makes some 70 such calls, which shows in a single-stream decode step.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -272,11 +273,17 @@ class LlamaModel(nn.Module):
         found, self._head.outputs = self._head.outputs, None
         return found[1] if found is not None and found[0] is hidden else None
 
-    def head_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax `[N]` of the head's logits for `hidden`, if the forward that
-        returned it computed them and they have not been handed over."""
-        found = self._head.outputs
-        return found[2] if found is not None and found[0] is hidden else None
+    def decode_greedy(self, head: Linear, kv_caches: list[torch.Tensor],
+                      input_ids: list[int], positions: list[int], slot_mapping: list[int],
+                      block_tables: list[Sequence[int]], seq_lens: list[int]
+                      ) -> list[int] | None:
+        """Each sequence's greedy next token for a decode step given as plain lists (see
+        LlamaForCausalLM.decode_greedy); None where the C++ op with `head` does not apply."""
+        decode = self._decode_model(head)
+        if decode is None or not decode.has_head:
+            return None
+        return decode.greedy(kv_caches, input_ids, positions, slot_mapping, block_tables,
+                             seq_lens)
 
     def _decode_model(self, head: Linear | None) -> DecodeModel | None:
         """The C++ op for a decode-only step, bound once per backend and head: None where
@@ -355,11 +362,19 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head if self.tp is None else None
         return self.model(input_ids, positions, meta, kv_caches, head)
 
-    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """The argmax of each row's logits `[N]`, if the forward that returned
-        `hidden_states` computed them (a decode step in the C++ op, with its head): a
-        greedy step's tokens, the sampler's own answer, without the logits in Python."""
-        return self.model.head_argmax(hidden_states)
+    def decode_greedy(self, kv_caches: list[torch.Tensor], input_ids: list[int],
+                      positions: list[int], slot_mapping: list[int],
+                      block_tables: list[Sequence[int]], seq_lens: list[int]
+                      ) -> list[int] | None:
+        """Each sequence's greedy next token (the argmax of its logits, as the sampler would
+        pick it) for a decode step: one token per sequence, at `positions`, written to
+        `slot_mapping`, with each sequence's blocks (unpadded) and length. The whole step
+        runs in the C++ op with the head, from these lists, with no tensor built in
+        Python. None where that op does not apply (then run `forward`)."""
+        if self.tp is not None:
+            return None
+        return self.model.decode_greedy(self.lm_head, kv_caches, input_ids, positions,
+                                        slot_mapping, block_tables, seq_lens)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab]` for hidden states `[N, hidden]`; the full
