@@ -243,7 +243,9 @@ class EngineCore:
         draining = self.state is EngineState.DRAINING
         timeout = (self.compiles.wait_s(self.lifecycle.drain_deadline if draining else None)
                    if block else None)
-        while True:
+        # empty() first: a step's iteration usually finds nothing, and a raised Empty
+        # costs more than the check.
+        while block or not self.input_queue.empty():
             try:
                 kind, payload = self.input_queue.get(block=block, timeout=timeout)
             except queue.Empty:
@@ -355,12 +357,9 @@ class EngineCore:
 
     def _apply_aborts(self) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
-        while True:
-            try:
-                request_ids = self.aborts_queue.get_nowait()
-            except queue.Empty:
-                return updates
-            updates += self._abort(request_ids)
+        while not self.aborts_queue.empty():  # the loop is its only reader
+            updates += self._abort(self.aborts_queue.get_nowait())
+        return updates
 
     def _abort(self, request_ids: list[str]) -> list[RequestUpdate]:
         """Abort requests wherever they wait: compiling or in the scheduler."""

@@ -22,7 +22,7 @@ from tests.unit.engine.hf_checkpoints import VOCAB, make_checkpoint
 from tests.unit.engine.runner_driver import all_logits, make_runner, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0)
-DECODE_MODEL = LlamaModel._decode_model
+DECODE_MODEL = LlamaModel.decode_op
 
 # Each family switches on a different part of the op: plain Llama; Mistral's sliding
 # window (shorter than the contexts below); Qwen2's q/k/v bias and a window in some
@@ -60,7 +60,7 @@ class DecodeCalls:
             bound = DECODE_MODEL(model, head) if enabled else None
             return None if bound is None else Counted(bound)
 
-        monkeypatch.setattr(LlamaModel, "_decode_model", wrapped)
+        monkeypatch.setattr(LlamaModel, "decode_op", wrapped)
 
 
 def decode_logits(runner: ModelRunner, prompts: dict[str, list[int]], steps: int,
@@ -244,7 +244,7 @@ def test_each_step_returns_tensors_of_its_own(cpu_ops: Any, llama_runner: ModelR
     them. A step refused for its inputs leaves the plan as it was. Outside inference
     mode (the model's parameters require grad) the op runs all the same."""
     runner = llama_runner
-    decode = runner.model.model._decode_model(runner.model.lm_head)
+    decode = runner.model.model.decode_op(runner.model.lm_head)
     assert decode is not None
     prompt = [5, 7]
 
@@ -432,7 +432,7 @@ def test_a_greedy_step_from_lists_refuses_blocks_outside_the_cache(
     llama_runner: ModelRunner,
 ) -> None:
     runner = llama_runner
-    decode = runner.model.model._decode_model(runner.model.lm_head)
+    decode = runner.model.model.decode_op(runner.model.lm_head)
     assert decode is not None and decode.has_head
     with pytest.raises(RuntimeError, match=f"block {runner.num_blocks} outside the cache's "
                                            f"{runner.num_blocks} blocks"):

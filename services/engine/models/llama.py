@@ -252,7 +252,7 @@ class LlamaModel(nn.Module):
         that runs in the C++ op computes its logits there too: `head_logits` hands
         them over."""
         if (input_ids.shape[0] == len(meta.seq_lens_host)  # one token each
-                and (decode := self._decode_model(head)) is not None):
+                and (decode := self.decode_op(head)) is not None):
             outputs = decode(input_ids, positions, kv_caches, meta.slot_mapping,
                              meta.block_tables, meta.seq_lens)
             if len(outputs) == 3:
@@ -273,19 +273,7 @@ class LlamaModel(nn.Module):
         found, self._head.outputs = self._head.outputs, None
         return found[1] if found is not None and found[0] is hidden else None
 
-    def decode_greedy(self, head: Linear, kv_caches: list[torch.Tensor],
-                      input_ids: list[int], positions: list[int], slot_mapping: list[int],
-                      block_tables: list[Sequence[int]], seq_lens: list[int]
-                      ) -> list[int] | None:
-        """Each sequence's greedy next token for a decode step given as plain lists (see
-        LlamaForCausalLM.decode_greedy); None where the C++ op with `head` does not apply."""
-        decode = self._decode_model(head)
-        if decode is None or not decode.has_head:
-            return None
-        return decode.greedy(kv_caches, input_ids, positions, slot_mapping, block_tables,
-                             seq_lens)
-
-    def _decode_model(self, head: Linear | None) -> DecodeModel | None:
+    def decode_op(self, head: Linear | None) -> DecodeModel | None:
         """The C++ op for a decode-only step, bound once per backend and head: None where
         it does not apply, or where the layers are not all plain Llama-family ones."""
         backend = get_backend()
@@ -371,10 +359,11 @@ class LlamaForCausalLM(nn.Module):
         `slot_mapping`, with each sequence's blocks (unpadded) and length. The whole step
         runs in the C++ op with the head, from these lists, with no tensor built in
         Python. None where that op does not apply (then run `forward`)."""
-        if self.tp is not None:
+        decode = self.model.decode_op(self.lm_head) if self.tp is None else None
+        if decode is None or not decode.has_head:
             return None
-        return self.model.decode_greedy(self.lm_head, kv_caches, input_ids, positions,
-                                        slot_mapping, block_tables, seq_lens)
+        return decode.greedy(kv_caches, input_ids, positions, slot_mapping, block_tables,
+                             seq_lens)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """float32 logits `[N, vocab]` for hidden states `[N, hidden]`; the full
