@@ -149,10 +149,10 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.model.config)
         self.sampler = Sampler(self._device, config.seed)
         # A model that runs a whole greedy decode step from the scheduler's lists (the C++
-        # decode op with its head); tensor-parallel followers must mirror every forward
-        # and logits call, so not with them.
+        # decode op with its head, on CPU); tensor-parallel followers must mirror every
+        # forward and logits call, so not with them.
         self._decode_greedy = (getattr(self.model, "decode_greedy", None)
-                               if followers is None else None)
+                               if followers is None and self._on_cpu else None)
         self._profiler: Profiler | None = None
         logger.info(
             "model runner ready: %s on %s (%s, %d CPU threads), %d KV blocks of %d tokens",
