@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,32 +185,62 @@ def assert_aborted_and_freed(cluster: Cluster, ended_at: float, what: str) -> No
 
 
 def test_client_cancel_aborts_in_engine(
-    cluster: Cluster, stub: pb_grpc.GenerateServiceStub
+    cluster: Cluster, stub: pb_grpc.GenerateServiceStub, admin: admin_grpc.AdminServiceStub
 ) -> None:
     stream = stub.GenerateStream(pb.GenerateStreamRequest(
         text="a long story", sampling=greedy(1500, ignore_eos=True)), timeout=120)
     next(stream)
     next(stream)
-    deadline = time.monotonic() + 20
-    while running_in_engines(cluster) == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    requests, kv_usage = engine_load(cluster)
-    assert requests == 1 and kv_usage > 0
-    stream.cancel()
-    assert_aborted_and_freed(cluster, time.monotonic(), "client cancel")
+    # Frozen where it is, the request cannot run to its end before the cancel, however
+    # fast the engine steps (the tiny model now decodes 1,500 tokens in ~0.6 s here).
+    with frozen(admin):
+        deadline = time.monotonic() + 20
+        while running_in_engines(cluster) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        requests, kv_usage = engine_load(cluster)
+        assert requests == 1 and kv_usage > 0
+        stream.cancel()
+        assert_aborted_and_freed(cluster, time.monotonic(), "client cancel")
 
 
-def test_deadline_aborts_in_engine(cluster: Cluster, stub: pb_grpc.GenerateServiceStub) -> None:
+def test_deadline_aborts_in_engine(cluster: Cluster, stub: pb_grpc.GenerateServiceStub,
+                                   admin: admin_grpc.AdminServiceStub) -> None:
     started = time.monotonic()
-    # The tiny model decodes ~1,500 tokens/s alone: 2,000 tokens (near max_model_len)
-    # take well over the 0.5 s deadline (1,500 within 1 s finished once on a fresh clone).
-    with pytest.raises(grpc.RpcError) as info:
-        for _ in stub.GenerateStream(pb.GenerateStreamRequest(
-                text="a long story", sampling=greedy(2000, ignore_eos=True)), timeout=0.5):
-            pass
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 5
-    assert_aborted_and_freed(cluster, time.monotonic(), "deadline")
+    with frozen(admin, entered=False) as freeze:
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stub.GenerateStream(pb.GenerateStreamRequest(
+                    text="a long story", sampling=greedy(2000, ignore_eos=True)),
+                    timeout=0.5):
+                # Frozen after its first token, the request cannot finish before its
+                # deadline however fast the engine steps (2,000 tokens took ~0.75 s
+                # here, and 1,500 once finished within 1 s): only the deadline ends it.
+                freeze()
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 5
+        assert_aborted_and_freed(cluster, time.monotonic(), "deadline")
+
+
+@contextlib.contextmanager
+def frozen(admin: admin_grpc.AdminServiceStub,
+           entered: bool = True) -> Iterator[Callable[[], None]]:
+    """The engines' scheduling paused (requests kept where they are, aborts still
+    applied) from entry, or from the first call of what it yields; resumed on exit."""
+    paused = False
+
+    def freeze() -> None:
+        nonlocal paused
+        if not paused:
+            admin.PauseScheduling(
+                admin_pb.PauseSchedulingRequest(mode=admin_pb.PAUSE_MODE_KEEP), timeout=20)
+            paused = True
+
+    if entered:
+        freeze()
+    try:
+        yield freeze
+    finally:
+        if paused:
+            admin.ResumeScheduling(admin_pb.ResumeSchedulingRequest(), timeout=20)
 
 
 def test_abort_rpc_ends_stream_with_abort(stub: pb_grpc.GenerateServiceStub) -> None:
@@ -313,7 +344,8 @@ def test_admin_reset_refused_while_running_engine_keeps_serving(
     stream = stub.GenerateStream(pb.GenerateStreamRequest(
         text="a long story", sampling=greedy(1500, ignore_eos=True)), timeout=120)
     next(stream)
-    reply = admin.ResetPrefixCache(admin_pb.ResetPrefixCacheRequest(), timeout=20)
+    with frozen(admin):  # still running when the reset comes, however fast the engine
+        reply = admin.ResetPrefixCache(admin_pb.ResetPrefixCacheRequest(), timeout=20)
     refused = [r for r in reply.results if not r.ok]
     assert refused, reply
     assert refused[0].code == grpc.StatusCode.FAILED_PRECONDITION.value[0]

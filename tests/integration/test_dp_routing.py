@@ -227,7 +227,7 @@ def test_busier_engine_gets_fewer_new_requests(dp: DpCluster, channel: grpc.Chan
     long_calls = [stub.GenerateStream(
         pb.GenerateStreamRequest(token_ids=request(1).token_ids, data_parallel_rank=0,
                                  sampling=common_pb2.SamplingParams(
-                                     temperature=0.0, max_tokens=1500, ignore_eos=True)),
+                                     temperature=0.0, max_tokens=2000, ignore_eos=True)),
         timeout=120) for _ in range(6)]
     try:
         for call in long_calls:
