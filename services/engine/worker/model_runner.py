@@ -5,7 +5,9 @@ slots, block tables) built on the host in one pass, runs a single forward over a
 of them, samples from the last position of each request that asks for a token,
 and brings the sampled ids to the host with the step's only device sync. Requests
 that ask for logprobs (of sampled or of prompt tokens) cost extra work and copies;
-a step where none asks does none of it.
+a step where none asks does none of it. On CPU, a decode step whose every row is
+plain greedy skips all of that: the scheduler's numbers go as lists to the C++ decode
+op, which returns each row's argmax (`_greedy_decode`).
 """
 
 from __future__ import annotations
