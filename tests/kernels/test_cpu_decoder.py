@@ -404,14 +404,18 @@ def greedy_decode(runner: ModelRunner, prompts: dict[str, list[int]], steps: int
     return {rid: k[len(prompts[rid]):] for rid, k in known.items()}
 
 
+# Three sequences: one region's plan; ten: more rows than the panels take, a region per op.
+@pytest.mark.parametrize("lengths", [{"a": 3, "b": 14, "c": 30},
+                                     {f"s{i}": 2 + 3 * i for i in range(10)}],
+                         ids=["planned", "unplanned"])
 def test_greedy_steps_from_lists_give_the_general_paths_tokens(
-    llama_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch,
+    llama_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, lengths: dict[str, int],
 ) -> None:
     """Greedy decode steps go from the scheduler's lists straight to the op's argmax
     (`decode_greedy`), across block boundaries, with sequences of different lengths, and
     give the tokens that the batch tensors, the logits and the sampler give."""
     runner = llama_runner
-    prompts = random_prompts({"a": 3, "b": 14, "c": 30}, VOCAB)  # blocks of 16
+    prompts = random_prompts(lengths, VOCAB)  # blocks of 16
     calls = DecodeCalls(monkeypatch, enabled=True)
     fast = greedy_decode(runner, prompts, 8, "fast-")
     assert calls.count == 8  # every decode step; the prefill is the sampler's
@@ -423,8 +427,8 @@ def test_greedy_steps_from_lists_give_the_general_paths_tokens(
     monkeypatch.setattr(runner, "_decode_greedy", decode_greedy)
     # Rows that need the sampler or a logprob take the general path.
     logprobs = SamplingParams(temperature=0.0, logprobs=1)
-    request = ScheduledRequest("lp", [prompts["a"][-1]], 2, [60], True, logprobs,
-                               prompts["a"], [])
+    prompt = next(iter(prompts.values()))
+    request = ScheduledRequest("lp", [prompt[-1]], 2, [60], True, logprobs, prompt, [])
     assert runner._greedy_decode([request]) is None
 
 
