@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,8 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,3 +123,27 @@ class Cluster:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def frozen(admin: Any, entered: bool = True) -> Iterator[Callable[[], None]]:
+    """The engines' scheduling paused through `admin` (an AdminServiceStub), requests
+    kept where they are and aborts still applied: from entry, or from the first call of
+    what it yields; resumed on exit. A request frozen so cannot run to its end before a
+    test's cancel, deadline or disconnect, however fast the engine steps."""
+    paused = False
+
+    def freeze() -> None:
+        nonlocal paused
+        if not paused:
+            admin.PauseScheduling(
+                admin_pb2.PauseSchedulingRequest(mode=admin_pb2.PAUSE_MODE_KEEP), timeout=20)
+            paused = True
+
+    if entered:
+        freeze()
+    try:
+        yield freeze
+    finally:
+        if paused:
+            admin.ResumeScheduling(admin_pb2.ResumeSchedulingRequest(), timeout=20)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.integration.cluster import Cluster, alive, descendants, free_port
+from tests.integration.cluster import Cluster, alive, descendants, free_port, frozen
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -218,29 +217,6 @@ def test_deadline_aborts_in_engine(cluster: Cluster, stub: pb_grpc.GenerateServi
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - started < 5
         assert_aborted_and_freed(cluster, time.monotonic(), "deadline")
-
-
-@contextlib.contextmanager
-def frozen(admin: admin_grpc.AdminServiceStub,
-           entered: bool = True) -> Iterator[Callable[[], None]]:
-    """The engines' scheduling paused (requests kept where they are, aborts still
-    applied) from entry, or from the first call of what it yields; resumed on exit."""
-    paused = False
-
-    def freeze() -> None:
-        nonlocal paused
-        if not paused:
-            admin.PauseScheduling(
-                admin_pb.PauseSchedulingRequest(mode=admin_pb.PAUSE_MODE_KEEP), timeout=20)
-            paused = True
-
-    if entered:
-        freeze()
-    try:
-        yield freeze
-    finally:
-        if paused:
-            admin.ResumeScheduling(admin_pb.ResumeSchedulingRequest(), timeout=20)
 
 
 def test_abort_rpc_ends_stream_with_abort(stub: pb_grpc.GenerateServiceStub) -> None:

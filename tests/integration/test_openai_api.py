@@ -26,7 +26,7 @@ from corestream.generate.v1 import chat_service_pb2_grpc as chat_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
-from tests.integration.cluster import Cluster, free_port
+from tests.integration.cluster import Cluster, free_port, frozen
 
 TIMEOUT_S = 120
 MODEL = "tiny-llama-v2"
@@ -290,9 +290,7 @@ def test_disconnect_mid_stream_frees_the_request(client: openai.OpenAI,
     # however fast the engine steps against this client: left running, a fresh clone's
     # loaded run once reached 1,032 of its 2,000 tokens before the abort landed. Only the
     # disconnect can free it now.
-    admin.PauseScheduling(admin_pb2.PauseSchedulingRequest(mode=admin_pb2.PAUSE_MODE_KEEP),
-                          timeout=20)
-    try:
+    with frozen(admin):
         assert _running(admin) == 1
         before = _steps(admin)
         stream.close()
@@ -303,8 +301,6 @@ def test_disconnect_mid_stream_frees_the_request(client: openai.OpenAI,
         # Each step decodes one token of the only request: had it run to its end, the
         # engine would have taken the rest of its max_tokens steps.
         steps = _steps(admin) - before
-    finally:
-        admin.ResumeScheduling(admin_pb2.ResumeSchedulingRequest(), timeout=20)
     assert steps < max_tokens // 2, steps
 
 
