@@ -45,3 +45,9 @@ def lay_out_for_cpu(model: nn.Module) -> None:
         elif weight.dtype == torch.float32:
             module.weight = nn.Parameter(weight.t().contiguous().t(),
                                          requires_grad=module.weight.requires_grad)
+
+
+def panels_of(model: nn.Module) -> list[torch.Tensor]:
+    """The panels of every `Linear` in `model` that has them: the bytes a decode step
+    streams through the C++ few-row kernel (they alias the packed weights)."""
+    return [m.panels for m in model.modules() if isinstance(m, Linear) and m.panels is not None]

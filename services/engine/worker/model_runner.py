@@ -27,6 +27,7 @@ from services.common.sampling import SamplingParams
 from services.common.tiny_checkpoint import resolve_model
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
+from services.engine.models.linear import panels_of
 from services.engine.models.loader import load_model, torch_dtype
 from services.engine.parallel.dp_group import current_dp_group
 from services.engine.parallel.dummy_batch import dummy_forward
@@ -39,6 +40,7 @@ from services.engine.scheduler.output import (
 )
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_threads
+from services.engine.worker.huge_pages import HugePageReport, back_with_huge_pages
 from services.engine.worker.kv_cache_memory import available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.profiler import Profiler
@@ -148,6 +150,11 @@ class ModelRunner:
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
         with torch.inference_mode():
             self.model = load_model(path, self._dtype, self._device, info.max_model_len)
+        self.huge_pages: HugePageReport | None = None
+        if self._on_cpu and config.huge_pages:
+            # Plain weights, and the panels of the packed ones (opaque to everything else).
+            weights = [p for p in self.model.parameters() if not p.is_mkldnn]
+            self.huge_pages = back_with_huge_pages([*weights, *panels_of(self.model)])
         self.kv_caches = self._allocate_kv_cache(self.model.config)
         self.sampler = Sampler(self._device, config.seed)
         # A model that runs a whole greedy decode step from the scheduler's lists (the C++
@@ -157,9 +164,10 @@ class ModelRunner:
                                if followers is None and self._on_cpu else None)
         self._profiler: Profiler | None = None
         logger.info(
-            "model runner ready: %s on %s (%s, %d CPU threads), %d KV blocks of %d tokens",
-            info.name, self.device, self.dtype, torch.get_num_threads(), self.num_blocks,
-            self.block_size,
+            "model runner ready: %s on %s (%s, %d CPU threads%s), %d KV blocks of %d tokens",
+            info.name, self.device, self.dtype, torch.get_num_threads(),
+            f", {self.huge_pages.describe()}" if self.huge_pages else "",
+            self.num_blocks, self.block_size,
         )
 
     def execute_dummy(self) -> None:
