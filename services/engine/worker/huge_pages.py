@@ -135,7 +135,7 @@ def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> HugePageReport:
             collapsed.append((region, region + size))
         else:
             failure = failure or ctypes.get_errno()
-            if failure == errno.EINVAL:
+            if failure == errno.EINVAL and not collapsed:
                 break  # a kernel without MADV_COLLAPSE: every call would fail alike
     huge = _overlap(ranges, _merged(collapsed))
     why_not = ""
