@@ -71,6 +71,7 @@ def main() -> None:
     samples: dict[tuple[str, str], list[float]] = {(w, k): [] for w in workloads for k in KINDS}
     for runner in runners.values():
         runner.warmup()
+        runner.settle()
     for r in range(args.rounds):
         for w, run in workloads.items():
             for kind, runner in runners.items():

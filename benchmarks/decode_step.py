@@ -84,6 +84,7 @@ def main() -> None:
     for backend in BACKENDS:  # builds the kernels and warms both paths up
         set_backend(backend)
         runner.warmup()
+        runner.settle()
     for r in range(args.rounds):
         for w in chosen:
             for backend in BACKENDS:

@@ -117,6 +117,7 @@ def engine_step_ms(model: Path, prompt: list[int], max_tokens: int) -> float:
 
     runner = ModelRunner(RunnerConfig(model=str(model)))
     runner.warmup()
+    runner.settle()
     core = EngineCore(EngineConfig(), runner)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     core.scheduler.add_request(Request("lat", list(prompt), sampling, eos_token_ids=(2,)))

@@ -36,6 +36,7 @@ def profile_engine(model: Path, workload: list[BenchRequest], args: argparse.Nam
     from services.engine.worker.model_runner import ModelRunner
 
     runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=args.kv_cache_memory))
+    runner.settle()
     core = EngineCore(EngineConfig(max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens), runner)
     for i, r in enumerate(workload):

@@ -81,6 +81,7 @@ def main() -> None:
     runner = ModelRunner(RunnerConfig(model=str(bench_checkpoint()), kv_cache_memory=1 << 30,
                                       max_model_len=2048, dtype=args.dtype))
     runner.warmup()
+    runner.settle()
     ops = load()
     if ops is None:
         sys.exit("the CPU kernels did not build: nothing to compare")

@@ -619,6 +619,7 @@ def decode_step_ms(model: Path, batch_sizes: Sequence[int], device: str) -> dict
     runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=1 << 30,
                                       max_model_len=2048, device=device))
     runner.warmup()
+    runner.settle()
     return {b: statistics.median(decode_times(runner, b, 256, 8, f"d{b}-")) * 1e3
             for b in batch_sizes}
 

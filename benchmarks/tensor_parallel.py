@@ -314,6 +314,7 @@ def bench_throughput(args: argparse.Namespace, model: Path) -> dict[str, float]:
     try:
         for executor in executors.values():
             executor.warmup()
+        executors["TP=1"].settle()  # (TP=2's ranks move theirs in their own processes)
         for r in range(args.rounds):
             order = list(executors) if r % 2 == 0 else list(reversed(executors))
             for name in order:

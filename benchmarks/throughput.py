@@ -69,6 +69,7 @@ def run_engine(model: Path, workload: list[BenchRequest], args: argparse.Namespa
     runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=args.kv_cache_memory,
                                       device=args.device))
     runner.warmup()
+    runner.settle()
     core = EngineCore(EngineConfig(max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens), runner)
     outputs = core.sessions.open("bench")

@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,7 +41,7 @@ from services.engine.scheduler.output import (
 )
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_threads
-from services.engine.worker.huge_pages import HugePageReport, back_with_huge_pages
+from services.engine.worker.huge_pages import HugePageReport, collapse_in_background
 from services.engine.worker.kv_cache_memory import available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.profiler import Profiler
@@ -150,11 +151,11 @@ class ModelRunner:
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
         with torch.inference_mode():
             self.model = load_model(path, self._dtype, self._device, info.max_model_len)
-        self.huge_pages: HugePageReport | None = None
+        self.huge_pages: Future[HugePageReport] | None = None
         if self._on_cpu and config.huge_pages:
             # Plain weights, and the panels of the packed ones (opaque to everything else).
             weights = [p for p in self.model.parameters() if not p.is_mkldnn]
-            self.huge_pages = back_with_huge_pages([*weights, *panels_of(self.model)])
+            self.huge_pages = collapse_in_background([*weights, *panels_of(self.model)])
         self.kv_caches = self._allocate_kv_cache(self.model.config)
         self.sampler = Sampler(self._device, config.seed)
         # A model that runs a whole greedy decode step from the scheduler's lists (the C++
@@ -164,11 +165,16 @@ class ModelRunner:
                                if followers is None and self._on_cpu else None)
         self._profiler: Profiler | None = None
         logger.info(
-            "model runner ready: %s on %s (%s, %d CPU threads%s), %d KV blocks of %d tokens",
-            info.name, self.device, self.dtype, torch.get_num_threads(),
-            f", {self.huge_pages.describe()}" if self.huge_pages else "",
-            self.num_blocks, self.block_size,
+            "model runner ready: %s on %s (%s, %d CPU threads), %d KV blocks of %d tokens",
+            info.name, self.device, self.dtype, torch.get_num_threads(), self.num_blocks,
+            self.block_size,
         )
+
+    def settle(self) -> None:
+        """Wait for what the runner does in the background (the weights' move onto huge
+        pages): benchmarks time steps only after it."""
+        if self.huge_pages is not None:
+            self.huge_pages.exception()
 
     def execute_dummy(self) -> None:
         """A forward over zero tokens: an idle expert-parallel rank's share of a step."""
