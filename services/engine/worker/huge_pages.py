@@ -4,25 +4,26 @@ A decode step on CPU streams every weight from memory once per token, and the st
 is the weights' bytes over the read bandwidth. On 4 KiB pages that stream crosses a page,
 and a TLB miss, every 4 KiB (27,000 of them a step for a 110 MB model); on 2 MiB pages
 every 2 MiB. Measured on 2 cores of an AMD EPYC (Zen 4), the benchmark checkpoint's
-float32 decode op in process, alternating per round: 0.90-0.96x the time with its panels
-on huge pages (tokens identical), and `torch.sum` over 111 MB 0.90-0.95x.
+decode op in process, alternating per round: 0.86x the time in float32 and 0.93x in
+bfloat16 with its weights on huge pages (tokens identical); `torch.sum` over 111 MB
+0.90-0.95x.
 
 The weights are not allocated by us: oneDNN packs each linear's weight into memory of its
 own choosing (the glibc heap, or a mapping of its own above malloc's mmap threshold), so
-they cannot be placed on huge pages as they are allocated. Instead, once loaded, the
-2 MiB-aligned stretches of anonymous memory that hold them are marked MADV_HUGEPAGE and
-collapsed in place with MADV_COLLAPSE (Linux 6.1+), which copies each stretch's pages into
-one huge page at the same addresses. Nothing moves, nothing is copied twice, the bytes are
-the same; a stretch may also hold a neighbour's bytes, which is harmless. Where the kernel
-cannot collapse (older kernels, THP off, no free huge page) the weights stay where they
-are, as fast as before; with THP in "madvise" mode khugepaged may still collapse the marked
-stretches later.
+they cannot be placed on huge pages as they are allocated. Instead, once loaded, the 2
+MiB-aligned stretches of anonymous memory that they fill at least half of are marked
+MADV_HUGEPAGE and collapsed in place with MADV_COLLAPSE (Linux 6.1+), which copies each
+stretch's pages into one huge page at the same addresses. Nothing moves, nothing is copied
+twice, the bytes are the same; a stretch may also hold a neighbour's bytes, which is
+harmless. Where the kernel cannot collapse (older kernels, THP off, no free huge page) the
+weights stay where they are, as fast as before; with THP in "madvise" mode khugepaged may
+still collapse the marked stretches later.
 
-Collapsing copies: ~0.5 ms per 2 MiB here, and 16-17 ms on a VM whose host backs guest
-memory lazily, the first time that memory is used (minutes for a model of many GB). So
-the engine collapses on a thread of its own (`collapse_in_background`) and serves
-meanwhile: a stretch being collapsed is briefly unmapped, and a thread that reads it then
-waits in the page fault for the huge page, whose bytes are the same.
+Collapsing copies: ~0.5 ms per 2 MiB, and 16-17 ms on a VM whose host backs guest memory
+lazily, the first time that memory is used (minutes for a model of many GB). So the
+engine collapses on a thread of its own (`collapse_in_background`) and serves meanwhile:
+a stretch being collapsed is briefly unmapped, and a thread that reads it then waits in
+the page fault for the huge page, whose bytes are the same.
 """
 
 from __future__ import annotations
