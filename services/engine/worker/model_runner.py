@@ -50,6 +50,11 @@ from services.engine.worker.sampler import Sampler, TokenMask, plain_greedy
 logger = logging.getLogger(__name__)
 
 
+def cache_slot(block_ids: Sequence[int], position: int, block_size: int) -> int:
+    """The KV-cache slot of the token at `position` of a sequence with these blocks."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -351,7 +356,7 @@ class ModelRunner:
                 return None  # _prepare names the fault
             input_ids.append(r.token_ids[0])
             positions.append(position)
-            slots.append(blocks[position // block_size] * block_size + position % block_size)
+            slots.append(cache_slot(blocks, position, block_size))
             tables.append(blocks)
             seq_lens.append(position + 1)
         tokens = self._decode_greedy(self.kv_caches, input_ids, positions, slots, tables,
@@ -479,8 +484,7 @@ class ModelRunner:
             seq_lens.append(end)
             tables[i, : len(r.block_ids)] = r.block_ids
             if len(r.token_ids) == 1:
-                single_slots.append(
-                    r.block_ids[r.start_pos // block_size] * block_size + r.start_pos % block_size)
+                single_slots.append(cache_slot(r.block_ids, r.start_pos, block_size))
             if r.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(r)
