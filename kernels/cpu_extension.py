@@ -12,6 +12,12 @@ import, and the build is cached on disk under TORCH_EXTENSIONS_DIR (default
 every op runs its torch code; the failure is logged once per process, or raised under
 `CORESTREAM_KERNELS=cpp` (`kernels.backend`). Threads come from torch's intra-op pool
 (`torch.set_num_threads`).
+
+The build targets the instruction sets `kernels.cpu_isa` chooses (the CPU's own, or a
+lower level forced by CORESTREAM_CPU_ISA), and the sources pick their vector code by what
+the compiler targets: AVX-512 (with or without the bf16 dot products), AVX2 with FMA, or
+portable loops. Off x86-64 the extension is not built (nothing there has tested it), and
+every op runs its torch code, unless CORESTREAM_KERNELS=cpp asks for it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 
 from kernels.backend import cpu_kernel_required, use_cpu_kernel
+from kernels.cpu_isa import target
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +91,23 @@ def _build() -> Any:
     global _module
     from torch.utils import cpp_extension
 
+    cpu = target()
+    if not cpu.x86 and not cpu_kernel_required():
+        raise RuntimeError(f"the C++ kernels are built for x86-64 only, not {cpu.name}")
     start = time.perf_counter()
     # Imported as a Python module: its static initializers register the ops.
     _module = cpp_extension.load(
         name=_extension_name(),
         sources=[str(_CSRC / source) for source in _SOURCES],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=["-O3", *cpu.compile_flags, "-fopenmp"],
         # NOTE: links libgomp.so.1 by soname; torch has already loaded its own copy under
         # that soname, so the kernels' parallel regions share torch's OpenMP pool.
         extra_ldflags=["-fopenmp"],
         is_python_module=True,
     )
-    logger.info("CPU kernels ready in %.1fs", time.perf_counter() - start)
+    forced = "" if cpu.level == "auto" else f" ({cpu.level}, forced by CORESTREAM_CPU_ISA)"
+    logger.info("CPU kernels ready in %.1fs, built for %s%s", time.perf_counter() - start,
+                cpu.name, forced)
     return torch.ops.corestream_cpu
 
 
@@ -113,6 +125,7 @@ def _extension_name() -> str:
     except OSError:
         cpu = f"{platform.machine()} {platform.processor()}"
     digest = hashlib.sha256(cpu.encode())
+    digest.update(" ".join(target().compile_flags).encode())
     # And the torch it is built against, by version and place: torch's ninja file names the
     # include and library paths of that torch and the sources' paths, so two checkouts with
     # a virtualenv each, sharing one build directory, would recompile it in turn (a minute

@@ -12,6 +12,14 @@ at load (`pack_weight`), and every linear layer, the C++ decode op's included, c
 A packed weight is an opaque oneDNN tensor: it keeps its shape and dtype but has no
 strides or storage, so only `linear` may read it.
 
+oneDNN packs bfloat16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere
+(AVX2 machines: Zen 3, Haswell to Ice Lake clients) it refuses, and torch's own bfloat16
+GEMM runs there at about a fifth of float32's speed. On AVX-512 without the bf16 dot
+products it packs bfloat16 in a layout of its own, converting on every call. In both
+cases `own_panels` lays the weight out as panels itself, the layer keeps no other copy
+(`panels_only_weight`), and the C++ kernel takes every call, prefill's many rows too,
+converting bf16 to float32 in registers (`cpu_layout` chooses).
+
 At one to a few rows (decode steps), a linear layer is a pass over its weight, and
 oneDNN streamed a packed weight at one row at about half the machine's read bandwidth
 (13-17 of 28-31 GB/s). The C++ kernel `panel_linear` (csrc/linear_cpu.cpp) streams the
@@ -23,6 +31,7 @@ and `linear` hands it the calls with few enough rows.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +44,13 @@ PANEL_WIDTH = 64
 """Output features per panel of a packed weight (csrc/linear_cpu.cpp)."""
 
 
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 here (it asks the CPU, capped by ONEDNN_MAX_CPU_ISA)."""
+    return torch.backends.mkldnn.is_available() and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether `weight` `[out, in]` is a CPU weight oneDNN can take packed."""
     return (
@@ -43,7 +59,43 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.dtype in PACKED_DTYPES
         and not weight.is_mkldnn
         and torch.backends.mkldnn.is_available()
+        and (weight.dtype != torch.bfloat16 or onednn_bf16())
     )
+
+
+def own_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` `[out, in]` laid out as the panels `panel_linear` reads, by us rather than
+    by oneDNN; None where the C++ kernel does not run here for its dtype."""
+    ops = cpu_ops(weight)
+    if weight.dim() != 2 or ops is None or not ops.panel_linear_supported(weight.dtype):
+        return None
+    out_features, in_features = weight.shape
+    pair = 2 if weight.dtype == torch.bfloat16 else 1
+    num_panels = -(-out_features // PANEL_WIDTH)
+    rows = -(-in_features // pair)
+    padded = weight.new_zeros(num_panels * PANEL_WIDTH, rows * pair)
+    padded[:out_features, :in_features] = weight
+    panels = padded.view(num_panels, PANEL_WIDTH, rows, pair).transpose(1, 2).contiguous()
+    return panels if pair == 2 else panels.squeeze(3)
+
+
+def panels_only_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A stand-in for `weight` whose values live only in its panels (`own_panels`): its
+    shape and dtype, every stride zero, one element behind it. `linear` and the C++ ops
+    read the panels instead, for every call."""
+    return torch.zeros((), dtype=weight.dtype).expand(weight.shape)
+
+
+def is_panels_only(weight: torch.Tensor) -> bool:
+    return (not weight.is_mkldnn and weight.dim() == 2 and weight.numel() > 1
+            and weight.stride() == (0, 0))
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The plain `[out, in]` weight of `panels` (`own_panels` or `weight_panels`)."""
+    # [P, Kp, 64] or bfloat16's [P, Kp/2, 64, 2] -> [P, 64, Kp(/2)(, 2)] -> [P * 64, Kp]
+    plain = panels.transpose(1, 2).reshape(panels.size(0) * PANEL_WIDTH, -1)
+    return plain[:out_features, :in_features]
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -86,12 +138,54 @@ def weight_panels(weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | 
     return panels if same else None
 
 
+def layout_name(stored: torch.Tensor, panels: torch.Tensor | None) -> str:
+    """What `cpu_layout` made of a weight, in words, for the load log."""
+    if is_panels_only(stored):
+        return "C++ panels for every call"
+    if stored.is_mkldnn:
+        return "oneDNN packed" + (" + C++ panels for decode rows" if panels is not None else "")
+    return "torch (F.linear)"
+
+
+def why_no_onednn(dtype: torch.dtype) -> str:
+    """Why oneDNN does not take `dtype` here (empty where it does)."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch has no oneDNN"
+    if dtype == torch.bfloat16 and not onednn_bf16():
+        return ("oneDNN bf16 unavailable on this CPU (no avx512bw/avx512vl/avx512dq or "
+                "avx_ne_convert); bf16 is converted to fp32 in registers")
+    return ""
+
+
+def cpu_layout(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`weight` `[out, in]` as a CPU linear layer holds it here, and its panels (None where
+    the C++ kernel does not read it): packed for oneDNN with panels aliasing it, panels
+    alone (`own_panels`), or plain (float32 column-major: see `lay_out_for_cpu`)."""
+    if can_pack(weight):
+        packed = pack_weight(weight)
+        panels = weight_panels(weight, packed)
+        if panels is not None or weight.dtype != torch.bfloat16:
+            return packed, panels
+        # oneDNN lays bfloat16 out otherwise where the CPU has no bf16 dot products
+        # (AVX-512 without AVX512-BF16), and converts it on every call: panels alone.
+    if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and (panels := own_panels(weight)) is not None):
+        return panels_only_weight(weight), panels
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
+        return weight.t().contiguous().t(), None
+    return weight, None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            panels: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for a plain or a packed weight; `panels`, the packed
     weight's `weight_panels`, lets the C++ kernel take the calls with few rows."""
     if panels is not None and (ops := cpu_ops(x)) is not None:
         return ops.linear(x, weight, panels, _ABSENT if bias is None else bias)
+    if panels is not None and is_panels_only(weight):
+        # The C++ kernels were switched off after load (CORESTREAM_KERNELS=torch): slow,
+        # but the same values.
+        weight = unpack_panels(panels, *weight.shape)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

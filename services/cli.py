@@ -16,6 +16,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kernels import cpu_isa
 from services.admin_cli import add_arguments as add_admin_arguments
 from services.admin_cli import run as run_admin
 from services.common.config import add_arguments
@@ -67,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent_from_env()
+    try:
+        # Before anything imports torch: oneDNN and ATen read the caps once.
+        cpu_isa.apply_to_libraries()
+    except ValueError as e:
+        print(f"corestream: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":

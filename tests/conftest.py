@@ -5,6 +5,12 @@ import os
 
 import pytest
 
+from kernels import cpu_isa
+
+# CORESTREAM_CPU_ISA=avx2 (the forced suite of `make test`) caps oneDNN and ATen too; they
+# read their caps once, so before any test module imports torch.
+cpu_isa.apply_to_libraries()
+
 
 def _cuda_available() -> bool:
     if importlib.util.find_spec("torch") is None:

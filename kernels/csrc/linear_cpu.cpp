@@ -16,8 +16,18 @@
 //                                     AVX512-BF16's dot product takes)
 //
 // where P = ceil(N / 64) and Kp >= K; padding is zero. Each panel row is four 16-lane
-// vectors, multiplied into up to kRowsPerPass rows of x held in registers. Accumulation
-// is in float32 in the order of k, so results differ from oneDNN's in rounding only.
+// vectors (AVX-512) or eight 8-lane ones (AVX2), multiplied into up to kRowsPerPass rows
+// of x held in registers. Accumulation is in float32 in the order of k, so results differ
+// from oneDNN's in rounding only. bfloat16 pairs go to the CPU's bf16 dot products where it
+// has them (AVX512-BF16); elsewhere each 32-bit pair is split into two floats in registers
+// (one shift, one mask: bf16 is the top half of an fp32) and multiplied in float32, as
+// llama.cpp does on such CPUs.
+//
+// Where oneDNN cannot take a weight (bfloat16 on a CPU without AVX-512 BW/VL/DQ or
+// AVX-NE-CONVERT: oneDNN refuses to pack it, and torch's own bf16 GEMM runs at a fifth of
+// float32's speed there), kernels/cpu_linear.py lays the panels out itself and keeps no
+// other copy of the weight: then every call, prefill's many rows too, reads the panels,
+// with the rows split into blocks so that both cores share a layer of few panels.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,14 +43,30 @@
 #include <cstring>
 #include <optional>
 #include <utility>
+#include <vector>
 
+#include "avx2_math.h"
 #include "avx512_math.h"
+#include "cpu_math.h"
 #include "linear_cpu.h"
 #include "work_items.h"
 
 namespace {
 
 constexpr int64_t kPanelWidth = 64;
+
+// out[r, j] = bias[j] + sums[r][j] for the panel's first `width` columns, rounded to T as
+// torch rounds (cpu_math.h): for the paths whose sums come out of registers as floats.
+template <int R, typename T>
+inline void finish_sums(const float (&sums)[R][kPanelWidth], const T* bias, int64_t width,
+                        T* out, int64_t out_stride) {
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < width; ++j) {
+      const float b = bias != nullptr ? corestream_cpu::to_float(bias[j]) : 0.0f;
+      out[r * out_stride + j] = corestream_cpu::from_float<T>(sums[r][j] + b);
+    }
+  }
+}
 
 #ifdef CORESTREAM_AVX512
 
@@ -153,13 +179,164 @@ void panel_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* p
   finish<R>(acc, bias, width, out, out_stride, store_bf16);
 }
 
+#else  // AVX-512 without the bf16 dot products (Skylake-SP, Cascade Lake)
+
+// R rows of x [R, K] times one bfloat16 panel [Kp/2, 64, 2], each pair split into floats.
+template <int R>
+void panel_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* panel,
+                int64_t k_size, const c10::BFloat16* bias, int64_t width, c10::BFloat16* out,
+                int64_t out_stride) {
+  using corestream_cpu::to_float;
+  __m512 acc[R][kVectors];
+  clear(acc);
+  const __m512i high = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t q = 0; 2 * q < k_size; ++q) {
+    const c10::BFloat16* w = panel + q * 2 * kPanelWidth;
+    // An odd K's last pair holds padding for k + 1: x[K] is never read.
+    const bool whole = 2 * q + 1 < k_size;
+    __m512 even_x[R], odd_x[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      even_x[r] = _mm512_set1_ps(to_float(x[r * x_stride + 2 * q]));
+      odd_x[r] = whole ? _mm512_set1_ps(to_float(x[r * x_stride + 2 * q + 1]))
+                       : _mm512_setzero_ps();
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < kVectors; ++v) {
+      const __m512i pairs = _mm512_loadu_si512(w + 32 * v);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc[r][v] = _mm512_fmadd_ps(even, even_x[r], acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(odd, odd_x[r], acc[r][v]);
+      }
+    }
+  }
+  alignas(64) float sums[R][kPanelWidth];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < kVectors; ++v) {
+      _mm512_store_ps(sums[r] + 16 * v, acc[r][v]);
+    }
+  }
+  finish_sums<R>(sums, bias, width, out, out_stride);
+}
+
 #endif  // CORESTREAM_AVX512_BF16
 
-// The panels' items: item p is panel p's outputs for every row of x. Each panel is one
-// contiguous stream of 64 x K weights.
+#elif defined(CORESTREAM_AVX2)
+
+// Sixteen 8-lane registers: one row against a whole panel row (8 accumulators), or up to
+// three rows against half of it (12), the halves one after the other.
+constexpr int kRowsPerPass = 3;
+constexpr int kHalf = kPanelWidth / 2;
+
+// sums[r][c0 + j] for R rows of x and V vectors of 8 columns of a float32 panel from
+// column c0.
+template <int R, int V>
+inline void panel_block(const float* x, int64_t x_stride, const float* panel, int64_t k_size,
+                        int c0, float (&sums)[R][kPanelWidth]) {
+  __m256 acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_size; ++k) {
+    const float* w = panel + k * kPanelWidth + c0;
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_set1_ps(x[r * x_stride + k]);
+#pragma GCC unroll 8
+      for (int v = 0; v < V; ++v) {
+        acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * v), xr, acc[r][v]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(sums[r] + c0 + 8 * v, acc[r][v]);
+  }
+}
+
+// The same for a bfloat16 panel [Kp/2, 64, 2]: each load is 8 columns' (k, k + 1) pairs,
+// split into two float vectors.
+template <int R, int V>
+inline void panel_block(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* panel,
+                        int64_t k_size, int c0, float (&sums)[R][kPanelWidth]) {
+  namespace vec = corestream_cpu::avx2;
+  using corestream_cpu::to_float;
+  __m256 acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  }
+  for (int64_t q = 0; 2 * q < k_size; ++q) {
+    const c10::BFloat16* w = panel + q * 2 * kPanelWidth + 2 * c0;
+    // An odd K's last pair holds padding for k + 1: x[K] is never read.
+    const bool whole = 2 * q + 1 < k_size;
+    __m256 even_x[R], odd_x[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+      even_x[r] = _mm256_set1_ps(to_float(x[r * x_stride + 2 * q]));
+      odd_x[r] = whole ? _mm256_set1_ps(to_float(x[r * x_stride + 2 * q + 1]))
+                       : _mm256_setzero_ps();
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) {
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * v));
+      const __m256 even = vec::low_halves(pairs);
+      const __m256 odd = vec::high_halves(pairs);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) {
+        acc[r][v] = _mm256_fmadd_ps(even, even_x[r], acc[r][v]);
+        acc[r][v] = _mm256_fmadd_ps(odd, odd_x[r], acc[r][v]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(sums[r] + c0 + 8 * v, acc[r][v]);
+  }
+}
+
+// R rows of x [R, K] times one panel (float32 or bfloat16, as above).
+template <int R, typename T>
+void panel_rows(const T* x, int64_t x_stride, const T* panel, int64_t k_size, const T* bias,
+                int64_t width, T* out, int64_t out_stride) {
+  alignas(32) float sums[R][kPanelWidth];
+  if constexpr (R == 1) {
+    panel_block<1, kPanelWidth / 8>(x, x_stride, panel, k_size, 0, sums);
+  } else {
+    panel_block<R, kHalf / 8>(x, x_stride, panel, k_size, 0, sums);
+    if (width > kHalf) {
+      panel_block<R, kHalf / 8>(x, x_stride, panel, k_size, kHalf, sums);
+    }
+  }
+  finish_sums<R>(sums, bias, width, out, out_stride);
+}
+
+#endif  // CORESTREAM_AVX512 / CORESTREAM_AVX2
+
+#if defined(CORESTREAM_AVX512) || defined(CORESTREAM_AVX2)
+#define CORESTREAM_PANELS 1
+
+// Rows of x per item when many rows share a layer of few panels (prefill through panels):
+// a multiple of every kRowsPerPass, and enough rows that a panel's stream from memory is
+// paid over many passes.
+constexpr int64_t kRowsPerItem = 96;
+
+// The panels' items: item i is panel i / blocks's outputs for block i % blocks of
+// `rows_per_item` rows of x (all of them in one block for decode steps). Each panel is one
+// contiguous stream of 64 x K weights; consecutive items share a panel.
 template <typename T>
-corestream_cpu::Item panel_item(const at::Tensor& x, const at::Tensor& panels,
-                                const at::Tensor& bias, int64_t n_size, const at::Tensor& out) {
+std::pair<int64_t, corestream_cpu::Item> panel_item(const at::Tensor& x, const at::Tensor& panels,
+                                                    const at::Tensor& bias, int64_t n_size,
+                                                    const at::Tensor& out,
+                                                    int64_t rows_per_item) {
   const int64_t m_size = x.size(0);
   const int64_t k_size = x.size(1);
   const T* x_data = x.const_data_ptr<T>();
@@ -167,39 +344,42 @@ corestream_cpu::Item panel_item(const at::Tensor& x, const at::Tensor& panels,
   const T* b_data = corestream_cpu::present(bias) ? bias.const_data_ptr<T>() : nullptr;
   T* out_data = out.mutable_data_ptr<T>();
   const int64_t panel_elements = panels.stride(0);
-  return [=](int64_t p) {
+  const int64_t blocks = std::max<int64_t>(1, (m_size + rows_per_item - 1) / rows_per_item);
+  corestream_cpu::Item item = [=](int64_t i) {
+    const int64_t p = i / blocks;
     const int64_t column = p * kPanelWidth;
     const int64_t width = std::min(kPanelWidth, n_size - column);
     const T* panel = w_data + p * panel_elements;
     const T* panel_bias = b_data != nullptr ? b_data + column : nullptr;
-    for (int64_t m = 0; m < m_size; m += kRowsPerPass) {
+    const int64_t first = (i % blocks) * rows_per_item;
+    const int64_t end = std::min(m_size, first + rows_per_item);
+    for (int64_t m = first; m < end; m += kRowsPerPass) {
       const T* xm = x_data + m * k_size;
       T* om = out_data + m * n_size + column;
-      switch (std::min<int64_t>(kRowsPerPass, m_size - m)) {
+      switch (std::min<int64_t>(kRowsPerPass, end - m)) {
         case 1: panel_rows<1>(xm, k_size, panel, k_size, panel_bias, width, om, n_size); break;
         case 2: panel_rows<2>(xm, k_size, panel, k_size, panel_bias, width, om, n_size); break;
         case 3: panel_rows<3>(xm, k_size, panel, k_size, panel_bias, width, om, n_size); break;
-        default: panel_rows<4>(xm, k_size, panel, k_size, panel_bias, width, om, n_size);
+        default:
+          if constexpr (kRowsPerPass >= 4) {
+            panel_rows<kRowsPerPass>(xm, k_size, panel, k_size, panel_bias, width, om, n_size);
+          }
       }
     }
   };
+  return {panels.size(0) * blocks, std::move(item)};
 }
 
-#endif  // CORESTREAM_AVX512
+#endif  // CORESTREAM_PANELS
 
-// Whether this build has the kernel for `dtype`.
+// Whether this build has the kernel for `dtype`: every AVX-512 or AVX2 build has both.
 bool panel_linear_supported(c10::ScalarType dtype) {
-#ifdef CORESTREAM_AVX512
-  if (dtype == at::kFloat) {
-    return true;
-  }
-#endif
-#ifdef CORESTREAM_AVX512_BF16
-  if (dtype == at::kBFloat16) {
-    return true;
-  }
-#endif
+#ifdef CORESTREAM_PANELS
+  return dtype == at::kFloat || dtype == at::kBFloat16;
+#else
+  (void)dtype;
   return false;
+#endif
 }
 
 void check_panel_args(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& bias,
@@ -232,17 +412,17 @@ void check_panel_args(const at::Tensor& x, const at::Tensor& panels, const at::T
 std::pair<int64_t, corestream_cpu::Item> checked_panel_items(const at::Tensor& x,
                                                              const at::Tensor& panels,
                                                              const at::Tensor& bias,
-                                                             const at::Tensor& out) {
-#ifdef CORESTREAM_AVX512
+                                                             const at::Tensor& out,
+                                                             int64_t rows_per_item) {
+#ifdef CORESTREAM_PANELS
   if (x.scalar_type() == at::kFloat) {
-    return {panels.size(0), panel_item<float>(x, panels, bias, out.size(1), out)};
+    return panel_item<float>(x, panels, bias, out.size(1), out, rows_per_item);
   }
-#endif
-#ifdef CORESTREAM_AVX512_BF16
   if (x.scalar_type() == at::kBFloat16) {
-    return {panels.size(0), panel_item<c10::BFloat16>(x, panels, bias, out.size(1), out)};
+    return panel_item<c10::BFloat16>(x, panels, bias, out.size(1), out, rows_per_item);
   }
 #endif
+  (void)panels, (void)bias, (void)out, (void)rows_per_item;
   TORCH_CHECK(false, "panel_linear: no kernel for ", x.scalar_type(), " in this build");
 }
 
@@ -251,13 +431,25 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const at:
                         int64_t out_features) {
   check_panel_args(x, panels, bias, out_features);
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
-  const auto [num_panels, item] = checked_panel_items(x, panels, bias, out);
-  // Threads take panels one at a time, not a fixed share each: on a machine with few
+#ifdef CORESTREAM_PANELS
+  const int64_t rows_per_item = kRowsPerItem;
+#else
+  const int64_t rows_per_item = 1;
+#endif
+  const auto [num_items, item] = checked_panel_items(x, panels, bias, out, rows_per_item);
+  // Threads take items one at a time, not a fixed share each: on a machine with few
   // cores the frontend and other processes preempt one thread or another every token,
   // and with fixed shares the others would wait at the end of every layer for the
   // preempted one's share; this way they take it over.
-  corestream_cpu::run_items(num_panels, item);
+  corestream_cpu::run_items(num_items, item);
   return out;
+}
+
+// A weight whose values live only in its panels (kernels/cpu_linear.py's
+// `panels_only_weight`): its shape, with every stride zero and nothing behind it.
+bool panels_only(const at::Tensor& weight) {
+  return weight.dim() == 2 && weight.stride(0) == 0 && weight.stride(1) == 0 &&
+         weight.numel() > 1;
 }
 
 }  // namespace
@@ -275,15 +467,27 @@ std::pair<int64_t, Item> panel_items(const at::Tensor& x, const at::Tensor& pane
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous() &&
                   out.scalar_type() == x.scalar_type(),
               "panel_linear: out must be a contiguous [", x.size(0), ", N] of x's dtype");
-  return checked_panel_items(x, panels, bias, out);
+  // Decode steps: every row in one item per panel, which streams the panel once.
+  return checked_panel_items(x, panels, bias, out, std::max<int64_t>(1, x.size(0)));
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
                   const at::Tensor& bias) {
+  if (present(panels) && panels_only(weight)) {
+    // Every call reads the panels: rows flattened to 2-D as F.linear would treat them.
+    const int64_t in_features = weight.size(1);
+    TORCH_CHECK(x.size(-1) == in_features, "linear: x has ", x.size(-1),
+                " features, the weight ", in_features);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = weight.size(0);
+    const at::Tensor rows = x.reshape({-1, in_features}).contiguous();
+    return panel_linear(rows, panels, bias, weight.size(0)).view(shape);
+  }
   if (present(panels) && x.dim() == 2 && x.is_contiguous() &&
       x.size(0) <= max_panel_rows(x.scalar_type())) {
     return panel_linear(x, panels, bias, weight.size(0));
   }
+  TORCH_CHECK(!panels_only(weight), "linear: a panels-only weight came without its panels");
   if (weight.is_mkldnn()) {
     // Looked up only here: a torch without oneDNN packs nothing and lacks the op.
     static const auto packed_linear =

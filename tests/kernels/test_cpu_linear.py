@@ -1,6 +1,9 @@
-"""The few-row linear kernel (`panel_linear`, csrc/linear_cpu.cpp) on oneDNN's packed
-weights, against a float64 reference and oneDNN itself, and the choice `linear` makes
-between them."""
+"""The panel kernel (`panel_linear`, csrc/linear_cpu.cpp) on oneDNN's packed weights or on
+panels of its own (bfloat16 where oneDNN cannot take it), against a float64 reference and
+oneDNN itself, and the choice `linear` makes between them.
+
+Every test runs the layout this CPU gets (`cpu_layout`); `make test` runs them again with
+CORESTREAM_CPU_ISA=avx2, where bfloat16 weights are panels alone."""
 
 from __future__ import annotations
 
@@ -9,7 +12,19 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.cpu_linear import PANEL_WIDTH, linear, pack_weight, weight_panels
+from kernels import backend
+from kernels.cpu_linear import (
+    PANEL_WIDTH,
+    can_pack,
+    cpu_layout,
+    is_panels_only,
+    linear,
+    own_panels,
+    pack_weight,
+    panels_only_weight,
+    unpack_panels,
+    weight_panels,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Full panels, a ragged last panel, fewer outputs than one panel; even and odd inputs
@@ -19,19 +34,45 @@ SHAPES = [(1024, 512), (1000, 333), (100, 70), (17, 5), (64, 1)]
 MAX_PANEL_ROWS = {torch.float32: 8, torch.bfloat16: 16}
 
 
-def packed_pair(ops: Any, dtype: torch.dtype, out_features: int, in_features: int,
-                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random weight, packed, and its panels; skips where this CPU has no kernel."""
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("torch without oneDNN packs no weights")
+def laid_out(ops: Any, dtype: torch.dtype, out_features: int, in_features: int,
+             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random weight, as a linear layer holds it on this CPU, and its panels; skips
+    only where the build has no panel kernel at all (x86-64 without AVX2)."""
     if not ops.panel_linear_supported(dtype):
-        pytest.skip(f"this CPU has no few-row kernel for {dtype}")
+        pytest.skip(f"this build has no panel kernel for {dtype}")
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
-    packed = pack_weight(weight)
-    panels = weight_panels(weight, packed)
+    stored, panels = cpu_layout(weight)
     assert panels is not None, "oneDNN's layout is not the one the kernel reads"
+    # Only bfloat16 goes to panels alone (where oneDNN cannot run it, or lays it out
+    # otherwise); the rest is packed.
+    assert stored.is_mkldnn or (dtype == torch.bfloat16 and is_panels_only(stored))
+    return weight, stored, panels
+
+
+def packed_pair(ops: Any, dtype: torch.dtype, out_features: int, in_features: int,
+                seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`laid_out` for the tests of oneDNN's packed weights: float32 packs on every CPU
+    oneDNN runs on."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch without oneDNN packs no weights")
+    weight, packed, panels = laid_out(ops, dtype, out_features, in_features, seed)
+    assert packed.is_mkldnn
     return weight, packed, panels
+
+
+def reference_panels(weight: torch.Tensor) -> torch.Tensor:
+    """The panel layout, element by element (csrc/linear_cpu.cpp's header): panel p, row
+    k, lane j holds weight[64p + j, k]; bfloat16 pairs k = 2q, 2q + 1 in the last dim."""
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // PANEL_WIDTH)
+    pair = 2 if weight.dtype == torch.bfloat16 else 1
+    rows = -(-in_features // pair)
+    panels = torch.zeros(num_panels, rows, PANEL_WIDTH, pair, dtype=weight.dtype)
+    for n in range(out_features):
+        for k in range(in_features):
+            panels[n // PANEL_WIDTH, k // pair, n % PANEL_WIDTH, k % pair] = weight[n, k]
+    return panels if pair == 2 else panels.squeeze(3)
 
 
 def assert_near(got: torch.Tensor, want: torch.Tensor, in_features: int) -> None:
@@ -47,18 +88,21 @@ def assert_near(got: torch.Tensor, want: torch.Tensor, in_features: int) -> None
 def test_panel_linear_matches_a_float64_reference(
     cpu_ops: Any, dtype: torch.dtype, out_features: int, in_features: int
 ) -> None:
-    weight, packed, panels = packed_pair(cpu_ops, dtype, out_features, in_features)
+    weight, stored, panels = laid_out(cpu_ops, dtype, out_features, in_features)
     assert panels.shape[0] == -(-out_features // PANEL_WIDTH)
     bias = torch.randn(out_features).to(dtype)
-    for rows in (1, 2, 3, 4, 5, 7, 9, 16):
+    # Past 96 rows the rows split into blocks (many rows on panels alone: prefill).
+    for rows in (1, 2, 3, 4, 5, 7, 9, 16, 97, 200):
         x = torch.randn(rows, in_features).to(dtype)
         for b in (bias, torch.empty(0, dtype=dtype)):
             got = cpu_ops.panel_linear(x, panels, b, out_features)
             want = x.double() @ weight.double().T + (b.double() if b.numel() else 0)
             assert got.shape == (rows, out_features) and got.dtype == dtype
             assert_near(got, want, in_features)
+            if not stored.is_mkldnn:
+                continue
             onednn = torch.ops.mkldnn._linear_pointwise(
-                x, packed, b if b.numel() else None, "none", [], "")
+                x, stored, b if b.numel() else None, "none", [], "")
             if dtype == torch.float32:
                 assert_near(got, onednn, in_features)
             else:  # two roundings to bfloat16 may land one unit apart
@@ -75,7 +119,9 @@ def test_panel_linear_of_no_rows_is_empty(cpu_ops: Any) -> None:
 def test_linear_sends_few_rows_to_the_panel_kernel_and_more_to_onednn(
     cpu_ops: Any, dtype: torch.dtype
 ) -> None:
-    weight, packed, panels = packed_pair(cpu_ops, dtype, 1000, 333)
+    weight, packed, panels = laid_out(cpu_ops, dtype, 1000, 333)
+    if not packed.is_mkldnn:
+        pytest.skip("bfloat16 goes to panels alone here: test_panels_alone_take_every_call")
     bias = torch.randn(1000).to(dtype)
     limit = MAX_PANEL_ROWS[dtype]
     for rows in (1, limit, limit + 1, 64):
@@ -126,3 +172,47 @@ def test_panel_linear_names_what_is_wrong(cpu_ops: Any) -> None:
         cpu_ops.panel_linear(torch.randn(1, 64).bfloat16(), panels, torch.empty(0), 128)
     with pytest.raises(RuntimeError, match="panels must be"):
         cpu_ops.panel_linear(torch.randn(1, 64), panels.view(2, -1), torch.empty(0), 128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_own_panels_are_the_reference_layout(cpu_ops: Any, dtype: torch.dtype) -> None:
+    if not cpu_ops.panel_linear_supported(dtype):
+        pytest.skip(f"this build has no panel kernel for {dtype}")
+    for out_features, in_features in [(100, 70), (17, 5), (64, 1), (130, 9)]:
+        weight = torch.randn(out_features, in_features).to(dtype)
+        want = reference_panels(weight)
+        own = own_panels(weight)
+        assert own is not None and torch.equal(own, want)
+        assert torch.equal(unpack_panels(own, out_features, in_features), weight)
+        if torch.backends.mkldnn.is_available() and can_pack(weight):
+            # oneDNN's packing, where it lays the weight out as the kernel reads; it may
+            # pad the inputs further, with zeros.
+            got = weight_panels(weight, pack_weight(weight))
+            if got is not None:
+                rows = want.shape[1]
+                assert torch.equal(got[:, :rows], want) and not got[:, rows:].any()
+                assert torch.equal(unpack_panels(got, out_features, in_features), weight)
+
+
+def test_panels_alone_take_every_call(cpu_ops: Any, kernels_backend: None) -> None:
+    """bfloat16 where oneDNN cannot run it: the kernel takes every row count and shape,
+    and the torch path (the kernels switched off after load) gives the same values."""
+    weight, stored, panels = laid_out(cpu_ops, torch.bfloat16, 300, 133)
+    if stored.is_mkldnn:
+        # This CPU packs bfloat16 for oneDNN: the panels-only layout is built by hand.
+        stored, panels = panels_only_weight(weight), reference_panels(weight)
+    assert is_panels_only(stored) and stored.untyped_storage().nbytes() == 2
+    bias = torch.randn(300).bfloat16()
+    for shape in [(1, 133), (16, 133), (17, 133), (300, 133), (2, 5, 133)]:
+        x = torch.randn(shape).bfloat16()
+        got = linear(x, stored, bias, panels)
+        assert got.shape == (*shape[:-1], 300)
+        want = x.double() @ weight.double().T + bias.double()
+        assert_near(got, want, 133)
+        kernel = cpu_ops.panel_linear(x.reshape(-1, 133).contiguous(), panels, bias, 300)
+        assert torch.equal(got.reshape(-1, 300), kernel)
+        backend.set_backend("torch")
+        assert_near(linear(x, stored, bias, panels), want, 133)
+        backend.set_backend("auto")
+    with pytest.raises(RuntimeError, match="panels-only weight came without its panels"):
+        cpu_ops.linear(torch.randn(40, 133).bfloat16(), stored, torch.empty(0), torch.empty(0))

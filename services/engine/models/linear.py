@@ -6,10 +6,12 @@ kernels/cpu_linear.py for why); until then, and on CUDA, a layer is `nn.Linear`.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
-from kernels.cpu_linear import can_pack, linear, pack_weight, weight_panels
+from kernels.cpu_linear import cpu_layout, layout_name, linear
 
 
 class Linear(nn.Linear):
@@ -21,33 +23,35 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.panels)
 
 
-def lay_out_for_cpu(model: nn.Module) -> None:
+def lay_out_for_cpu(model: nn.Module) -> Counter[str]:
     """Pack the weight of every `Linear` in `model` for oneDNN where it can, with its
-    panels for the C++ few-row kernel where that runs; where it cannot (a torch without
-    oneDNN), store a float32 one column-major instead.
+    panels for the C++ few-row kernel where that runs; a bfloat16 weight oneDNN cannot
+    take (a CPU without AVX-512) becomes panels alone, which the C++ kernel reads for
+    every call; elsewhere (a torch without oneDNN) a float32 weight is stored
+    column-major.
 
     NOTE: MKL's float32 GEMM, which `F.linear` then calls, is up to 2-3x slower for 8-64
     rows (decode batches) when the weight comes transposed, which is how `F.linear`
     hands over a row-major one; column-major storage hands it an untransposed one, with
     the same values. bfloat16 gains nothing from that. A weight another kind of module
     shares (tied embeddings: the lookup reads its rows) stays as it is.
+
+    Returns how many weights went which way (`layout_name`), for the load log.
     """
     shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
               for p in m.parameters(recurse=False)}
+    layouts: Counter[str] = Counter()
     for module in model.modules():
         if not isinstance(module, Linear) or id(module.weight) in shared:
             continue
-        weight = module.weight.detach()
-        if can_pack(weight):
-            packed = pack_weight(weight)
-            module.weight = nn.Parameter(packed, requires_grad=False)
-            module.panels = weight_panels(weight, packed)
-        elif weight.dtype == torch.float32:
-            module.weight = nn.Parameter(weight.t().contiguous().t(),
-                                         requires_grad=module.weight.requires_grad)
+        stored, module.panels = cpu_layout(module.weight.detach())
+        module.weight = nn.Parameter(stored, requires_grad=False)
+        layouts[layout_name(stored, module.panels)] += 1
+    return layouts
 
 
 def panels_of(model: nn.Module) -> list[torch.Tensor]:
     """The panels of every `Linear` in `model` that has them: the bytes a decode step
-    streams through the C++ few-row kernel (they alias the packed weights)."""
+    streams through the C++ few-row kernel (they alias the packed weights, or are the
+    weights)."""
     return [m.panels for m in model.modules() if isinstance(m, Linear) and m.panels is not None]

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from kernels import cpu_isa
+from kernels.cpu_linear import why_no_onednn
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import lay_out_for_cpu
 from services.engine.models.tp_sharding import ShardPlan
@@ -115,7 +117,12 @@ def load_model(
         )
     model.tie_weights()
     if device.type == "cpu":
-        lay_out_for_cpu(model)
+        layouts = lay_out_for_cpu(model)
+        why = why_no_onednn(dtype)
+        logger.info("linear layers on this CPU (%s, %s): %s%s", cpu_isa.target().name,
+                    str(dtype).removeprefix("torch."),
+                    ", ".join(f"{n} {name}" for name, n in layouts.most_common()) or "none",
+                    f" ({why})" if why else "")
     logger.info("loaded %s (%s) from %s onto %s as %s%s", cls.__name__,
                 ", ".join(hf_config.get("architectures", [])), folder, device, dtype,
                 f", tensor-parallel shard {tp.rank} of {tp.world_size}" if tp else "")

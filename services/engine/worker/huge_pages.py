@@ -142,7 +142,8 @@ def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> HugePageReport:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     collapsed: list[tuple[int, int]] = []
     failure = 0
-    for region in _regions(ranges, _mappings(), size):
+    regions = _regions(ranges, _mappings(), size)
+    for region in regions:
         # Marked first: where the collapse fails, khugepaged may still do it later.
         libc.madvise(region, size, MADV_HUGEPAGE)
         if libc.madvise(region, size, MADV_COLLAPSE) == 0:
@@ -155,6 +156,11 @@ def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> HugePageReport:
     why_not = ""
     if not huge and failure:
         why_not = f"madvise(MADV_COLLAPSE): {errno.errorcode.get(failure, failure)}"
+    elif not huge and total and not regions:
+        # Small weights scattered over the heap: no stretch is worth a copy of its own.
+        why_not = f"the weights fill no aligned {size >> 20} MiB stretch to half"
+    elif not huge and total:
+        why_not = "madvise(MADV_COLLAPSE) succeeded, yet no stretch is on a huge page"
     return HugePageReport(total, huge, why_not)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from kernels.cpu_linear import is_panels_only
 from services.common.model_info import ModelInfo, load_model_info
 from services.common.sampling import SamplingParams
 from services.common.tiny_checkpoint import resolve_model
@@ -158,8 +159,10 @@ class ModelRunner:
             self.model = load_model(path, self._dtype, self._device, info.max_model_len)
         self.huge_pages: Future[HugePageReport] | None = None
         if self._on_cpu and config.huge_pages:
-            # Plain weights, and the panels of the packed ones (opaque to everything else).
-            weights = [p for p in self.model.parameters() if not p.is_mkldnn]
+            # Plain weights, and the panels of the packed ones (opaque to everything else)
+            # and of the panels-only ones (stand-ins, with nothing behind them).
+            weights = [p for p in self.model.parameters()
+                       if not p.is_mkldnn and not is_panels_only(p)]
             self.huge_pages = collapse_in_background([*weights, *panels_of(self.model)])
         self.kv_caches = self._allocate_kv_cache(self.model.config)
         self.sampler = Sampler(self._device, config.seed)
