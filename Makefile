@@ -16,7 +16,7 @@ HELM := .tools/helm/helm
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-slow lint protos check-protos buf check clean helm helm-golden
+.PHONY: serve test test-avx2 test-slow lint protos check-protos buf check clean helm helm-golden
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,21 @@ $(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
 serve: $(VENV)/.serve-installed
 	$(VENV)/bin/corestream serve $(ARGS)
 
+# The kernel, loader, model-vs-transformers and bfloat16-serving tests again with every
+# CPU path capped at AVX2 (our kernels, oneDNN, ATen: kernels/cpu_isa.py), as on a CPU
+# without AVX-512, so that a change that breaks such machines fails on any machine.
+AVX2_TESTS := tests/kernels tests/unit/engine/test_model_vs_hf.py \
+	tests/unit/engine/test_moe_vs_hf.py tests/unit/engine/test_models_loading.py \
+	tests/unit/engine/test_huge_pages.py tests/unit/engine/test_engine_core.py \
+	tests/integration/test_serve_bfloat16.py
+
 test: $(VENV)/.dev-installed $(HELM)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	CORESTREAM_CPU_ISA=avx2 $(PY) -m pytest -q $(AVX2_TESTS) $(PYTEST_ARGS)
+
+# Only the forced AVX2 run of `test`.
+test-avx2: $(VENV)/.dev-installed
+	CORESTREAM_CPU_ISA=avx2 $(PY) -m pytest -q $(AVX2_TESTS) $(PYTEST_ARGS)
 
 test-slow: $(VENV)/.dev-installed
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from benchmarks.decode_step import decode_times, prefill_times  # noqa: E402
 from benchmarks.vllm_reference import cpu_line  # noqa: E402
 from benchmarks.workload import bench_checkpoint  # noqa: E402
-from services.engine.models import linear as linear_module  # noqa: E402
+from kernels import cpu_linear  # noqa: E402
 from services.engine.worker.config import RunnerConfig  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402
 
@@ -37,17 +37,20 @@ KINDS = ("panels", "packed", "plain")
 
 
 def load(dtype: str, threads: int, kind: str) -> ModelRunner:
-    can_pack, weight_panels = linear_module.can_pack, linear_module.weight_panels
+    can_pack, weight_panels = cpu_linear.can_pack, cpu_linear.weight_panels
+    own_panels = cpu_linear.own_panels
     if kind == "plain":
-        linear_module.can_pack = lambda weight: False
-    if kind == "packed":
-        linear_module.weight_panels = lambda weight, packed: None
+        cpu_linear.can_pack = lambda weight: False
+    if kind != "panels":
+        cpu_linear.weight_panels = lambda weight, packed: None
+        cpu_linear.own_panels = lambda weight: None
     try:
         return ModelRunner(RunnerConfig(model=str(bench_checkpoint()), dtype=dtype,
                                         kv_cache_memory=1 << 30, max_model_len=2048,
                                         num_threads=threads))
     finally:
-        linear_module.can_pack, linear_module.weight_panels = can_pack, weight_panels
+        cpu_linear.can_pack, cpu_linear.weight_panels = can_pack, weight_panels
+        cpu_linear.own_panels = own_panels
 
 
 def main() -> None:

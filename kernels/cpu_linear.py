@@ -164,13 +164,16 @@ def cpu_layout(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]
     if can_pack(weight):
         packed = pack_weight(weight)
         panels = weight_panels(weight, packed)
-        if panels is not None or weight.dtype != torch.bfloat16:
-            return packed, panels
         # oneDNN lays bfloat16 out otherwise where the CPU has no bf16 dot products
         # (AVX-512 without AVX512-BF16), and converts it on every call: panels alone.
+        if panels is None and weight.dtype == torch.bfloat16:
+            own = own_panels(weight)
+            if own is not None:
+                return panels_only_weight(weight), own
+        return packed, panels
     if (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and (panels := own_panels(weight)) is not None):
-        return panels_only_weight(weight), panels
+            and (own := own_panels(weight)) is not None):
+        return panels_only_weight(weight), own
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
         return weight.t().contiguous().t(), None
     return weight, None

@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import backend
+from kernels import backend, cpu_linear
 from kernels.decoder_layers import LAYER_TENSORS, DecodeModel, flat_weights
 from services.common.sampling import SamplingParams
-from services.engine.models import linear as linear_module
 from services.engine.models.llama import LlamaModel
 from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from services.engine.worker.model_runner import ModelRunner
@@ -91,8 +90,8 @@ def decode_logits(runner: ModelRunner, prompts: dict[str, list[int]], steps: int
 
 
 # How the loader lays out the linear weights: packed for oneDNN with the panels the C++
-# few-row kernel reads (where this CPU runs it), packed without them, or plain (a torch
-# without oneDNN).
+# kernel reads where this CPU runs it (or, for bfloat16 oneDNN cannot take, panels
+# alone), packed without them, or plain (a torch without oneDNN or the C++ kernels).
 LAYOUTS = ("panels", "onednn-packed", "plain")
 
 
@@ -104,15 +103,21 @@ def test_decode_model_gives_the_python_model_bits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if layout == "panels" and not cpu_ops.panel_linear_supported(dtype):
-        pytest.skip(f"this CPU has no few-row kernel for {dtype}")
+        pytest.skip(f"this build has no panel kernel for {dtype}")
+    if layout == "onednn-packed" and dtype == torch.bfloat16 and not cpu_linear.onednn_bf16():
+        pytest.skip("oneDNN takes no bfloat16 on this CPU: panels alone serve it")
     make_checkpoint(tmp_path, family, dtype=dtype, **FAMILIES[family])
     if layout == "plain":
-        monkeypatch.setattr(linear_module, "can_pack", lambda weight: False)
-    if layout == "onednn-packed":
-        monkeypatch.setattr(linear_module, "weight_panels", lambda weight, packed: None)
+        monkeypatch.setattr(cpu_linear, "can_pack", lambda weight: False)
+    if layout != "panels":
+        monkeypatch.setattr(cpu_linear, "weight_panels", lambda weight, packed: None)
+        monkeypatch.setattr(cpu_linear, "own_panels", lambda weight: None)
     runner = make_runner(tmp_path, dtype="auto")
     down = runner.model.model.layers[0].mlp.down_proj
-    assert down.weight.is_mkldnn == (layout != "plain")
+    if layout == "panels":
+        assert down.weight.is_mkldnn or cpu_linear.is_panels_only(down.weight)
+    else:
+        assert down.weight.is_mkldnn == (layout == "onednn-packed")
     assert (down.panels is not None) == (layout == "panels")
     # Contexts of different lengths, past the window, across block boundaries.
     prompts = random_prompts({"a": 3, "b": 17, "c": 30}, VOCAB)

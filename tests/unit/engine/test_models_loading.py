@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kernels import cpu_linear
 from kernels.cpu_extension import load as load_cpu_kernels
-from services.engine.models import linear as linear_module
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import Linear
 from services.engine.models.loader import MODEL_REGISTRY, model_class
@@ -170,6 +170,11 @@ def test_linear_weights_are_packed_for_onednn_on_cpu(tied: bool, dtype: torch.dt
             # Shared with the embedding table, whose row lookups want a plain tensor.
             assert weight is model.model.embed_tokens.weight and not weight.is_mkldnn
             assert module.panels is None
+        elif cpu_linear.is_panels_only(weight):
+            # bfloat16 that oneDNN cannot take, or lays out otherwise (a CPU without bf16
+            # dot products): the C++ kernel's panels are the weight.
+            assert panels and dtype == torch.bfloat16 and weight.dtype == dtype, name
+            assert module.panels is not None, name
         else:
             assert weight.is_mkldnn and weight.dtype == dtype, name
             assert (module.panels is not None) == panels, name
@@ -185,7 +190,7 @@ def test_linear_weights_are_packed_for_onednn_on_cpu(tied: bool, dtype: torch.dt
 @pytest.mark.parametrize("tied", [False, True])
 def test_without_onednn_float32_linear_weights_are_stored_column_major(
         tied: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear_module, "can_pack", lambda weight: False)
+    monkeypatch.setattr(cpu_linear, "can_pack", lambda weight: False)
     hf = make_checkpoint(tmp_path, "llama", tie_word_embeddings=tied)
     model = make_runner(tmp_path, device="cpu").model
     linears = {name: m.weight for name, m in model.named_modules()
@@ -203,10 +208,22 @@ def test_without_onednn_float32_linear_weights_are_stored_column_major(
     assert torch.equal(linears["model.layers.1.mlp.down_proj"], down)
 
 
-def test_without_onednn_bfloat16_linear_weights_stay_row_major(
+def test_without_onednn_bfloat16_linear_weights_are_panels_alone(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear_module, "can_pack", lambda weight: False)
-    make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
+    # A CPU (or a torch) without oneDNN's bfloat16: the C++ kernel's panels are the only
+    # copy of each weight, and the model gives the same logits as transformers' weights.
+    monkeypatch.setattr(cpu_linear, "can_pack", lambda weight: False)
+    hf = make_checkpoint(tmp_path, "llama", dtype=torch.bfloat16)
     model = make_runner(tmp_path, device="cpu", dtype="auto").model
-    assert all(m.weight.is_contiguous() and not m.weight.is_mkldnn for m in model.modules()
-               if isinstance(m, torch.nn.Linear))
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    if cpu_linear.cpu_ops(torch.empty(0)) is None:
+        assert all(m.weight.is_contiguous() and not m.weight.is_mkldnn
+                   for m in linears.values())
+        return
+    down = linears["model.layers.1.mlp.down_proj"]
+    assert cpu_linear.is_panels_only(down.weight) and down.panels is not None
+    want = hf.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(cpu_linear.unpack_panels(down.panels, *want.shape), want)
+    x = torch.randn(5, want.shape[1], dtype=torch.bfloat16)
+    torch.testing.assert_close(down(x), torch.nn.functional.linear(x, want), rtol=2**-7,
+                               atol=1e-3)
