@@ -6,6 +6,7 @@ built for the machine)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels import cpu_isa
+from kernels import backend, cpu_extension, cpu_isa
 from kernels.cpu_linear import onednn_bf16
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,3 +95,19 @@ def test_this_process_runs_the_level_it_was_given(cpu_ops: Any) -> None:
     elif target.level == "auto" and target.name == "avx512_bf16":
         assert torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")
         assert onednn_bf16()
+
+
+def test_off_x86_the_extension_is_not_built_and_one_line_says_so(
+        monkeypatch: pytest.MonkeyPatch, kernels_backend: None,
+        caplog: pytest.LogCaptureFixture) -> None:
+    aarch64 = cpu_isa.CpuTarget("auto", "aarch64", ("-march=native",), False)
+    monkeypatch.setattr(cpu_extension, "target", lambda: aarch64)
+    monkeypatch.setattr(cpu_extension, "_ops", None)
+    monkeypatch.setattr(cpu_extension, "_failed", False)
+    backend.set_backend("auto")
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_extension"):
+        assert cpu_extension.load() is None
+        assert cpu_extension.load() is None  # once per process
+    (record,) = caplog.records
+    assert record.getMessage() == ("CPU kernels unavailable, using the torch path: the C++ "
+                                   "kernels are built for x86-64 only, not aarch64")
