@@ -14,6 +14,7 @@
 
 #include "avx512_math.h"
 #include "paged_attention_cpu.h"
+#include "tile_walk.h"
 
 #ifdef CORESTREAM_AVX512
 namespace corestream_cpu::paged_avx512 {
@@ -133,33 +134,7 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict pro
   }
 }
 
-// The cache rows of a sequence's tokens from `first_token` on, 16 tokens at a time.
-class TileWalk {
- public:
-  TileWalk(const int32_t* block_table, int64_t block_size, int64_t num_kv_heads,
-           int64_t kv_begin, int64_t head_dim, int64_t first_token)
-      : table_(block_table), block_size_(block_size), num_kv_heads_(num_kv_heads),
-        kv_begin_(kv_begin), head_dim_(head_dim), block_(first_token / block_size),
-        offset_(first_token % block_size) {}
-
-  // rows[t], t < n: where the next n tokens' rows for kv head kv_begin start, in
-  // elements. Slots from n on repeat the first row, so reading them stays in the cache.
-  void next(int64_t* rows, int64_t n) {
-    for (int64_t t = 0; t < n; ++t) {
-      rows[t] = ((table_[block_] * block_size_ + offset_) * num_kv_heads_ + kv_begin_) *
-                head_dim_;
-      if (++offset_ == block_size_) {
-        offset_ = 0;
-        ++block_;
-      }
-    }
-    std::fill(rows + n, rows + vec::kLanes, rows[0]);
-  }
-
- private:
-  const int32_t* table_;
-  int64_t block_size_, num_kv_heads_, kv_begin_, head_dim_, block_, offset_;
-};
+using TileWalk = corestream_cpu::TileWalk<vec::kLanes>;
 
 // The online-softmax step of one tile for `heads` heads: probs[h] holds the tile's scores
 // on entry and their weights on return, relative to the new running max; shrink[h] is

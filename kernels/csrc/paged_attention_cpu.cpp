@@ -8,6 +8,9 @@
 //   next tile prefetched while this one runs. (A dot product per (token, head) that ends
 //   in its own horizontal sum, a serial chain of shuffles and adds per score, held the
 //   portable code to about half the memory bandwidth: benchmarks/decode_attention.py.)
+// - attend_one_avx2 (paged_attention_avx2.h), where the build targets AVX2 and FMA but not
+//   AVX-512: the same plan in 8-lane vectors and tiles of 8 tokens, bf16 widened in
+//   registers.
 // - attend_one, portable: plain `omp simd` loops that the compiler vectorizes for the
 //   build machine, common head sizes compile-time constants so those loops unroll fully.
 //   It serves other machines, and head sizes the AVX-512 code has no instance for.
@@ -42,6 +45,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "paged_attention_avx2.h"
 #include "paged_attention_avx512.h"
 #include "paged_attention_cpu.h"
 #include "work_items.h"
@@ -293,6 +297,23 @@ std::pair<int64_t, corestream_cpu::Item> decode_dispatch(
     case 6: return avx512(integral_constant<int, 6>{});
     case 8: return avx512(integral_constant<int, 8>{});
     case 16: return avx512(integral_constant<int, 16>{});
+    default: break;
+  }
+#elif defined(CORESTREAM_AVX2)
+  // Head sizes 32, 64, 80, 96, 128 and 256; others take the portable code.
+  auto avx2 = [&](auto chunk_count) {
+    constexpr int kChunks = decltype(chunk_count)::value;
+    return decode_items_of<T, corestream_cpu::paged_avx2::attend_one_avx2<T, kChunks>>(
+        s, q, o, k, v, tables, lens, blocks, (2 * kChunks + 1) * 8);
+  };
+  using std::integral_constant;
+  switch (s.head_dim) {
+    case 32: return avx2(integral_constant<int, 4>{});
+    case 64: return avx2(integral_constant<int, 8>{});
+    case 80: return avx2(integral_constant<int, 10>{});
+    case 96: return avx2(integral_constant<int, 12>{});
+    case 128: return avx2(integral_constant<int, 16>{});
+    case 256: return avx2(integral_constant<int, 32>{});
     default: break;
   }
 #endif
