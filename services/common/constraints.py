@@ -7,13 +7,17 @@ off its busy loop, and masks each step's logits with the grammar's allowed token
 Both sides use the same `llguidance_grammar` and the same options, so what the
 frontend accepts the engine compiles.
 
-JSON Schemas are compiled strictly: a keyword llguidance does not implement
-(`uniqueItems`, `contains`, `not`, `if`/`then`, `dependentRequired`, ...) is an
-error rather than silently ignored, since ignoring it could produce output that
-does not validate. The exceptions are annotations that never restrict validity in
-draft 2020-12: an unknown `format` is ignored. JSON output is compact, with ", "
-and ": " separators and no other whitespace, so bounded schemas stay bounded; a
-schema may override that with llguidance's `x-guidance` key.
+The engine compiles strictly: a grammar warning that could let invalid output
+through is an error there. What reaches it is exact because the frontend's
+`check_constraint` rewrites a JSON Schema first (schema_support.py): a oneOf proved
+disjoint becomes anyOf (exact); by default a oneOf that may overlap is followed as
+anyOf and a keyword llguidance lacks that only narrows (`not`, `if`/`then`/`else`,
+`uniqueItems`, `contains`, `dependentRequired`, ...) is left out, and the frontend
+validates each finished output against the client's full schema instead; with
+`strict` both are refused. An unknown `format` is an annotation in draft 2020-12
+and is ignored. JSON output is compact, with ", " and ": " separators and no other
+whitespace, so bounded schemas stay bounded; a schema may override that with
+llguidance's `x-guidance` key.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from services.common.schema_support import Draft, exact_one_of, relax, value_at
 
 if TYPE_CHECKING:
     import llguidance
@@ -85,15 +91,7 @@ def llguidance_grammar(constraint: OutputConstraint) -> str:
     kind = constraint.kind
     try:
         if kind is ConstraintKind.JSON_SCHEMA:
-            schema = json.loads(constraint.spec)
-            if schema is True:
-                schema = {}  # the schema that accepts any value
-            elif schema is False:
-                raise ConstraintError("the schema false accepts no value at all")
-            if not isinstance(schema, dict):
-                raise ConstraintError(
-                    f"a JSON Schema is an object or a boolean, got {type(schema).__name__}")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return _schema_grammar(parse_schema(constraint.spec))
         if kind is ConstraintKind.JSON_OBJECT:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 {"type": "object"}, defaults=JSON_OPTIONS)
@@ -110,12 +108,126 @@ def llguidance_grammar(constraint: OutputConstraint) -> str:
         # An alternation of the strings as Lark literals.
         lark = "start: " + " | ".join(_lark_literal(c) for c in constraint.choices)
         return llguidance.LLMatcher.grammar_from_lark(lark)
-    except json.JSONDecodeError as exc:
-        raise ConstraintError(f"is not valid JSON: {exc}") from None
     except ConstraintError:
         raise
     except (ValueError, TypeError) as exc:
         raise ConstraintError(str(exc)) from None
+
+
+def parse_schema(spec: str) -> dict[str, Any]:
+    """The JSON Schema of a spec as an object (true is {}); ConstraintError if it is not
+    JSON or not a schema."""
+    try:
+        schema = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise ConstraintError(f"is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConstraintError("is nested too deeply") from None
+    if schema is True:
+        return {}  # the schema that accepts any value
+    if schema is False:
+        raise ConstraintError("the schema false accepts no value at all")
+    if not isinstance(schema, dict):
+        raise ConstraintError(
+            f"a JSON Schema is an object or a boolean, got {type(schema).__name__}")
+    return schema
+
+
+def _schema_grammar(schema: dict[str, Any]) -> str:
+    import llguidance
+
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise ConstraintError(str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedConstraint:
+    """A client's constraint as the frontend accepted it."""
+
+    engine: OutputConstraint
+    """What the engines compile: the client's constraint, or its JSON Schema rewritten
+    so that the grammar follows it exactly (see `check_constraint`)."""
+    notes: tuple[str, ...] = ()
+    """What the grammar does not enforce, one line each, for the response's warnings."""
+    relaxed: tuple[str, ...] = ()
+    """The keyword of each note (oneOf, not, ...), for the metrics."""
+    output_schema: dict[str, Any] | None = None
+    """The client's full schema, when finished outputs must be validated against it."""
+
+
+def check_constraint(constraint: OutputConstraint, tokenizer: llguidance.LLTokenizer,
+                     strict: bool = False) -> CheckedConstraint:
+    """Compile the constraint for this tokenizer; ConstraintError unless it can be
+    served. A JSON Schema is served exactly where llguidance can follow it; a oneOf it
+    may only approximate as anyOf, and a keyword it lacks that only narrows the schema,
+    are refused when `strict` and otherwise left to a check of the finished output.
+    Every refusal names the JSON pointer of the part it is about."""
+    if constraint.kind is not ConstraintKind.JSON_SCHEMA:
+        compile_matcher(llguidance_grammar(constraint), tokenizer)
+        return CheckedConstraint(constraint)
+    draft = Draft(parse_schema(constraint.spec))
+    unproved = exact_one_of(draft)
+    matcher = _matcher(_schema_grammar(draft.schema), tokenizer)
+    warnings = _serious(matcher.get_grammar_warnings())
+    if not warnings:
+        return CheckedConstraint(_spec_of(constraint, draft))
+    relaxation = relax(draft, unproved, warnings, _warnings_of)
+    if relaxation.unsupported:
+        raise ConstraintError("unsupported keyword " + ", ".join(
+            f"{p.rsplit('/', 1)[-1]} at {p}" for p in relaxation.unsupported))
+    if relaxation.other_warnings:
+        raise ConstraintError(f"unsupported: {relaxation.other_warnings[0]}")
+    if strict and not relaxation.exact:
+        raise ConstraintError(
+            "this server follows JSON Schemas exactly or not at all (strict_json_schema): "
+            + "; ".join([*(f"oneOf at {p} has branches that are not provably disjoint"
+                           for p in relaxation.approximated),
+                         *(f"unsupported keyword {p.rsplit('/', 1)[-1]} at {p}"
+                           for p in relaxation.dropped)]))
+    engine = _spec_of(constraint, draft)
+    compile_matcher(llguidance_grammar(engine), tokenizer)
+    _check_dropped(draft.original, relaxation.dropped)
+    return CheckedConstraint(
+        engine, tuple(relaxation.notes()),
+        tuple(p.rsplit("/", 1)[-1] for p in (*relaxation.approximated, *relaxation.dropped)),
+        draft.original)
+
+
+def _spec_of(constraint: OutputConstraint, draft: Draft) -> OutputConstraint:
+    if not draft.changed:
+        return constraint
+    return OutputConstraint(ConstraintKind.JSON_SCHEMA, json.dumps(draft.schema))
+
+
+def _warnings_of(schema: Any) -> list[str]:
+    import llguidance
+
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        _schema_grammar(schema))
+    if failed:
+        raise ConstraintError(messages[0] if messages else "the schema does not compile")
+    return _serious(messages)
+
+
+def _check_dropped(schema: dict[str, Any], dropped: tuple[str, ...]) -> None:
+    """The output check reads the keywords llguidance left out, whose form nothing has
+    checked yet: each must be valid in the schema's draft (checking just them keeps a
+    large schema's check cheap: the whole of a 250 kB one takes 0.4 s)."""
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(schema)
+    for where in dropped:
+        parent, _, key = where.rpartition("/")
+        node = value_at(schema, parent)
+        fragment = {key: node[key]}
+        if "$schema" in schema:
+            fragment["$schema"] = schema["$schema"]
+        try:
+            validator.check_schema(fragment)
+        except jsonschema.SchemaError as exc:
+            raise ConstraintError(f"{key} at {where} is not valid: {exc.message}") from None
 
 
 def _lark_literal(text: str) -> str:
@@ -129,19 +241,25 @@ def compile_matcher(grammar: str, tokenizer: llguidance.LLTokenizer) -> llguidan
     """A fresh matcher at the grammar's start; ConstraintError unless the grammar compiles
     for this tokenizer without a warning that could let invalid output through. The
     frontend's check and the engine's compile both call this, so they never disagree."""
+    matcher = _matcher(grammar, tokenizer)
+    warnings = _serious(matcher.get_grammar_warnings())
+    if warnings:
+        raise ConstraintError(f"unsupported: {warnings[0]}")
+    return matcher
+
+
+def _matcher(grammar: str, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
     import llguidance
 
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise ConstraintError(matcher.get_error())
-    _check_warnings(matcher.get_grammar_warnings())
     return matcher
 
 
-def _check_warnings(warnings: list[str]) -> None:
-    for warning in warnings:
-        if not warning.startswith(_HARMLESS_WARNINGS):
-            raise ConstraintError(f"unsupported: {warning}")
+def _serious(warnings: list[str]) -> list[str]:
+    """The warnings that mean the grammar could accept output the constraint does not."""
+    return [w for w in warnings if not w.startswith(_HARMLESS_WARNINGS)]
 
 
 def build_tokenizer(tokenizer_json: str, vocab_size: int,

@@ -147,11 +147,13 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         self, answers: _Answers, chunk: generate_pb2.GenerateStreamResponse
     ) -> chat_pb2.ChatStreamResponse | None:
         delta, finish_reason = self._read(answers, chunk)
-        if not (delta or finish_reason or chunk.logprobs or chunk.HasField("usage")):
+        if not (delta or finish_reason or chunk.logprobs or chunk.HasField("usage")
+                or chunk.warnings):
             return None
         response = chat_pb2.ChatStreamResponse(
             request_id=chunk.request_id, index=chunk.index, content=delta.content,
             reasoning=delta.reasoning, finish_reason=finish_reason, logprobs=chunk.logprobs,
+            warnings=chunk.warnings,
             tool_calls=[chat_pb2.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
                                                arguments=d.arguments)
                         for d in delta.tool_calls],
@@ -196,7 +198,13 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         if constraint is not None:
             field_name = _constraint_field(request)
             with telemetry.phase("validate"):
-                await generate.check_constraint(constraint, field_name)
+                accepted = await generate.check_constraint(constraint, field_name)
+            if reasoning_parser is not None and accepted.output_check is not None:
+                # The answer's grammar then follows a reasoning block, and the output
+                # check has no way to tell the JSON from the reasoning.
+                raise invalid_argument(field_name, (
+                    f"{field_name} is not a constraint this server can follow after "
+                    "reasoning: " + "; ".join(accepted.checked.notes)))
             if reasoning_parser is not None:
                 try:
                     constraint = with_reasoning_prefix(
@@ -343,6 +351,7 @@ async def collect_chat(
             choice.finish_reason = delta.finish_reason
         if delta.HasField("usage"):
             response.usage.CopyFrom(delta.usage)
+        response.warnings.extend(delta.warnings)
     for index in sorted(choices):
         content, reasoning = texts[index]
         choices[index].content = "".join(content)

@@ -119,7 +119,16 @@ class FrontendConfig:
     )
     max_constraint_chars: int = doc(
         "Largest output constraint accepted (sampling.json_schema, regex, grammar, or the "
-        "choices together), in characters.", default=64 * 1024
+        "choices together), in characters. The default admits real schemas (a bundled "
+        "Kubernetes PodList is 249k characters and compiles in about 0.25 s); the "
+        "engines' grammar_compile_timeout_s and grammar_cache_size bound what a large "
+        "one costs.", default=1 << 20
+    )
+    strict_json_schema: bool = doc(
+        "Refuse a JSON Schema that the grammar can only approximate (a oneOf whose "
+        "branches are not provably disjoint, a keyword such as not, if or uniqueItems) "
+        "instead of serving it with the output validated after generation "
+        "(FINISH_REASON_SCHEMA_MISMATCH when it fails).", default=False
     )
     chat_template: str = doc(
         "Jinja chat template file for ChatService, replacing the checkpoint's own "

@@ -37,6 +37,7 @@ from services.common.convert import sampling_to_proto
 from services.common.model_info import ModelInfo
 from services.common.sampling import SamplingParams
 from services.frontend.balancer import Balancer
+from services.frontend.constraint_check import OutputCheck
 from services.frontend.engine_client import EngineClient, EngineEvent, EngineFailure
 from services.frontend.errors import RequestError, engine_error
 from services.frontend.request_telemetry import RequestTelemetry
@@ -58,6 +59,10 @@ class PreparedRequest:
     """Run on this engine rank instead of the least loaded one."""
     arrival_time: float = field(default_factory=time.time)
     trace_headers: Mapping[str, str] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    """What the grammar does not enforce of the constraint, for the first chunk."""
+    output_check: OutputCheck | None = None
+    """Validates each sample's output once its constraint is complete."""
 
 
 log = logging.getLogger(__name__)
@@ -141,7 +146,8 @@ class RequestRunner:
         n = request.sampling.n
         samples = [
             SampleStream(i, _engine_request_id(request_id, i, n), self._tokenizer,
-                         request.prompt_token_ids, request.sampling, request.skip_special_tokens)
+                         request.prompt_token_ids, request.sampling, request.skip_special_tokens,
+                         request.output_check)
             for i in range(n)
         ]
         by_engine_id = {s.engine_request_id: s for s in samples}
@@ -154,6 +160,7 @@ class RequestRunner:
         lost: list[str] = []  # engines that died under this request before any output
         delivered = False
         unfinished = n
+        warnings = list(request.warnings)
         try:
             prompt_logprobs: list[common_pb2.PositionLogprobs] = []
             while unfinished:
@@ -182,6 +189,9 @@ class RequestRunner:
                 if prompt_logprobs:
                     chunk.prompt_logprobs.extend(prompt_logprobs)
                     prompt_logprobs = []
+                if warnings:
+                    chunk.warnings.extend(warnings)
+                    warnings = []
                 if sample.finished:
                     unfinished -= 1
                     if not unfinished:
@@ -254,6 +264,7 @@ async def collect_generate(
         completion.token_ids.extend(chunk.token_ids)
         completion.logprobs.extend(chunk.logprobs)
         response.prompt_logprobs.extend(chunk.prompt_logprobs)
+        response.warnings.extend(chunk.warnings)
         if chunk.finish_reason:
             completion.finish_reason = chunk.finish_reason
             stop = chunk.WhichOneof("matched_stop")

@@ -51,6 +51,7 @@ _FINISHED_REASON = {
     common_pb2.FINISH_REASON_STOP_STRING: "stop",
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_SCHEMA_MISMATCH: "schema_mismatch",
 }
 _LABELS = ("model_name", "engine")
 _NS = 1_000_000_000
@@ -87,6 +88,16 @@ class FrontendMetrics:
             PREFIX + "routing_actual_cached_tokens",
             "Prompt tokens the engines served from their prefix cache, for requests that "
             "finished.", ("model_name",), registry=registry)
+        self.relaxed_constraints = Counter(
+            PREFIX + "relaxed_constraints",
+            "Requests whose JSON Schema the grammar only approximates, by keyword (oneOf "
+            "followed as anyOf, or a keyword such as not left to the output check); "
+            "outputs that then fail are counted as request_success with finished_reason "
+            "schema_mismatch.", ("model_name", "keyword"), registry=registry)
+
+    def count_relaxed(self, keywords: tuple[str, ...]) -> None:
+        for keyword in keywords:
+            self.relaxed_constraints.labels(self.model_name, keyword).inc()
 
 
 class RequestTelemetry:

@@ -2,11 +2,15 @@
 
 Each sample (of `sampling.n`) is its own engine request with its own incremental
 detokenizer and stop-string matcher; it ends on its own, when the engine finishes
-it or a stop string matches (then the engine must be told to abort it).
+it or a stop string matches (then the engine must be told to abort it). A sample
+whose JSON Schema the grammar only approximates keeps its text, and when the grammar
+completes the frontend validates it: a failure ends the sample with
+FINISH_REASON_SCHEMA_MISMATCH instead of FINISH_REASON_STOP.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from corestream.common.v1 import common_pb2
@@ -14,8 +18,11 @@ from corestream.engine.v1 import engine_core_service_pb2 as engine_pb2
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 
 from services.common.sampling import SamplingParams
+from services.frontend.constraint_check import OutputCheck
 from services.frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.frontend.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
 
 
 class SampleStream:
@@ -27,6 +34,7 @@ class SampleStream:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         skip_special_tokens: bool,
+        output_check: OutputCheck | None = None,
     ) -> None:
         self.index = index
         self.engine_request_id = engine_request_id
@@ -40,6 +48,8 @@ class SampleStream:
         self.finished = False
         self.stopped_by_string = False
         """Ended here on a stop string while the engine still runs it."""
+        self._output_check = output_check
+        self._texts: list[str] = []
 
     def on_output(
         self, request_id: str, output: engine_pb2.RequestOutput
@@ -66,8 +76,21 @@ class SampleStream:
                 chunk.stop_token_id = output.stop_token_id
         elif not (token_ids or text):
             return None
+        if self._output_check is not None:
+            self._texts.append(chunk.text)
+            if chunk.finish_reason == common_pb2.FINISH_REASON_STOP:
+                self._check_output(chunk)
         self.finished = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
         return chunk
+
+
+    def _check_output(self, chunk: generate_pb2.GenerateStreamResponse) -> None:
+        assert self._output_check is not None
+        failure = self._output_check.failure("".join(self._texts))
+        if failure is not None:
+            chunk.finish_reason = common_pb2.FINISH_REASON_SCHEMA_MISMATCH
+            log.info("sample %s: the finished output fails its JSON Schema: %s",
+                     self.engine_request_id, failure)
 
 
 def with_token_text(

@@ -45,7 +45,7 @@ from services.frontend.balancer import Balancer
 from services.frontend.chat_service import ChatServicer
 from services.frontend.chat_template import ChatTemplates
 from services.frontend.config import FrontendConfig
-from services.frontend.constraint_check import ConstraintChecker
+from services.frontend.constraint_check import Accepted, ConstraintChecker
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError, invalid_argument, to_status
 from services.frontend.grpc_calls import (
@@ -102,7 +102,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             max_n=config.max_n, max_stop_strings=config.max_stop_strings,
             max_stop_string_chars=config.max_stop_string_length,
             max_tokens=config.max_tokens_limit)
-        self._constraints = ConstraintChecker(tokenizer, model, config.max_constraint_chars)
+        self._constraints = ConstraintChecker(tokenizer, model, config.max_constraint_chars,
+                                              config.strict_json_schema)
         self.draining = False
 
     @property
@@ -242,7 +243,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         sampling = request.sampling
         if sampling.constraint is not None:
             with telemetry.phase("validate"):
-                await self._constraints.check(sampling.constraint)
+                accepted = await self._constraints.check(sampling.constraint)
+            # The engines compile what the grammar follows; what it leaves out is
+            # checked here once each output is complete.
+            sampling = dataclasses.replace(sampling, constraint=accepted.checked.engine)
+            request = dataclasses.replace(request, warnings=accepted.checked.notes,
+                                          output_check=accepted.output_check)
+            self._metrics.count_relaxed(accepted.checked.relaxed)
         max_tokens = check_length(
             len(request.prompt_token_ids),
             sampling.max_tokens,
@@ -255,10 +262,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         return dataclasses.replace(request, sampling=sampling,
                                    trace_headers=telemetry.trace_headers())
 
-    async def check_constraint(self, constraint: OutputConstraint, field: str) -> None:
+    async def check_constraint(self, constraint: OutputConstraint, field: str) -> Accepted:
         """Compile-check a constraint that came in as `field` (verdicts are cached, so
         the check in `prepared` is then free)."""
-        await self._constraints.check(constraint, field)
+        return await self._constraints.check(constraint, field)
 
     def check_accepting(self) -> None:
         """UNAVAILABLE while the frontend drains."""

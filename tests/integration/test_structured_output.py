@@ -8,8 +8,14 @@ integer ranges, no additional properties) so that greedy and seeded outputs end 
 the constraint (FINISH_REASON_STOP) well within max_tokens; the tests check that they
 do rather than validating whatever happens to fit.
 
+The real-world-like schemas of tests/data/schemas/ (a 200k-character Kubernetes-like
+manifest, oneOf with and without a discriminator, not, if/then, ...) go through the
+cluster too: exact ones end valid; approximated ones carry warnings, and each output
+that ends either validates (FINISH_REASON_STOP) or is reported as failing
+(FINISH_REASON_SCHEMA_MISMATCH), which jsonschema confirms.
+
 One cluster serves the whole module (its start counts against the first test's
-timeout).
+timeout), with the default size limit.
 """
 
 from __future__ import annotations
@@ -30,14 +36,17 @@ from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from services.frontend.config import FrontendConfig
 from tests.integration.cluster import Cluster
+from tests.unit.common.test_schema_constraints import CASES, Case
 
 # Covers the cluster's start (the first test pays it) plus a test's own requests.
 TIMEOUT_S = 240
-MAX_CONSTRAINT_CHARS = 4096
+MAX_CONSTRAINT_CHARS = FrontendConfig().max_constraint_chars
 NUM_ENGINES = 2
 STOP = common_pb2.FINISH_REASON_STOP
 LENGTH = common_pb2.FINISH_REASON_LENGTH
+MISMATCH = common_pb2.FINISH_REASON_SCHEMA_MISMATCH
 # Far above what any bounded constraint below needs (the longest takes about 60).
 MAX_TOKENS = 256
 
@@ -127,8 +136,7 @@ def by_name(kinds: list[Kind]) -> Any:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(["--engines", str(NUM_ENGINES),
-                 "--max-constraint-chars", str(MAX_CONSTRAINT_CHARS)])
+    c = Cluster(["--engines", str(NUM_ENGINES)])
     yield c
     c.stop()
 
@@ -264,20 +272,19 @@ BAD_CONSTRAINTS = [
     ("regex_unparsable", {"regex": "[0-9"}, "unclosed character class"),
     ("grammar_unparsable", {"grammar": "start: (\"a\" | \"b\""}, "sampling.grammar"),
     ("grammar_no_start", {"grammar": 'greeting: "hello"'}, "sampling.grammar"),
-    ("unique_items", {"json_schema": schema_with(uniqueItems=True)}, '"uniqueItems"'),
-    ("contains", {"json_schema": schema_with(contains={"const": 1})}, '"contains"'),
-    ("not", {"json_schema": schema_with(**{"not": {"maxItems": 1}})}, '"not"'),
-    ("if_then", {"json_schema": schema_with(**{"if": {"maxItems": 1}, "then": {"minItems": 1}})},
-     '"if", "then"'),
-    ("dependent_required", {"json_schema": json.dumps(
-        {"type": "object", "dependentRequired": {"a": ["b"]}})}, '"dependentRequired"'),
+    # Not a mere narrowing, so refused even though outputs are checked: by its pointer.
+    ("dynamic_ref", {"json_schema": schema_with(items={"$dynamicRef": "#x"})},
+     "unsupported keyword $dynamicRef at /items/$dynamicRef"),
+    ("contains_malformed", {"json_schema": schema_with(contains=5)},
+     "contains at /contains is not valid"),
     ("choice_empty", {"choice": common_pb2.ChoiceConstraint()}, "empty"),
     ("choice_empty_string", {"choice": common_pb2.ChoiceConstraint(choices=["a", ""])},
      "empty string"),
     ("regex_too_long", {"regex": padded_regex(MAX_CONSTRAINT_CHARS + 1)},
      "max_constraint_chars"),
     ("choices_too_long", {"choice": common_pb2.ChoiceConstraint(
-        choices=["x" * 2048, "y" * 2049])}, "max_constraint_chars"),
+        choices=["x" * (MAX_CONSTRAINT_CHARS // 2), "y" * (MAX_CONSTRAINT_CHARS // 2 + 1)])},
+     "max_constraint_chars"),
 ]
 
 
@@ -313,3 +320,56 @@ def test_constraint_at_the_size_limit_is_served(stub: pb_grpc.GenerateServiceStu
     (completion,) = generate(stub, sampling({"regex": regex})).completions
     assert completion.finish_reason == STOP
     assert re.fullmatch(regex, completion.text)
+
+
+SERVED = [case for case in CASES if case.verdict != "refused"]
+
+
+def consistent(case: Case, completion: pb.Completion) -> None:
+    """An output that ends is valid exactly when the server says so."""
+    if completion.finish_reason == LENGTH:
+        return
+    value = json.loads(completion.text)
+    assert_compact_json(completion.text)
+    valid = jsonschema.validators.validator_for(case.schema)(case.schema).is_valid(value)
+    if completion.finish_reason == STOP:
+        assert valid, completion.text
+    else:
+        assert completion.finish_reason == MISMATCH and case.verdict == "approximated"
+        assert not valid, completion.text
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("case", SERVED, ids=[case.name for case in SERVED])
+def test_real_world_schemas_are_served_as_documented(
+    stub: pb_grpc.GenerateServiceStub, case: Case
+) -> None:
+    params = sampling({"json_schema": json.dumps(case.schema)}, temperature=1.0, seed=3, n=4)
+    response = generate(stub, params)
+    pointers = sorted(w.split(" at ", 1)[1].split(" ", 1)[0] for w in response.warnings)
+    assert pointers == sorted(case.relaxed)
+    for completion in response.completions:
+        consistent(case, completion)
+    # Unbounded strings and numbers let a sample run to max_tokens now and then; the
+    # others end, and are checked.
+    assert any(c.finish_reason != LENGTH for c in response.completions)
+    # The stream carries the warnings once, in its first chunk.
+    chunks = list(stub.GenerateStream(pb.GenerateStreamRequest(
+        text="tell me about yourself", sampling=params), timeout=60))
+    assert list(chunks[0].warnings) == list(response.warnings)
+    assert not any(chunk.warnings for chunk in chunks[1:])
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_an_approximated_oneof_reports_the_outputs_that_fail(
+    stub: pb_grpc.GenerateServiceStub
+) -> None:
+    # "b" is in both branches' enums: anyOf allows it, oneOf does not.
+    case = next(c for c in CASES if c.name == "enum_overlap")
+    params = sampling({"json_schema": json.dumps(case.schema)}, temperature=1.0, seed=5,
+                      n=16)
+    completions = generate(stub, params).completions
+    for completion in completions:
+        consistent(case, completion)
+    texts = {c.finish_reason: c.text for c in completions}
+    assert texts.get(MISMATCH) == '"b"' and texts.get(STOP) in ('"a"', '"c"')

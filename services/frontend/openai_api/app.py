@@ -147,7 +147,9 @@ class OpenAIApi:
             return responses.completion_response(
                 choices, usage, id=rid, model=self.model, created=created, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs if body.prompt_logprobs is not None else None,
-                token_ids=body.return_token_ids)
+                token_ids=body.return_token_ids,
+                # Every prompt has the same constraint: its warnings once.
+                warnings=results[0].warnings if results else ())
 
         return await _whole(request, whole(), request_id)
 
@@ -159,7 +161,7 @@ class OpenAIApi:
         offsets = responses.CompletionLogprobs()
         async for base, chunk in chunks:
             index = base + chunk.index
-            if (chunk.text or chunk.finish_reason or chunk.logprobs
+            if (chunk.text or chunk.finish_reason or chunk.logprobs or chunk.warnings
                     or (token_ids and chunk.token_ids)):
                 yield responses.completion_chunk(
                     chunk, id=rid, model=self.model, created=created, index=index,

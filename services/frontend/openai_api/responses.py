@@ -2,7 +2,9 @@
 
 Every function returns plain dicts and lists, ready for `json.dumps`. The shapes are
 OpenAI's, plus what vLLM adds and its clients read (`stop_reason`, `reasoning_content`,
-finish reason "abort", `max_model_len` on a model).
+finish reason "abort", `max_model_len` on a model), and ours: a top-level `warnings`
+list (only when not empty) naming what of a JSON Schema the grammar does not enforce,
+and finish reason "schema_mismatch".
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ FINISH_REASONS: Mapping[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
+    # The grammar completed but the output fails the schema it only approximated
+    # (the response's warnings say what); ours, OpenAI has no such case.
+    common_pb2.FINISH_REASON_SCHEMA_MISMATCH: "schema_mismatch",
     # Normally the failed call's status reaches the client instead; vLLM's value.
     common_pb2.FINISH_REASON_ERROR: "error",
 }
@@ -32,6 +37,7 @@ CHAT_FINISH_REASONS: Mapping[int, str] = {
     chat_pb2.CHAT_FINISH_REASON_LENGTH: "length",
     chat_pb2.CHAT_FINISH_REASON_TOOL_CALLS: "tool_calls",
     chat_pb2.CHAT_FINISH_REASON_ABORT: "abort",
+    chat_pb2.CHAT_FINISH_REASON_SCHEMA_MISMATCH: "schema_mismatch",
 }
 
 # JSON has no -inf; vLLM writes a token the model rules out with this logprob.
@@ -155,14 +161,15 @@ def completion_chunk(
     }
     if token_ids:
         choice["token_ids"] = list(chunk.token_ids)
-    return {"id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+    return _with_warnings({"id": id, "object": "text_completion", "created": created,
+                           "model": model, "choices": [choice]}, chunk.warnings)
 
 
 def completion_response(
     completions: Sequence[tuple[int, generate_pb2.Completion]], usage: common_pb2.Usage, *,
     id: str, model: str, created: int, logprobs: bool,
     prompt_logprobs: Mapping[int, Positions] | None = None, token_ids: bool = False,
+    warnings: Sequence[str] = (),
 ) -> Json:
     """The whole `text_completion`: `completions` pairs each sample with its index in
     the response; `prompt_logprobs` (when the request asked for them) maps a choice's
@@ -183,8 +190,9 @@ def completion_response(
             choice["prompt_logprobs"] = (prompt_logprobs_json(positions)
                                          if positions is not None else None)
         choices.append(choice)
-    return {"id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_json(usage)}
+    return _with_warnings({"id": id, "object": "text_completion", "created": created,
+                           "model": model, "choices": choices, "usage": usage_json(usage)},
+                          warnings)
 
 
 def chat_logprobs(positions: Positions) -> Json:
@@ -226,8 +234,8 @@ def chat_chunk(
         "logprobs": chat_logprobs(chunk.logprobs) if chunk.logprobs else None,
         "finish_reason": CHAT_FINISH_REASONS.get(chunk.finish_reason),
     }
-    return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
+    return _with_warnings({"id": id, "object": "chat.completion.chunk", "created": created,
+                           "model": model, "choices": [choice]}, chunk.warnings)
 
 
 def usage_chunk(usage: common_pb2.Usage, *, id: str, model: str, created: int,
@@ -271,8 +279,15 @@ def chat_response(
         }
         for choice in sorted(response.choices, key=lambda c: c.index)
     ]
-    return {"id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage_json(response.usage)}
+    return _with_warnings({"id": id, "object": "chat.completion", "created": created,
+                           "model": model, "choices": choices,
+                           "usage": usage_json(response.usage)}, response.warnings)
+
+
+def _with_warnings(body: Json, warnings: Sequence[str]) -> Json:
+    if warnings:
+        body["warnings"] = list(warnings)
+    return body
 
 
 def models_list(model: str, created: int, max_model_len: int) -> Json:

@@ -17,6 +17,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_SCHEMA_MISMATCH: _ClassVar[FinishReason]
 
 class EngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -34,6 +35,7 @@ FINISH_REASON_STOP_STRING: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_STOP: FinishReason
+FINISH_REASON_SCHEMA_MISMATCH: FinishReason
 ENGINE_STATE_UNSPECIFIED: EngineState
 ENGINE_STATE_STARTING: EngineState
 ENGINE_STATE_RUNNING: EngineState

@@ -30,6 +30,7 @@ class ChatFinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHAT_FINISH_REASON_LENGTH: _ClassVar[ChatFinishReason]
     CHAT_FINISH_REASON_TOOL_CALLS: _ClassVar[ChatFinishReason]
     CHAT_FINISH_REASON_ABORT: _ClassVar[ChatFinishReason]
+    CHAT_FINISH_REASON_SCHEMA_MISMATCH: _ClassVar[ChatFinishReason]
 TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode
 TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
 TOOL_CHOICE_MODE_NONE: ToolChoiceMode
@@ -43,6 +44,7 @@ CHAT_FINISH_REASON_STOP: ChatFinishReason
 CHAT_FINISH_REASON_LENGTH: ChatFinishReason
 CHAT_FINISH_REASON_TOOL_CALLS: ChatFinishReason
 CHAT_FINISH_REASON_ABORT: ChatFinishReason
+CHAT_FINISH_REASON_SCHEMA_MISMATCH: ChatFinishReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "content_parts", "tool_calls", "tool_call_id", "reasoning", "name")
@@ -171,14 +173,16 @@ class ChatStreamRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ..., chat_template: _Optional[str] = ...) -> None: ...
 
 class ChatResponse(_message.Message):
-    __slots__ = ("request_id", "choices", "usage")
+    __slots__ = ("request_id", "choices", "usage", "warnings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     choices: _containers.RepeatedCompositeFieldContainer[ChatChoice]
     usage: _common_pb2.Usage
-    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatChoice(_message.Message):
     __slots__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "logprobs")
@@ -197,7 +201,7 @@ class ChatChoice(_message.Message):
     def __init__(self, index: _Optional[int] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., finish_reason: _Optional[_Union[ChatFinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ChatStreamResponse(_message.Message):
-    __slots__ = ("request_id", "index", "content", "reasoning", "tool_calls", "finish_reason", "usage", "logprobs")
+    __slots__ = ("request_id", "index", "content", "reasoning", "tool_calls", "finish_reason", "usage", "logprobs", "warnings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +210,7 @@ class ChatStreamResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     content: str
@@ -214,7 +219,8 @@ class ChatStreamResponse(_message.Message):
     finish_reason: ChatFinishReason
     usage: _common_pb2.Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[_Union[ChatFinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[_Union[ChatFinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")

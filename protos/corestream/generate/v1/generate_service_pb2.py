@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from corestream.common.v1 import common_pb2 as corestream_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-corestream/generate/v1/generate_service.proto\x12\x16\x63orestream.generate.v1\x1a!corestream/common/v1/common.proto\"\xc6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x35\n\ttoken_ids\x18\x03 \x01(\x0b\x32 .corestream.generate.v1.TokenIdsH\x00\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.corestream.common.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x1f\n\x12\x64\x61ta_parallel_rank\x18\x08 \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\x15\n\x13_data_parallel_rank\"\xcc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x37\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\".corestream.generate.v1.Completion\x12*\n\x05usage\x18\x03 \x01(\x0b\x32\x1b.corestream.common.v1.Usage\x12?\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\"\xf1\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".corestream.common.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x38\n\x08logprobs\x18\x07 \x03(\x0b\x32&.corestream.common.v1.PositionLogprobsB\x0e\n\x0cmatched_stop\"\xcc\x02\n\x15GenerateStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x35\n\ttoken_ids\x18\x03 \x01(\x0b\x32 .corestream.generate.v1.TokenIdsH\x00\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.corestream.common.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x1f\n\x12\x64\x61ta_parallel_rank\x18\x08 \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\x15\n\x13_data_parallel_rank\"\xfe\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".corestream.common.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12*\n\x05usage\x18\x07 \x01(\x0b\x32\x1b.corestream.common.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\x12\x38\n\x08logprobs\x18\t \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12?\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32&.corestream.common.v1.PositionLogprobsB\x0e\n\x0cmatched_stop\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9d\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rarchitectures\x18\x02 \x03(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x13\n\x0bnum_engines\x18\x08 \x01(\r\x12\x10\n\x08\x64\x65graded\x18\t \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x18\n\x10\x65ngines_given_up\x18\x0b \x03(\tB\x0f\n\r_bos_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t2\xe8\x04\n\x0fGenerateService\x12]\n\x08Generate\x12\'.corestream.generate.v1.GenerateRequest\x1a(.corestream.generate.v1.GenerateResponse\x12q\n\x0eGenerateStream\x12-.corestream.generate.v1.GenerateStreamRequest\x1a..corestream.generate.v1.GenerateStreamResponse0\x01\x12]\n\x08Tokenize\x12\'.corestream.generate.v1.TokenizeRequest\x1a(.corestream.generate.v1.TokenizeResponse\x12\x63\n\nDetokenize\x12).corestream.generate.v1.DetokenizeRequest\x1a*.corestream.generate.v1.DetokenizeResponse\x12i\n\x0cGetModelInfo\x12+.corestream.generate.v1.GetModelInfoRequest\x1a,.corestream.generate.v1.GetModelInfoResponse\x12T\n\x05\x41\x62ort\x12$.corestream.generate.v1.AbortRequest\x1a%.corestream.generate.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-corestream/generate/v1/generate_service.proto\x12\x16\x63orestream.generate.v1\x1a!corestream/common/v1/common.proto\"\xc6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x35\n\ttoken_ids\x18\x03 \x01(\x0b\x32 .corestream.generate.v1.TokenIdsH\x00\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.corestream.common.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x1f\n\x12\x64\x61ta_parallel_rank\x18\x08 \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\x15\n\x13_data_parallel_rank\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x37\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\".corestream.generate.v1.Completion\x12*\n\x05usage\x18\x03 \x01(\x0b\x32\x1b.corestream.common.v1.Usage\x12?\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12\x10\n\x08warnings\x18\x05 \x03(\t\"\xf1\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".corestream.common.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x38\n\x08logprobs\x18\x07 \x03(\x0b\x32&.corestream.common.v1.PositionLogprobsB\x0e\n\x0cmatched_stop\"\xcc\x02\n\x15GenerateStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x35\n\ttoken_ids\x18\x03 \x01(\x0b\x32 .corestream.generate.v1.TokenIdsH\x00\x12\x36\n\x08sampling\x18\x04 \x01(\x0b\x32$.corestream.common.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x1f\n\x12\x64\x61ta_parallel_rank\x18\x08 \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\x15\n\x13_data_parallel_rank\"\x90\x03\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".corestream.common.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12*\n\x05usage\x18\x07 \x01(\x0b\x32\x1b.corestream.common.v1.Usage\x12\r\n\x05index\x18\x08 \x01(\r\x12\x38\n\x08logprobs\x18\t \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12?\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12\x10\n\x08warnings\x18\x0b \x03(\tB\x0e\n\x0cmatched_stop\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9d\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rarchitectures\x18\x02 \x03(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x13\n\x0bnum_engines\x18\x08 \x01(\r\x12\x10\n\x08\x64\x65graded\x18\t \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x18\n\x10\x65ngines_given_up\x18\x0b \x03(\tB\x0f\n\r_bos_token_id\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t2\xe8\x04\n\x0fGenerateService\x12]\n\x08Generate\x12\'.corestream.generate.v1.GenerateRequest\x1a(.corestream.generate.v1.GenerateResponse\x12q\n\x0eGenerateStream\x12-.corestream.generate.v1.GenerateStreamRequest\x1a..corestream.generate.v1.GenerateStreamResponse0\x01\x12]\n\x08Tokenize\x12\'.corestream.generate.v1.TokenizeRequest\x1a(.corestream.generate.v1.TokenizeResponse\x12\x63\n\nDetokenize\x12).corestream.generate.v1.DetokenizeRequest\x1a*.corestream.generate.v1.DetokenizeResponse\x12i\n\x0cGetModelInfo\x12+.corestream.generate.v1.GetModelInfoRequest\x1a,.corestream.generate.v1.GetModelInfoResponse\x12T\n\x05\x41\x62ort\x12$.corestream.generate.v1.AbortRequest\x1a%.corestream.generate.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,31 +35,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=109
   _globals['_GENERATEREQUEST']._serialized_end=435
   _globals['_GENERATERESPONSE']._serialized_start=438
-  _globals['_GENERATERESPONSE']._serialized_end=642
-  _globals['_COMPLETION']._serialized_start=645
-  _globals['_COMPLETION']._serialized_end=886
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=889
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1221
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1224
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1606
-  _globals['_TOKENIDS']._serialized_start=1608
-  _globals['_TOKENIDS']._serialized_end=1631
-  _globals['_TOKENIZEREQUEST']._serialized_start=1633
-  _globals['_TOKENIZEREQUEST']._serialized_end=1720
-  _globals['_TOKENIZERESPONSE']._serialized_start=1722
-  _globals['_TOKENIZERESPONSE']._serialized_end=1775
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1777
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1873
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1875
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1909
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1911
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1932
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1935
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2220
-  _globals['_ABORTREQUEST']._serialized_start=2222
-  _globals['_ABORTREQUEST']._serialized_end=2257
-  _globals['_ABORTRESPONSE']._serialized_start=2259
-  _globals['_ABORTRESPONSE']._serialized_end=2303
-  _globals['_GENERATESERVICE']._serialized_start=2306
-  _globals['_GENERATESERVICE']._serialized_end=2922
+  _globals['_GENERATERESPONSE']._serialized_end=660
+  _globals['_COMPLETION']._serialized_start=663
+  _globals['_COMPLETION']._serialized_end=904
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=907
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1239
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1242
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1642
+  _globals['_TOKENIDS']._serialized_start=1644
+  _globals['_TOKENIDS']._serialized_end=1667
+  _globals['_TOKENIZEREQUEST']._serialized_start=1669
+  _globals['_TOKENIZEREQUEST']._serialized_end=1756
+  _globals['_TOKENIZERESPONSE']._serialized_start=1758
+  _globals['_TOKENIZERESPONSE']._serialized_end=1811
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1813
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1909
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1911
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1945
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1947
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1968
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1971
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2256
+  _globals['_ABORTREQUEST']._serialized_start=2258
+  _globals['_ABORTREQUEST']._serialized_end=2293
+  _globals['_ABORTRESPONSE']._serialized_start=2295
+  _globals['_ABORTRESPONSE']._serialized_end=2339
+  _globals['_GENERATESERVICE']._serialized_start=2342
+  _globals['_GENERATESERVICE']._serialized_end=2958
 # @@protoc_insertion_point(module_scope)
