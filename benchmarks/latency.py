@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -36,7 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
 from benchmarks import llama_cpp  # noqa: E402
-from benchmarks.workload import VOCAB, bench_checkpoint, chunk_timings  # noqa: E402
+from benchmarks.workload import (  # noqa: E402
+    bench_checkpoint,
+    chunk_timings,
+    smollm2_shaped_checkpoint,
+)
 
 # llama.cpp's ms/token when the target was set; the machine's speed has since swung by 2x.
 LLAMA_CPP_MS = 5.5
@@ -138,6 +143,9 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=None,
                         help="run llama.cpp side by side (default: when it is built)")
+    parser.add_argument("--shapes", choices=("bench", "smollm2"), default="bench",
+                        help="the benchmark checkpoint, or random weights in SmolLM2-135M's "
+                        "shapes (30 layers, hidden 576, a tied 49,152-word head)")
     parser.add_argument("--corestream-args", default="",
                         help="extra flags for corestream serve, e.g. '--event-loop asyncio'")
     args = parser.parse_args()
@@ -150,11 +158,15 @@ def main() -> None:
 
     from tests.integration.cluster import Cluster
 
-    model = bench_checkpoint()
+    model = bench_checkpoint() if args.shapes == "bench" else smollm2_shaped_checkpoint()
+    gguf = llama_cpp.GGUF if args.shapes == "bench" else model / "model-f32.gguf"
+    if with_llama_cpp and not gguf.exists():
+        llama_cpp.convert(model, gguf)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_tokens)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
                for _ in range(args.requests + 1)]
-    async_prompts = [[rng.randrange(3, VOCAB) for _ in range(args.prompt_tokens)]
+    async_prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
                      for _ in range(args.requests + 1)]
 
     # Rounds of llama.cpp, then the synchronous client, then the asyncio one.
@@ -173,7 +185,8 @@ def main() -> None:
             async_streams.stream(async_prompts[-1], 8)
             for prompt, async_prompt in zip(prompts[:-1], async_prompts[:-1], strict=True):
                 if with_llama_cpp:
-                    reference.append(llama_cpp.decode(prompt, args.output_tokens).step_ms)
+                    reference.append(
+                        llama_cpp.decode(prompt, args.output_tokens, model=gguf).step_ms)
                 ttft, g = stream_once(stub, prompt, args.output_tokens)
                 ttfts.append(ttft)
                 gaps.append(g)
@@ -190,7 +203,8 @@ def main() -> None:
     all_async_gaps = [gap for g in async_gaps for gap in g]
     itl = statistics.median(all_gaps) * 1000
     async_itl = statistics.median(all_async_gaps) * 1000
-    print(f"{args.requests} rounds, prompt {args.prompt_tokens}, output {args.output_tokens}")
+    print(f"{args.requests} rounds, prompt {args.prompt_tokens}, output {args.output_tokens}, "
+          f"{model.name}")
     print(f"time to first token: median {statistics.median(ttfts) * 1000:.1f} ms, "
           f"p90 {percentile(ttfts, 0.9) * 1000:.1f} ms")
     print(f"inter-token latency: median {itl:.2f} ms, "

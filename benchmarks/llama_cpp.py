@@ -196,7 +196,7 @@ def convert(checkpoint: Path, out: Path = GGUF) -> None:
     rope = config.get("rope_parameters") or {}
     tmp = out.with_suffix(".tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")
-    writer.add_name("corestream bench-llama-512x8")
+    writer.add_name(f"corestream {checkpoint.name}")
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -222,8 +222,9 @@ def convert(checkpoint: Path, out: Path = GGUF) -> None:
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
     tensors = {"token_embd.weight": weights["model.embed_tokens.weight"],
-               "output_norm.weight": weights["model.norm.weight"],
-               "output.weight": weights["lm_head.weight"]}
+               "output_norm.weight": weights["model.norm.weight"]}
+    if "lm_head.weight" in weights:  # tied otherwise: llama.cpp reads token_embd for both
+        tensors["output.weight"] = weights["lm_head.weight"]
     for layer in range(config["num_hidden_layers"]):
         for hf, ours in names.items():
             tensor = weights[f"model.layers.{layer}.{hf}.weight"]

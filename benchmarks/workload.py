@@ -35,31 +35,47 @@ def chunk_timings(start: float, arrivals: list[tuple[float, int]]
     return arrivals[0][0] - start, gaps
 
 
-def bench_checkpoint(path: Path = CACHE / "bench-llama-512x8") -> Path:
-    """Write the benchmark checkpoint once; later calls reuse it."""
+# SmolLM2-135M-Instruct's shapes (its config.json): a real model's proportions, with a
+# 49,152-word vocabulary whose tied head is a fifth of every decode step's bytes.
+SMOLLM2_SHAPES = dict(
+    hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+BENCH_SHAPES = dict(
+    hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+    intermediate_size=1408, vocab_size=VOCAB, tie_word_embeddings=False,
+)
+
+
+def bench_checkpoint(path: Path = CACHE / "bench-llama-512x8",
+                     shapes: dict[str, object] = BENCH_SHAPES) -> Path:
+    """Write the benchmark checkpoint once (random weights, seeded); later calls reuse it."""
     if (path / "model.safetensors").exists():
         return path
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=1408, vocab_size=VOCAB, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32",
-    )
+    config = LlamaConfig(max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                         torch_dtype="float32", **shapes)
     model = LlamaForCausalLM(config).eval()
     tmp = path.with_suffix(".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
-    _write_tokenizer(tmp)
+    _write_tokenizer(tmp, int(shapes["vocab_size"]))
     tmp.rename(path)
     return path
 
 
-def _write_tokenizer(folder: Path) -> None:
+def smollm2_shaped_checkpoint() -> Path:
+    """Random weights in SmolLM2-135M's shapes (float32, tied embeddings)."""
+    return bench_checkpoint(CACHE / "bench-smollm2-shapes", SMOLLM2_SHAPES)
+
+
+def _write_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     tokenizer.save(str(folder / "tokenizer.json"))

@@ -140,7 +140,7 @@ def test_decode_model_gives_the_python_model_bits(
 
     assert python.count == 0
     assert fused.count == steps  # every decode step, never the prefill
-    # The head runs in the op where it has panels (an untied head, laid out with them).
+    # The head runs in the op where it has panels (laid out with them, or a tied head's own).
     head_in_op = runner.model.lm_head.panels is not None
     assert head_in_op == (layout == "panels")
     assert sum(head_steps) == (steps if head_in_op else 0)

@@ -167,9 +167,10 @@ def test_linear_weights_are_packed_for_onednn_on_cpu(tied: bool, dtype: torch.dt
     for name, module in linears.items():
         weight = module.weight
         if tied and name == "lm_head":
-            # Shared with the embedding table, whose row lookups want a plain tensor.
+            # Shared with the embedding table, whose row lookups want a plain tensor; the
+            # head reads panels of its own.
             assert weight is model.model.embed_tokens.weight and not weight.is_mkldnn
-            assert module.panels is None
+            assert (module.panels is not None) == panels, name
         elif cpu_linear.is_panels_only(weight):
             # bfloat16 that oneDNN cannot take, or lays out otherwise (a CPU without bf16
             # dot products): the C++ kernel's panels are the weight.
