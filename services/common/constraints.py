@@ -168,6 +168,7 @@ def check_constraint(constraint: OutputConstraint, tokenizer: llguidance.LLToken
         compile_matcher(llguidance_grammar(constraint), tokenizer)
         return CheckedConstraint(constraint)
     draft = Draft(parse_schema(constraint.spec))
+    draft.standard_dialects()
     unproved = exact_one_of(draft)
     matcher = _matcher(_schema_grammar(draft.schema), tokenizer)
     warnings = _serious(matcher.get_grammar_warnings())
@@ -188,11 +189,11 @@ def check_constraint(constraint: OutputConstraint, tokenizer: llguidance.LLToken
                            for p in relaxation.dropped)]))
     engine = _spec_of(constraint, draft)
     compile_matcher(llguidance_grammar(engine), tokenizer)
-    _check_dropped(draft.original, relaxation.dropped)
+    _check_dropped(draft.client_schema(), relaxation.dropped)
     return CheckedConstraint(
         engine, tuple(relaxation.notes()),
         tuple(p.rsplit("/", 1)[-1] for p in (*relaxation.approximated, *relaxation.dropped)),
-        draft.original)
+        draft.client_schema())
 
 
 def _spec_of(constraint: OutputConstraint, draft: Draft) -> OutputConstraint:

@@ -10,7 +10,8 @@ llguidance compiles most of draft 2020-12 exactly. Two things it cannot:
   one branch requires and the other forbids) and rewrites each proved oneOf to
   anyOf, so that it compiles exact and without a warning.
 - a few assertion keywords (`not`, `if`/`then`/`else`, `uniqueItems`, `contains`,
-  `dependentRequired`, ...; llguidance names them). Each only narrows what the rest
+  `dependentRequired`, ...; llguidance names them), and minProperties/maxProperties
+  beside optional properties (which it ignores with a warning). Each only narrows what the rest
   of its schema allows: removing it widens the set of valid outputs and never
   narrows it, so the grammar without it admits every valid output, and a finished
   output can be checked against the full schema afterwards.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +46,14 @@ _SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "depen
 NARROWING_KEYWORDS = frozenset((
     "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
     "dependentRequired", "dependentSchemas", "dependencies", "propertyNames",
-    "unevaluatedProperties", "unevaluatedItems",
+    "unevaluatedProperties", "unevaluatedItems", "minProperties", "maxProperties",
 ))
 
 ONE_OF_WARNING = "oneOf not fully supported"
+# llguidance ignores minProperties/maxProperties beside optional properties (GitHub's
+# workflow schema has them), and says so.
+PROPERTY_COUNT_WARNING = "min/maxProperties only supported when"
+_PROPERTY_COUNTS = frozenset(("minProperties", "maxProperties"))
 UNIMPLEMENTED_WARNING = "Unimplemented keys: "
 
 # How deep the disjointness proof follows properties and references; real
@@ -61,6 +67,24 @@ _TYPES = frozenset(("null", "boolean", "object", "array", "number", "string"))
 
 Schema = Any
 """A parsed JSON Schema: a dict, or True/False."""
+
+# The metaschema URIs of the drafts, as llguidance and jsonschema know them; clients
+# write them with https for http, without the "#", or as "json-schema.org/schema"
+# (the latest draft), which llguidance would try to fetch and refuse.
+_DIALECTS = {
+    "json-schema.org/draft-04/schema": "http://json-schema.org/draft-04/schema#",
+    "json-schema.org/draft-06/schema": "http://json-schema.org/draft-06/schema#",
+    "json-schema.org/draft-07/schema": "http://json-schema.org/draft-07/schema#",
+    "json-schema.org/draft/2019-09/schema": "https://json-schema.org/draft/2019-09/schema",
+    "json-schema.org/draft/2020-12/schema": "https://json-schema.org/draft/2020-12/schema",
+    "json-schema.org/schema": "https://json-schema.org/draft/2020-12/schema",
+}
+
+
+def canonical_dialect(uri: str) -> str:
+    """The standard spelling of a draft's metaschema URI (other URIs unchanged)."""
+    key = re.sub(r"^https?://", "", uri.strip()).rstrip("#")
+    return _DIALECTS.get(key, uri)
 
 
 def pointer(parts: tuple[str, ...]) -> str:
@@ -78,14 +102,17 @@ def value_at(document: Any, where: str) -> Any:
 
 
 def subschemas(schema: Schema) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
-    """Every object-valued (sub)schema of a document with its path, the root first.
-    Values of non-schema keywords (const, enum, default, examples, x-*) are data and
-    not entered."""
+    """Every object-valued (sub)schema of a document with its path, the root first, each
+    once. Values of non-schema keywords (const, enum, default, examples, x-*) are data
+    and not entered, except where a local `$ref` points (real schemas keep groups of
+    definitions under keys of their own: "#/definitions/common/agents")."""
     stack: list[tuple[tuple[str, ...], Any]] = [((), schema)]
+    seen: set[int] = set()
     while stack:
         path, node = stack.pop()
-        if not isinstance(node, dict):
+        if not isinstance(node, dict) or id(node) in seen:
             continue
+        seen.add(id(node))
         yield path, node
         for key, value in node.items():
             if key in _ONE_SCHEMA and isinstance(value, dict):
@@ -94,6 +121,13 @@ def subschemas(schema: Schema) -> Iterator[tuple[tuple[str, ...], dict[str, Any]
                 stack.extend(((*path, key, str(i)), v) for i, v in enumerate(value))
             elif key in _SCHEMA_MAP and isinstance(value, dict):
                 stack.extend(((*path, key, name), v) for name, v in value.items())
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            parts = tuple(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/"))
+            try:
+                stack.append((parts, value_at(schema, ref[1:])))
+            except (KeyError, IndexError, ValueError, TypeError):
+                continue  # llguidance names a dangling reference itself
 
 
 # ---- oneOf: proving branches disjoint ---------------------------------------------------
@@ -248,6 +282,21 @@ class Draft:
                           for path, node in subschemas(original)}
         self.changed = False
 
+    def standard_dialects(self) -> None:
+        """Spell every `$schema` of a known draft as llguidance knows it."""
+        for node in self.nodes():
+            uri = node.get("$schema")
+            if isinstance(uri, str) and canonical_dialect(uri) != uri:
+                node["$schema"] = canonical_dialect(uri)
+                self.changed = True
+
+    def client_schema(self) -> Schema:
+        """The client's schema, its draft's URI spelt so that a validator knows it."""
+        uri = self.original.get("$schema") if isinstance(self.original, dict) else None
+        if not isinstance(uri, str) or canonical_dialect(uri) == uri:
+            return self.original
+        return {**self.original, "$schema": canonical_dialect(uri)}
+
     def pointer_of(self, node: dict[str, Any], key: str) -> str:
         return f"{self._pointers.get(id(node), '?')}/{key}"
 
@@ -331,9 +380,13 @@ def relax(draft: Draft, unproved: list[dict[str, Any]], warnings: list[str],
     dropped: list[str] = []
     unsupported: list[str] = []
     keys = _unimplemented_keys(warnings)
-    if keys:
+    counts = any(w.startswith(PROPERTY_COUNT_WARNING) for w in warnings)
+    if keys or counts:
         for node in draft.nodes():
-            for key in sorted(keys & node.keys()):
+            found = keys & node.keys()
+            if counts and not _all_required(node):
+                found |= _PROPERTY_COUNTS & node.keys()
+            for key in sorted(found):
                 where = draft.pointer_of(node, key)
                 if key not in NARROWING_KEYWORDS:
                     unsupported.append(where)
@@ -371,6 +424,16 @@ def _approximated(draft: Draft, unproved: list[dict[str, Any]],
     # A oneOf approximated only beside another (llguidance's proof of one needing the
     # other exact) still leaves the whole approximated: never report none.
     return found or unproved
+
+
+def _all_required(node: dict[str, Any]) -> bool:
+    """llguidance's condition for enforcing a property count (found by trying): no
+    other property may be present, or every listed one is required."""
+    if node.get("additionalProperties") is False:
+        return True
+    properties, required = node.get("properties"), node.get("required")
+    names = set(properties) if isinstance(properties, dict) else set()
+    return names <= set(required if isinstance(required, list) else ())
 
 
 def _unimplemented_keys(warnings: list[str]) -> frozenset[str]:

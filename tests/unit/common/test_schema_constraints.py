@@ -273,3 +273,26 @@ def test_proved_oneofs_become_anyof_in_a_copy() -> None:
     # Beside an anyOf of its own, the rewritten oneOf goes into allOf: both must hold.
     assert draft.schema["anyOf"] == schema["anyOf"]
     assert draft.schema["allOf"] == [{"anyOf": schema["oneOf"]}]
+
+
+@pytest.mark.parametrize("uri", ["https://json-schema.org/draft-07/schema",
+                                 "http://json-schema.org/schema#",
+                                 "http://json-schema.org/draft/2019-09/schema#"])
+def test_a_draft_spelt_another_way_is_read_as_that_draft(
+    uri: str, tokenizer: llguidance.LLTokenizer
+) -> None:
+    # llguidance knows each draft's metaschema by one URI and refuses others it cannot
+    # fetch; a sixth of the SchemaStore schemas it refused were only that.
+    schema = {"$schema": uri, "type": "object", "properties": {"a": {"not": {"const": 1}}}}
+    checked = check_constraint(constraint(schema), tokenizer)
+    engine_uri = json.loads(checked.engine.spec)["$schema"]
+    assert engine_uri.startswith(("http://json-schema.org/draft-0", "https://json-schema.org/draft/"))
+    assert checked.output_schema is not None and checked.output_schema["$schema"] == engine_uri
+    assert OutputCheck(checked.output_schema).failure('{"a": 1}') is not None
+
+
+def test_an_unknown_dialect_is_refused_by_name(tokenizer: llguidance.LLTokenizer) -> None:
+    # Snowplow's self-describing schemas name a metaschema of their own.
+    uri = "http://iglucentral.com/schemas/com.snowplowanalytics.self-desc/schema/jsonschema/1-0-0#"
+    with pytest.raises(ConstraintError, match="iglucentral"):
+        check_constraint(constraint({"$schema": uri, "type": "object"}), tokenizer)
