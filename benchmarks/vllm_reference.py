@@ -328,9 +328,10 @@ def main() -> None:
     if args.install:
         install()
         return
-    if not vllm_python().exists():
-        raise SystemExit(f"vLLM is not installed: run {sys.argv[0]} --install")
-    stubs()
+    if "vllm" in args.systems.split(","):
+        if not vllm_python().exists():
+            raise SystemExit(f"vLLM is not installed: run {sys.argv[0]} --install")
+        stubs()
 
     model = bench_checkpoint()
     if args.single:

@@ -231,17 +231,22 @@ void panel_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* p
 constexpr int kRowsPerPass = 3;
 constexpr int kHalf = kPanelWidth / 2;
 
+// sums[r][c0 + 8v + j] = acc[r][v][j].
+template <int R, int V>
+inline void store_sums(const __m256 (&acc)[R][V], int c0, float (&sums)[R][kPanelWidth]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(sums[r] + c0 + 8 * v, acc[r][v]);
+  }
+}
+
 // sums[r][c0 + j] for R rows of x and V vectors of 8 columns of a float32 panel from
 // column c0.
 template <int R, int V>
 inline void panel_block(const float* x, int64_t x_stride, const float* panel, int64_t k_size,
                         int c0, float (&sums)[R][kPanelWidth]) {
-  __m256 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  }
+  __m256 acc[R][V] = {};
   for (int64_t k = 0; k < k_size; ++k) {
     const float* w = panel + k * kPanelWidth + c0;
 #pragma GCC unroll 3
@@ -253,11 +258,7 @@ inline void panel_block(const float* x, int64_t x_stride, const float* panel, in
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(sums[r] + c0 + 8 * v, acc[r][v]);
-  }
+  store_sums(acc, c0, sums);
 }
 
 // The same for a bfloat16 panel [Kp/2, 64, 2]: each load is 8 columns' (k, k + 1) pairs,
@@ -267,12 +268,7 @@ inline void panel_block(const c10::BFloat16* x, int64_t x_stride, const c10::BFl
                         int64_t k_size, int c0, float (&sums)[R][kPanelWidth]) {
   namespace vec = corestream_cpu::avx2;
   using corestream_cpu::to_float;
-  __m256 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  }
+  __m256 acc[R][V] = {};
   for (int64_t q = 0; 2 * q < k_size; ++q) {
     const c10::BFloat16* w = panel + q * 2 * kPanelWidth + 2 * c0;
     // An odd K's last pair holds padding for k + 1: x[K] is never read.
@@ -296,11 +292,7 @@ inline void panel_block(const c10::BFloat16* x, int64_t x_stride, const c10::BFl
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(sums[r] + c0 + 8 * v, acc[r][v]);
-  }
+  store_sums(acc, c0, sums);
 }
 
 // R rows of x [R, K] times one panel (float32 or bfloat16, as above).

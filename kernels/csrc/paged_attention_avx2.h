@@ -202,12 +202,7 @@ void attend_one_avx2(
     n = upcoming_n;
   }
 
-  for (int64_t h = 0; h < heads; ++h) {
-    // An empty sequence has nothing to attend to: zeros, not 0/0.
-    const float inv = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
-    T* oh = out + h * s.o_head_stride;
-    for (int64_t d = 0; d < kDim; ++d) oh[d] = static_cast<T>(acc[h * kDim + d] * inv);
-  }
+  write_normalized(out, s.o_head_stride, acc, kDim, running_sum, heads, kDim);
 }
 
 }  // namespace corestream_cpu::paged_avx2

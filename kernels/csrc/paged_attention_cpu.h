@@ -21,6 +21,20 @@ struct DecodeShape {
   float scale;
 };
 
+// out head h (o_head_stride apart) = acc head h (acc_stride floats apart) / running_sum[h],
+// the online softmax's last step for `heads` heads of `dim` elements.
+template <typename T>
+inline void write_normalized(T* out, int64_t o_head_stride, const float* acc,
+                             int64_t acc_stride, const float* running_sum, int64_t heads,
+                             int64_t dim) {
+  for (int64_t h = 0; h < heads; ++h) {
+    // An empty sequence has nothing to attend to: zeros, not 0/0.
+    const float inv = running_sum[h] > 0.0f ? 1.0f / running_sum[h] : 0.0f;
+    T* oh = out + h * o_head_stride;
+    for (int64_t d = 0; d < dim; ++d) oh[d] = static_cast<T>(acc[h * acc_stride + d] * inv);
+  }
+}
+
 // block_tables [num_seqs, max_blocks] and seq_lens [num_seqs]: int32, contiguous, a row and
 // a length per sequence, as paged_decode reads them.
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
