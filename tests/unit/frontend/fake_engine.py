@@ -109,7 +109,10 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
                 output.finish_reason = common_pb2.FINISH_REASON_ERROR
                 output.error_code, output.error_message = self.error
             elif token_id in add.eos_token_ids and not add.sampling.ignore_eos:
-                output.finish_reason = common_pb2.FINISH_REASON_EOS_TOKEN
+                # As a real engine: EOS where a constraint may end completes it.
+                output.finish_reason = (
+                    common_pb2.FINISH_REASON_STOP if add.sampling.WhichOneof("constraint")
+                    else common_pb2.FINISH_REASON_EOS_TOKEN)
             elif token_id in add.sampling.stop_token_ids:
                 output.finish_reason = common_pb2.FINISH_REASON_STOP_TOKEN
                 output.stop_token_id = token_id

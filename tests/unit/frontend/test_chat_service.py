@@ -242,6 +242,47 @@ def test_response_format_becomes_the_engines_constraint() -> None:
     assert text_add.sampling.WhichOneof("constraint") is None
 
 
+NOT_A = json.dumps({"type": "object", "properties": {"a": {"type": "integer",
+                                                          "not": {"const": 1}}}})
+
+
+@pytest.mark.timeout(30)
+def test_a_schema_the_grammar_approximates_is_checked_when_the_answer_ends() -> None:
+    response_format = chat_pb2.ResponseFormat(
+        type=chat_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA, json_schema=NOT_A)
+
+    async def body(stub: chat_grpc.ChatServiceStub) -> None:
+        response = await stub.Chat(chat_pb2.ChatRequest(messages=QUESTION,
+                                                        response_format=response_format))
+        [choice] = response.choices
+        assert choice.content == '{"a": 1}'
+        assert choice.finish_reason == chat_pb2.CHAT_FINISH_REASON_SCHEMA_MISMATCH
+        [warning] = response.warnings
+        assert warning.startswith("not at /properties/a/not is not enforced")
+        streamed = await _stream(stub, messages=QUESTION, response_format=response_format)
+        assert list(streamed[0].warnings) == [warning]
+        assert not any(r.warnings for r in streamed[1:])
+        assert streamed[-1].finish_reason == chat_pb2.CHAT_FINISH_REASON_SCHEMA_MISMATCH
+
+    engine = _serve('{"a": 1}', body)
+    # The engine follows the schema without the keyword it cannot enforce.
+    assert "not" not in json.loads(engine.adds[0].sampling.json_schema)["properties"]["a"]
+
+
+@pytest.mark.timeout(30)
+def test_an_approximated_schema_is_refused_after_reasoning() -> None:
+    async def body(stub: chat_grpc.ChatServiceStub) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Chat(chat_pb2.ChatRequest(
+                messages=QUESTION, response_format=chat_pb2.ResponseFormat(
+                    type=chat_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA, json_schema=NOT_A)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "response_format.json_schema" in (info.value.details() or "")
+        assert "/properties/a/not" in (info.value.details() or "")
+
+    _serve('{"a": 2}', body, reasoning_parser="qwen3")
+
+
 @pytest.mark.timeout(30)
 def test_chat_template_kwargs_reach_the_template() -> None:
     template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"

@@ -52,6 +52,7 @@ def _roundtrip(body: dict[str, Any]) -> dict[str, Any]:
     (common_pb2.FINISH_REASON_STOP, "stop"),
     (common_pb2.FINISH_REASON_LENGTH, "length"),
     (common_pb2.FINISH_REASON_ABORT, "abort"),
+    (common_pb2.FINISH_REASON_SCHEMA_MISMATCH, "schema_mismatch"),
     (common_pb2.FINISH_REASON_UNSPECIFIED, None),
 ])
 def test_finish_reasons(reason: int, expected: str | None) -> None:
@@ -63,6 +64,7 @@ def test_finish_reasons(reason: int, expected: str | None) -> None:
     (chat_pb2.CHAT_FINISH_REASON_LENGTH, "length"),
     (chat_pb2.CHAT_FINISH_REASON_TOOL_CALLS, "tool_calls"),
     (chat_pb2.CHAT_FINISH_REASON_ABORT, "abort"),
+    (chat_pb2.CHAT_FINISH_REASON_SCHEMA_MISMATCH, "schema_mismatch"),
     (chat_pb2.CHAT_FINISH_REASON_UNSPECIFIED, None),
 ])
 def test_chat_finish_reasons(reason: int, expected: str | None) -> None:
@@ -85,6 +87,28 @@ def test_completion_response_stop_reasons(fields: dict[str, Any], finish_reason:
     [choice] = body["choices"]
     assert (choice["finish_reason"], choice["stop_reason"]) == (finish_reason, stop_reason)
     openai.types.Completion.model_validate(body)
+
+
+def test_constraint_warnings_are_a_top_level_list_only_when_there_are_some() -> None:
+    warning = "not at /not is not enforced while generating"
+    completion = generate_pb2.Completion(index=0, text="1",
+                                         finish_reason=common_pb2.FINISH_REASON_SCHEMA_MISMATCH)
+    whole = _roundtrip(completion_response([(0, completion)], USAGE, logprobs=False,
+                                           warnings=[warning], **META))
+    assert whole["warnings"] == [warning]
+    assert whole["choices"][0]["finish_reason"] == "schema_mismatch"
+    plain = _roundtrip(completion_response([(0, completion)], USAGE, logprobs=False, **META))
+    assert "warnings" not in plain
+    first = generate_pb2.GenerateStreamResponse(text="1", warnings=[warning])
+    assert _roundtrip(completion_chunk(first, index=0, logprobs=None, **META))["warnings"] == [
+        warning]
+    chat = chat_pb2.ChatResponse(warnings=[warning], choices=[chat_pb2.ChatChoice(
+        content="1", finish_reason=chat_pb2.CHAT_FINISH_REASON_SCHEMA_MISMATCH)])
+    body = _roundtrip(chat_response(chat, logprobs=False, **META))
+    assert body["warnings"] == [warning]
+    assert body["choices"][0]["finish_reason"] == "schema_mismatch"
+    delta = chat_pb2.ChatStreamResponse(content="1", warnings=[warning])
+    assert _roundtrip(chat_chunk(delta, first=True, **META))["warnings"] == [warning]
 
 
 def test_completion_response() -> None:
