@@ -196,6 +196,25 @@ def check_constraint(constraint: OutputConstraint, tokenizer: llguidance.LLToken
         draft.client_schema())
 
 
+def exact_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema as a grammar follows it exactly (oneOfs proved disjoint as anyOf, a
+    draft's URI in its standard spelling), for a schema embedded where no output check
+    can follow (a tool call's arguments inside a grammar); ConstraintError naming each
+    place that a grammar could only approximate."""
+    draft = Draft(schema)
+    draft.standard_dialects()
+    unproved = exact_one_of(draft)
+    warnings = _warnings_of(draft.schema)
+    if not warnings:
+        return draft.schema
+    relaxation = relax(draft, unproved, warnings, _warnings_of)
+    places = [*(f"oneOf at {p} has branches that are not provably disjoint"
+                for p in relaxation.approximated),
+              *(f"unsupported keyword {p.rsplit('/', 1)[-1]} at {p}"
+                for p in (*relaxation.dropped, *relaxation.unsupported))]
+    raise ConstraintError("; ".join(places) or f"unsupported: {warnings[0]}")
+
+
 def _spec_of(constraint: OutputConstraint, draft: Draft) -> OutputConstraint:
     if not draft.changed:
         return constraint

@@ -18,7 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from services.common.constraints import JSON_OPTIONS, ConstraintKind, OutputConstraint
+from services.common.constraints import (
+    JSON_OPTIONS,
+    ConstraintError,
+    ConstraintKind,
+    OutputConstraint,
+    exact_schema,
+)
 from services.frontend.reasoning_parsers import THINK_END, THINK_START
 
 if TYPE_CHECKING:
@@ -193,6 +199,13 @@ def _arguments_schema(function: FunctionSpec) -> dict[str, Any]:
     elif kind != "object":
         raise ValueError(f"the parameters of {function.name!r} are not an object schema "
                          f"(type {kind!r})")
+    try:
+        # No output check follows a call's arguments (they sit inside the call's
+        # grammar): what the grammar would only approximate is refused, by pointer.
+        schema = exact_schema(schema)
+    except ConstraintError as exc:
+        raise ValueError(f"the parameters of {function.name!r} cannot be followed exactly "
+                         f"in a tool call: {exc}") from None
     return _with_json_options(schema)
 
 

@@ -17,7 +17,6 @@ import pytest
 from tokenizers import Tokenizer
 
 from services.common.constraints import (
-    ConstraintError,
     ConstraintKind,
     OutputConstraint,
     build_tokenizer,
@@ -315,17 +314,38 @@ def test_a_schema_is_its_own_document_and_keeps_its_options(formats: dict[str, F
     assert not accepts(fmt, grammar, '{"name": "f", "parameters": {"p":{"y":7}}}')
 
 
-def test_what_llguidance_cannot_follow_fails_the_compile(formats: dict[str, Format]) -> None:
+def test_what_llguidance_cannot_follow_is_refused_by_pointer(
+    formats: dict[str, Format]
+) -> None:
+    # A call's arguments sit inside the call's grammar, where no output check can
+    # follow: what the grammar would approximate is refused, with the place.
     fmt = formats["hermes-text"]
+    overlap = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
     for parameters, reason in [
         ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
-         "uniqueItems"),
+         "unsupported keyword uniqueItems at /properties/a/uniqueItems"),
+        ({"type": "object", "properties": {"a": overlap}},
+         "oneOf at /properties/a/oneOf has branches that are not provably disjoint"),
         ({"type": "object", "properties": {"a": {"type": "strin"}}}, "strin"),
         ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "nowhere"),
     ]:
-        constraint = constraint_for(fmt, (FunctionSpec("f", parameters),), parallel=False)
-        with pytest.raises(ConstraintError, match=reason):
-            compile_matcher(llguidance_grammar(constraint), fmt.llg())
+        with pytest.raises(ValueError, match=reason) as info:
+            constraint_for(fmt, (FunctionSpec("f", parameters),), parallel=False)
+        assert "the parameters of 'f'" in str(info.value)
+
+
+def test_a_oneof_proved_disjoint_is_followed_in_a_call(formats: dict[str, Format]) -> None:
+    # pydantic's union of two models told apart by a const, through references.
+    fmt = formats["hermes-text"]
+    parameters = {"type": "object", "properties": {"shape": {
+        "oneOf": [{"$ref": "#/$defs/C"}, {"$ref": "#/$defs/R"}]}}, "required": ["shape"],
+        "$defs": {"C": {"type": "object", "properties": {"k": {"const": "c"}, "r": {
+            "type": "integer"}}, "required": ["k", "r"]},
+                  "R": {"type": "object", "properties": {"k": {"const": "r"}, "w": {
+                      "type": "integer"}}, "required": ["k", "w"]}}}
+    constraint = constraint_for(fmt, (FunctionSpec("f", parameters),), parallel=False)
+    grammar = compile_matcher(llguidance_grammar(constraint), fmt.llg())
+    assert grammar is not None
 
 
 @pytest.mark.parametrize("parser, functions, reason", [
