@@ -2,24 +2,26 @@
 
 llguidance compiles most of draft 2020-12 exactly. Two things it cannot:
 
-- `oneOf` whose branches may overlap. "Exactly one branch" is not a context-free
-  property, so llguidance follows such a oneOf as anyOf, which is exact only when
-  no value can match two branches. llguidance proves that itself in simple cases
+- `oneOf` whose branches may overlap. "Exactly one branch" needs what a branch does
+  not match, which a context-free grammar cannot say in general, so llguidance
+  follows such a oneOf as anyOf, which is exact only when no value can match two
+  branches. llguidance proves that itself in simple cases
   (branches of different types, an inline `const` discriminator); `exact_one_of`
   proves more (through local `$ref`s and `allOf`, `enum` discriminators, a property
   one branch requires and the other forbids) and rewrites each proved oneOf to
   anyOf, so that it compiles exact and without a warning.
 - a few assertion keywords (`not`, `if`/`then`/`else`, `uniqueItems`, `contains`,
   `dependentRequired`, ...; llguidance names them), and minProperties/maxProperties
-  beside optional properties (which it ignores with a warning). Each only narrows what the rest
-  of its schema allows: removing it widens the set of valid outputs and never
-  narrows it, so the grammar without it admits every valid output, and a finished
-  output can be checked against the full schema afterwards.
+  beside optional properties (which it ignores with a warning). Each only narrows
+  what the rest of its schema allows: removing it widens the set of valid outputs
+  and never narrows it, so the grammar without it admits every valid output, and a
+  finished output can be checked against the full schema afterwards.
 
-`relax` returns the schema the grammar follows and what it gave up, each part named
-by its JSON pointer, for the caller to refuse (strict mode) or to accept with the
-output validated after generation. Walks are iterative: a schema's depth is bounded
-by the size limit only.
+A `Draft` is the working copy that `exact_one_of` and `relax` rewrite into what the
+grammar follows; `relax` says what it gave up, each part named by its JSON pointer
+in the client's schema, for the caller to refuse (strict mode) or to accept with
+the output validated after generation. Walks are iterative: a schema's depth is
+bounded by the size limit only (the proof's recursion by _MAX_PROOF_DEPTH).
 """
 
 from __future__ import annotations
