@@ -31,6 +31,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 # Keywords whose value is one subschema, a list of them, or a map of name -> subschema
@@ -61,6 +62,14 @@ UNIMPLEMENTED_WARNING = "Unimplemented keys: "
 # How deep the disjointness proof follows properties and references; real
 # discriminators sit one or two levels down.
 _MAX_PROOF_DEPTH = 6
+# Bounds on the proof's work, so that a hostile schema cannot make it long: views of
+# one schema (itself, its $ref's target, its allOf members, ...) and branches of one
+# oneOf (pairs grow as the square).
+_MAX_VIEWS = 16
+_MAX_PROVED_BRANCHES = 64
+# Pairs compared in one document at most: about a second's work in the worst case;
+# real schemas use a few hundred.
+_PROOF_BUDGET = 200_000
 # Past this many unproved oneOfs, `relax` counts them all as approximated rather
 # than asking llguidance about each one (one validation per oneOf).
 MAX_ONE_OF_PROBES = 16
@@ -140,6 +149,8 @@ class _Resolver:
 
     def __init__(self, document: Schema) -> None:
         self._document = document
+        self.budget = _PROOF_BUDGET
+        """Pairs the proof may still compare in this document (then: not proved)."""
 
     def __call__(self, ref: Any) -> Schema | None:
         if not isinstance(ref, str) or not ref.startswith("#"):
@@ -232,6 +243,9 @@ def _property_schema(schema: dict[str, Any], name: str) -> Schema | None:
 
 
 def _directly_disjoint(a: Schema, b: Schema, resolve: _Resolver, depth: int) -> bool:
+    resolve.budget -= 1
+    if resolve.budget < 0:
+        return False
     common = _types(a) & _types(b)
     if not common:
         return True
@@ -258,8 +272,9 @@ def _directly_disjoint(a: Schema, b: Schema, resolve: _Resolver, depth: int) -> 
 
 def disjoint(a: Schema, b: Schema, resolve: _Resolver, depth: int = _MAX_PROOF_DEPTH) -> bool:
     """True only when no value can match both schemas (False: not proved)."""
+    views_b = list(islice(_views(b, resolve, depth), _MAX_VIEWS))
     return any(_directly_disjoint(va, vb, resolve, depth)
-               for va in _views(a, resolve, depth) for vb in _views(b, resolve, depth))
+               for va in islice(_views(a, resolve, depth), _MAX_VIEWS) for vb in views_b)
 
 
 def _as_any_of(node: dict[str, Any]) -> None:
@@ -331,8 +346,9 @@ def exact_one_of(draft: Draft) -> list[dict[str, Any]]:
         branches = node.get("oneOf")
         if not isinstance(branches, list):
             continue
-        if all(disjoint(x, y, resolve) for i, x in enumerate(branches)
-               for y in branches[i + 1:]):
+        if len(branches) <= _MAX_PROVED_BRANCHES and all(
+                disjoint(x, y, resolve) for i, x in enumerate(branches)
+                for y in branches[i + 1:]):
             draft.one_of_as_any_of(node)
         else:
             unproved.append(node)
