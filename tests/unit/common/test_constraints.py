@@ -23,14 +23,6 @@ from services.common.model_info import load_model_info
 from services.common.tiny_checkpoint import resolve_model
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> llguidance.LLTokenizer:
-    path = resolve_model(None)
-    info = load_model_info(path)
-    return build_tokenizer((path / "tokenizer.json").read_text(), info.vocab_size,
-                           info.eos_token_ids)
-
-
 def schema(s: object) -> OutputConstraint:
     return OutputConstraint(ConstraintKind.JSON_SCHEMA, json.dumps(s))
 

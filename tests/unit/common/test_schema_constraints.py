@@ -19,14 +19,11 @@ from services.common.constraints import (
     ConstraintError,
     ConstraintKind,
     OutputConstraint,
-    build_tokenizer,
     check_constraint,
     compile_matcher,
     llguidance_grammar,
 )
-from services.common.model_info import load_model_info
 from services.common.schema_support import Draft, _Resolver, disjoint, exact_one_of
-from services.common.tiny_checkpoint import resolve_model
 from services.frontend.constraint_check import OutputCheck
 from tests.data.schemas.kubernetes_like import manifest_schema
 
@@ -75,14 +72,6 @@ def corpus() -> Iterator[Case]:
 
 CASES = list(corpus())
 by_name = pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> llguidance.LLTokenizer:
-    path = resolve_model(None)
-    info = load_model_info(path)
-    return build_tokenizer((path / "tokenizer.json").read_text(), info.vocab_size,
-                           info.eos_token_ids)
 
 
 def constraint(schema: Any) -> OutputConstraint:
