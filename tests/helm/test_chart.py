@@ -8,7 +8,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from services.cli import SERVICES, build_parser
+from services.cli.main import SERVICES, build_parser
 from services.common.config import from_args
 from services.common.grpc_server import PROBE_SERVICE_NAMES
 from tests.helm.chart import (

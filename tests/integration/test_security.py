@@ -319,7 +319,7 @@ def test_a_stricter_server_would_send_goaway() -> None:
 
 def test_admin_cli_speaks_mtls_and_keys(cluster: Cluster, tls_dir: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from services.cli import main
+    from services.cli.main import main
 
     client = role(tls_dir, "client")
     tls = ["--tls-cert", client.tls_cert, "--tls-key", client.tls_key, "--tls-ca", client.tls_ca]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.cli import build_parser
+from services.cli.main import build_parser
 from services.engine.worker.cgroup import cgroup_cpu_quota
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import (
@@ -77,7 +77,7 @@ def test_runner_sets_the_intra_op_pool(tmp_path: Path) -> None:
 
 
 def engine_threads(argv: list[str]) -> list[str | None]:
-    from services.serve import plan
+    from services.serve.launcher import plan
 
     args = build_parser().parse_args(["serve", *argv])
     _, children, _, _ = plan(args, "unused-model-path")
@@ -91,7 +91,7 @@ def engine_threads(argv: list[str]) -> list[str | None]:
 
 
 def test_serve_gives_each_engine_its_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("services.serve.usable_cpus", lambda: 8)
+    monkeypatch.setattr("services.serve.launcher.usable_cpus", lambda: 8)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert engine_threads([]) == [None]  # one engine: all of them, its own default
     assert engine_threads(["--engines", "2"]) == ["4", "4"]
@@ -141,7 +141,7 @@ def test_release_openmp_pool_without_a_runtime_does_nothing(tmp_path: Path) -> N
 
 
 def engine_flag(argv: list[str], flag: str) -> list[str | None]:
-    from services.serve import plan
+    from services.serve.launcher import plan
 
     args = build_parser().parse_args(["serve", *argv])
     _, children, _, _ = plan(args, "unused-model-path")

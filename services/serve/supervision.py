@@ -1,5 +1,5 @@
 """The processes of `corestream serve` and their supervision: a child that exits without
-being asked to is restarted as its part's RestartTracker says (services/supervisor.py).
+being asked to is restarted as its part's RestartTracker says (services/serve/restart_policy.py).
 
 Everything here runs on serve's main thread: PR_SET_PDEATHSIG fires when the *thread*
 that started a child ends, so a child started from a helper thread would get
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 from services.common.metrics import PREFIX
 from services.common.parent_death import child_env
 from services.common.restart_status import PartStatus, write_status
-from services.supervisor import RestartPolicy, RestartTracker, describe_exit
+from services.serve.restart_policy import RestartPolicy, RestartTracker, describe_exit
 
 log = logging.getLogger("services.serve")
 

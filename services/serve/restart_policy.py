@@ -9,7 +9,7 @@ before the restart; more than `max_restarts` exits within `window_s` is a crash 
 and the part is given up. A part that ran longer than the window starts over at the
 initial backoff, so one crash a day never adds up to a give-up.
 
-Pure bookkeeping with an injectable clock: serve.py owns the processes.
+Pure bookkeeping with an injectable clock: services/serve/supervision.py owns the processes.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common.restart_status import given_up_engines, read_status
-from services.serve_supervision import Child, Part, Supervision
-from services.supervisor import RestartPolicy, RestartTracker, describe_exit
+from services.serve.restart_policy import RestartPolicy, RestartTracker, describe_exit
+from services.serve.supervision import Child, Part, Supervision
 
 
 class Clock:
@@ -177,7 +177,7 @@ def test_an_moe_group_restarts_as_a_whole_with_a_fresh_rendezvous(tmp_path: Path
 def test_admin_stats_shows_each_engines_restarts_and_the_other_processes() -> None:
     from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 
-    from services.admin_cli import _with_restarts
+    from services.cli.admin import _with_restarts
 
     restarts = [admin_pb2.ProcessRestarts(part="coordinator", restarts=1,
                                           last_exit="code -9 (SIGKILL)"),

@@ -16,9 +16,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from kernels import cpu_isa
-from services.admin_cli import add_arguments as add_admin_arguments
-from services.admin_cli import run as run_admin
+from kernels.cpu_isa import apply_to_libraries
+from services.cli.admin import add_arguments as add_admin_arguments
+from services.cli.admin import run as run_admin
 from services.common.config import add_arguments
 from services.common.observability_config import ObservabilityConfig
 from services.common.parent_death import die_with_parent_from_env
@@ -28,7 +28,7 @@ from services.engine.config import EngineConfig
 from services.engine.dp_config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig
 from services.frontend.config import FrontendConfig
-from services.serve_config import SERVE_OWNED, ServeConfig
+from services.serve.config import SERVE_OWNED, ServeConfig
 
 SERVICES: dict[str, tuple[tuple[type, ...], str, str]] = {
     "coordinator": ((CoordinatorConfig, SecurityConfig, ObservabilityConfig),
@@ -70,14 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent_from_env()
     try:
         # Before anything imports torch: oneDNN and ATen read the caps once.
-        cpu_isa.apply_to_libraries()
+        apply_to_libraries()
     except ValueError as e:
         print(f"corestream: {e}", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            from services.serve import run as run_serve
+            from services.serve.launcher import run as run_serve
 
             return run_serve(args)
         if args.command == "admin":

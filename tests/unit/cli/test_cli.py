@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.cli import build_parser
+from services.cli.main import build_parser
 
 
 def commands() -> dict[str, argparse.ArgumentParser]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import doc
-from services.supervisor import INITIAL_BACKOFF_S
+from services.serve.restart_policy import INITIAL_BACKOFF_S
 
 # Fields of the services' configs that `serve` sets per child process rather
 # than passing through (the frontend's static `engines` list clashes with

@@ -10,7 +10,7 @@ frontend drains while the engines still run and nothing is left behind.
 serve is the supervisor on one machine (what the kubelet is in Kubernetes): a
 child that exits without being asked to (a crash, SIGKILL, an OOM kill, the
 watchdog) is restarted with exactly its old flags after a backoff (policy in
-services/supervisor.py). The coordinator keeps its port, so engines re-register
+services/serve/restart_policy.py). The coordinator keeps its port, so engines re-register
 and frontends leave degraded mode; an engine keeps its --engine-index (an MoE
 expert-parallel group restarts as a whole, on a new rendezvous port); the
 frontend keeps its port. A crash loop gives the part up: serve serves on
@@ -66,9 +66,9 @@ from services.engine.dp_config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig, format_cpu_list
 from services.engine.worker.cpu_threads import threads_set_by_environment, usable_cpus
 from services.frontend.config import FrontendConfig
-from services.serve_config import SERVE_OWNED, ServeConfig
-from services.serve_supervision import GROUP_STOP_S, Child, Part, Supervision
-from services.supervisor import RestartPolicy
+from services.serve.config import SERVE_OWNED, ServeConfig
+from services.serve.restart_policy import RestartPolicy
+from services.serve.supervision import GROUP_STOP_S, Child, Part, Supervision
 
 log = logging.getLogger("services.serve")
 

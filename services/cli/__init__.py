@@ -1,0 +1,1 @@
+"""The `corestream` command: argument parsing for every service, and `corestream admin`."""

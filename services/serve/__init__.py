@@ -1,0 +1,2 @@
+"""`corestream serve`: the launcher, its configuration, the supervision of its children
+and their restart policy."""
