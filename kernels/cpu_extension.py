@@ -8,10 +8,13 @@ decode-only step (`decode_layers`), and that with the embedding, the final norm 
 (`decode_model`, see `kernels.decoder_layers`). It is compiled with
 torch.utils.cpp_extension the first time a CPU op needs it (or on `load()`), never at
 import, and the build is cached on disk under TORCH_EXTENSIONS_DIR (default
-~/.cache/torch_extensions). If it cannot be built (no compiler, no ninja, a compile error)
-every op runs its torch code; the failure is logged once per process, or raised under
-`CORESTREAM_KERNELS=cpp` (`kernels.backend`). Threads come from torch's intra-op pool
-(`torch.set_num_threads`).
+~/.cache/torch_extensions), keyed by what it is built from (sources, CPU, flags, torch
+version, compiler) and not by the checkout's path: one build serves every clone and
+virtualenv on the machine, and a cached build is imported directly (under a second).
+The first build says so in a line, since it takes minutes. If it cannot be built (no
+compiler, no ninja, a compile error) every op runs its torch code; the failure is logged
+once per process, or raised under `CORESTREAM_KERNELS=cpp` (`kernels.backend`). Threads
+come from torch's intra-op pool (`torch.set_num_threads`).
 
 The build targets the instruction sets `kernels.cpu_isa` chooses (the CPU's own, or a
 lower level forced by CORESTREAM_CPU_ISA), and the sources pick their vector code by what
@@ -23,8 +26,11 @@ every op runs its torch code, unless CORESTREAM_KERNELS=cpp asks for it.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
+import os
 import platform
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -89,33 +95,87 @@ def python_module() -> Any:
 
 def _build() -> Any:
     global _module
-    from torch.utils import cpp_extension
-
     cpu = target()
     if not cpu.x86 and not cpu_kernel_required():
         raise RuntimeError(f"the C++ kernels are built for x86-64 only, not {cpu.name}")
+    name = _extension_name()
+    directory = _cache_root() / name
+    built = directory / f"{name}.so"
+    forced = "" if cpu.level == "auto" else f" ({cpu.level}, forced by CORESTREAM_CPU_ISA)"
+    if (directory / _COMPLETE).exists() and built.exists():
+        _module = _import_built(name, built)
+        logger.info("CPU kernels loaded from %s, built for %s%s", directory, cpu.name, forced)
+        return torch.ops.corestream_cpu
+    from torch.utils import cpp_extension
+
+    logger.warning(
+        "compiling CPU kernels for %s%s: first start on this machine only, about %d "
+        "minutes on %d cores; cached in %s", cpu.name, forced, _minutes_to_build(),
+        os.cpu_count() or 1, directory)
     start = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
     # Imported as a Python module: its static initializers register the ops.
     _module = cpp_extension.load(
-        name=_extension_name(),
+        name=name,
         sources=[str(_CSRC / source) for source in _SOURCES],
         extra_cflags=["-O3", *cpu.compile_flags, "-fopenmp"],
         # NOTE: links libgomp.so.1 by soname; torch has already loaded its own copy under
         # that soname, so the kernels' parallel regions share torch's OpenMP pool.
         extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
         is_python_module=True,
     )
-    forced = "" if cpu.level == "auto" else f" ({cpu.level}, forced by CORESTREAM_CPU_ISA)"
+    # Written last, so that a build that died half way is never loaded as it is.
+    (directory / _COMPLETE).write_text(f"{torch.__version__}\n")
     logger.info("CPU kernels ready in %.1fs, built for %s%s", time.perf_counter() - start,
                 cpu.name, forced)
     return torch.ops.corestream_cpu
 
 
+_COMPLETE = "complete"
+
+
+def _cache_root() -> Path:
+    # TORCH_EXTENSIONS_DIR as torch reads it, so that a container's cache setting holds.
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "torch_extensions"
+
+
+def _minutes_to_build() -> int:
+    # Measured: 165 s on 2 cores (Zen 4); four sources, so more than 4 cores do not help.
+    return max(1, round(330 / min(os.cpu_count() or 1, 4) / 60))
+
+
+def _import_built(name: str, path: Path) -> Any:
+    """The extension built earlier, by any checkout and virtualenv of the same torch:
+    imported from its file, without torch's ninja step (which would rebuild it for a
+    checkout whose paths differ from the builder's)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the CPU kernels from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return compiler
+    return f"{compiler} {done.stdout.splitlines()[0] if done.stdout else ''}"
+
+
 def _extension_name() -> str:
-    # NOTE: torch keys its on-disk build cache by name, sources and flags, not by CPU, and
-    # -march=native code from one CPU can die with SIGILL on another (a shared home
-    # directory, a copied container layer): the CPU's identity goes into the name. So do
-    # the headers, whose changes torch's cache would not notice.
+    """The build's key: whatever makes one build differ from another, and nothing about
+    where the checkout or its virtualenv lies, so that a second clone on this machine
+    loads the first one's build instead of compiling (minutes) again."""
+    # NOTE: -march=native code from one CPU can die with SIGILL on another (a shared home
+    # directory, a copied container layer): the CPU's identity goes into the key. So do
+    # the headers, whose changes torch's own cache would not notice, torch's version (the
+    # extension links its C++ ABI) and the compiler.
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = "\n".join(
@@ -126,11 +186,8 @@ def _extension_name() -> str:
         cpu = f"{platform.machine()} {platform.processor()}"
     digest = hashlib.sha256(cpu.encode())
     digest.update(" ".join(target().compile_flags).encode())
-    # And the torch it is built against, by version and place: torch's ninja file names the
-    # include and library paths of that torch and the sources' paths, so two checkouts with
-    # a virtualenv each, sharing one build directory, would recompile it in turn (a minute
-    # each time on 2 cores); with the torch in the name, each gets its own.
-    digest.update(f"{torch.__version__} {Path(torch.__file__).parent}".encode())
+    digest.update(f"{torch.__version__} {torch.compiled_with_cxx11_abi()}".encode())
+    digest.update(_compiler().encode())
     for path in sorted(_CSRC.glob("*.[ch]*")):
         digest.update(path.name.encode() + path.read_bytes())
     return f"corestream_cpu_{digest.hexdigest()[:12]}"

@@ -4,6 +4,10 @@ against their torch references, their dispatch, and their fallback to torch."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -256,10 +260,39 @@ def test_model_decodes_alike_on_both_backends(
     assert tokens["cpp"] == tokens["torch"]
 
 
-def test_each_torch_install_gets_its_own_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Two checkouts with a virtualenv each must not share (and so rebuild in turn) one
-    # build directory: torch's ninja file names that torch's include and library paths.
+def test_one_build_per_machine_not_per_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A second clone with a virtualenv of its own reuses the first clone's build: the key
+    # names what the build is made of (torch's version, not where torch lies).
     name = cpu_extension._extension_name()  # noqa: SLF001
     assert name == cpu_extension._extension_name()  # noqa: SLF001
     monkeypatch.setattr(torch, "__file__", "/elsewhere/.venv/site-packages/torch/__init__.py")
+    assert cpu_extension._extension_name() == name  # noqa: SLF001
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
     assert cpu_extension._extension_name() != name  # noqa: SLF001
+
+
+def test_a_second_checkout_loads_the_build_without_compiling(
+    cpu_ops: object, tmp_path: Path
+) -> None:
+    # The kernels' package copied elsewhere, as in another clone of the same commit: its
+    # first load imports the cached build and never runs torch's compile step.
+    shutil.copytree(Path(cpu_extension.__file__).parent, tmp_path / "kernels",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+        "import torch.utils.cpp_extension as ext\n"
+        "def refuse(*args, **kwargs):\n"
+        "    raise AssertionError('compiled again')\n"
+        "ext.load = refuse\n"
+        "from kernels import backend, cpu_extension\n"
+        "backend.set_backend('cpp')\n"
+        "assert cpu_extension.__file__.startswith(sys.argv[1]), cpu_extension.__file__\n"
+        "assert cpu_extension.load() is not None\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "CPU kernels loaded from" in done.stdout
+    assert "compiling" not in done.stdout
