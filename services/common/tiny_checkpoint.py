@@ -121,18 +121,71 @@ def ensure_tiny_checkpoint(cache_dir: Path | None = None) -> Path:
     return target
 
 
+class CheckpointNotFound(FileNotFoundError, ValueError):
+    """`--model` names no checkpoint on this machine: a startup error no restart cures
+    (a ValueError, so the command prints its one line and exits 2)."""
+
+
 def resolve_model(model: str | None) -> Path:
-    """The checkpoint folder for a `--model` value; empty means the tiny checkpoint."""
+    """The checkpoint folder for a `--model` value; empty means the tiny checkpoint. A
+    Hugging Face hub id (`ORG/NAME`) that is no folder here is looked up in this machine's
+    Hugging Face cache: corestream reads local checkpoints only and never downloads."""
     if not model:
         return ensure_tiny_checkpoint()
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise CheckpointNotFound(
             f"model {model!r} is not a checkpoint folder (no config.json in {path}); "
             "pass a local Hugging Face checkpoint folder, or leave --model empty "
-            "for the built-in tiny checkpoint"
-        )
-    return path
+            "for the built-in tiny checkpoint")
+    if looks_like_hub_id(model):
+        cached = hub_cache_snapshot(model)
+        if cached is not None:
+            return cached
+        raise CheckpointNotFound(
+            f"model {model!r} is not a folder, and not in the Hugging Face cache "
+            f"({hub_cache_dir()}): corestream reads local checkpoints only; fetch it with "
+            f"`hf download {model}` (or `huggingface-cli download {model}`), then pass "
+            "--model with its folder or the same id")
+    raise CheckpointNotFound(
+        f"model {model!r}: no such folder; pass a local Hugging Face checkpoint folder "
+        "(with config.json), or leave --model empty for the built-in tiny checkpoint")
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """`ORG/NAME` as the hub spells repository ids (no path of more parts, no `~`, `.`)."""
+    parts = model.split("/")
+    return (len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+            and all(c.isalnum() or c in "-_." for part in parts for c in part))
+
+
+def hub_cache_dir() -> Path:
+    """Where the `huggingface_hub` library keeps downloads on this machine (its own
+    environment variables first)."""
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return Path(cache).expanduser()
+    home = os.environ.get("HF_HOME") or Path(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hub_cache_snapshot(model: str) -> Path | None:
+    """The cached snapshot of hub id `model` that holds a config.json: the one its `main`
+    ref names, else the newest; None when there is none."""
+    repo = hub_cache_dir() / ("models--" + model.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        named = snapshots / ref.read_text().strip()
+        if (named / "config.json").is_file():
+            return named
+    try:
+        found = [s for s in snapshots.iterdir() if (s / "config.json").is_file()]
+    except OSError:
+        return None
+    return max(found, key=lambda s: s.stat().st_mtime, default=None)
 
 
 def write_tiny_checkpoint(folder: Path) -> None:

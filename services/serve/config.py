@@ -17,7 +17,12 @@ SERVE_OWNED = ("host", "port", "coordinator", "engine_index", "engines", "advert
 
 @dataclass(frozen=True)
 class ServeConfig:
-    port: int = doc("Port of the public frontend on 127.0.0.1.", default=50051)
+    host: str = doc(
+        "Address the public frontend listens on (its gRPC port, the HTTP door and its "
+        "metrics); 0.0.0.0 for every interface, to be reached from other machines or "
+        "containers. The internal ports (coordinator, engines) stay on 127.0.0.1.",
+        default="127.0.0.1")
+    port: int = doc("Port of the public frontend.", default=50051)
     engines: int = doc("Number of engine-core processes (data-parallel ranks).", default=1)
     coordinator_port: int = doc("Port of the coordinator (0 = any free port).", default=0)
     startup_timeout_s: float = doc(
@@ -61,6 +66,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.tls_dir and not self.tls_auto:
             raise ValueError("tls_dir is only used with --tls-auto")
+        if not self.host:
+            raise ValueError("host must be an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 1 <= self.engines <= 64:

@@ -56,7 +56,7 @@ from services.common.grpc_server import make_channel
 from services.common.logs import setup_logging
 from services.common.metrics import MetricsServer, new_registry, serve_metrics
 from services.common.observability_config import ObservabilityConfig
-from services.common.ports import free_port
+from services.common.ports import free_port, port_in_use
 from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
@@ -67,12 +67,13 @@ from services.engine.worker.config import RunnerConfig, format_cpu_list
 from services.engine.worker.cpu_threads import threads_set_by_environment, usable_cpus
 from services.frontend.config import FrontendConfig
 from services.serve.config import SERVE_OWNED, ServeConfig
-from services.serve.restart_policy import RestartPolicy
+from services.serve.restart_policy import CONFIG_ERROR_EXIT, RestartPolicy
 from services.serve.supervision import GROUP_STOP_S, Child, Part, Supervision
 
 log = logging.getLogger("services.serve")
 
 HOST = "127.0.0.1"
+STATE_PREFIX = "corestream-serve-"
 FRONTEND_SERVICE = "corestream.generate.v1.GenerateService"
 DP_MASTER_FLAG = "--data-parallel-master"
 
@@ -197,7 +198,7 @@ def plan(
     children.append(Child("frontend", [
         "frontend", *to_argv(frontend), *to_argv(security["frontend"]), *observability,
         *metrics_port(1), "--model", model,
-        "--host", HOST, "--port", str(serve.port), "--coordinator", coordinator_addr,
+        "--host", serve.host, "--port", str(serve.port), "--coordinator", coordinator_addr,
     ]))
     return serve, children, coordinator_addr, security["client"]
 
@@ -265,7 +266,63 @@ def serve_metrics_registry(serve: ServeConfig, args: argparse.Namespace
         raise SystemExit(f"corestream serve: its metrics port {config.metrics_port}: {e}") from e
 
 
-def _http_banner(frontend_argv: list[str]) -> str:
+def busy_ports(serve: ServeConfig, children: list[Child]) -> str | None:
+    """The first fixed port of the plan that something else already holds, named with
+    its holder and the flag that moves it; None when all are free. Checked before any
+    process starts: a busy port is no crash for restarts to cure."""
+    frontend = children[-1].argv
+    wanted = [(serve.host, serve.port, "--port")] if serve.port else []
+    if "--http-port" in frontend and int(http := frontend[frontend.index("--http-port") + 1]) > 0:
+        wanted.append((serve.host, int(http), "--http-port"))
+    if serve.coordinator_port:
+        wanted.append((HOST, serve.coordinator_port, "--coordinator-port"))
+    if serve.metrics_port:
+        wanted += [(serve.host if offset == 1 else HOST, serve.metrics_port + offset,
+                    "--metrics-port") for offset in range(serve.engines + 3)]
+    for host, port, flag in wanted:
+        if reason := port_in_use(host, port):
+            return f"{reason}; pass {flag}"
+    return None
+
+
+def check_checkpoint(model: str) -> None:
+    """Refuse a checkpoint whose config.json names no architecture, before any engine
+    starts (serve is torch-free: an engine names an unsupported one, and exits 2)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {model!r}: cannot read its config.json: {e}") from None
+    if not isinstance(config, dict) or not config.get("architectures"):
+        raise ValueError(
+            f"model {model!r}: config.json names no `architectures` (e.g. "
+            '["LlamaForCausalLM"]), so no model class can be chosen for it')
+
+
+def remove_dead_serves_state(temp_dir: Path) -> None:
+    """Remove the state folders of serves that died without cleaning up (SIGKILL):
+    each is named after its serve's pid."""
+    for folder in temp_dir.glob(f"{STATE_PREFIX}*"):
+        pid = folder.name.removeprefix(STATE_PREFIX).split("-")[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+def _failure(supervision: Supervision) -> int:
+    return CONFIG_ERROR_EXIT if supervision.config_error else 1
+
+
+def _dial_host(host: str) -> str:
+    """How serve reaches a port that listens on `host`."""
+    return HOST if host in ("0.0.0.0", "::", "[::]") else host
+
+
+def _http_banner(frontend_argv: list[str], host: str) -> str:
     """Where the frontend serves the HTTP API, from its own flags ('' when off)."""
     if "--http-port" not in frontend_argv:
         return ""
@@ -274,7 +331,7 @@ def _http_banner(frontend_argv: list[str]) -> str:
         return ""
     # The HTTP port serves TLS exactly when the frontend's gRPC port does.
     scheme = "https" if "--tls-cert" in frontend_argv else "http"
-    return f", OpenAI-compatible HTTP on {scheme}://{HOST}:{port}/v1"
+    return f", OpenAI-compatible HTTP on {scheme}://{host}:{port}/v1"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -282,10 +339,22 @@ def run(args: argparse.Namespace) -> int:
     stop = ShutdownSignal.install()
     # Write the built-in checkpoint once here, not racily in every child.
     model = str(resolve_model(args.model or None))
-    state_dir = Path(tempfile.mkdtemp(prefix="corestream-serve-"))
+    check_checkpoint(model)
+    temp_dir = Path(tempfile.gettempdir())
+    remove_dead_serves_state(temp_dir)
+    state_dir = Path(tempfile.mkdtemp(prefix=f"{STATE_PREFIX}{os.getpid()}-", dir=temp_dir))
+    try:
+        return _run(args, model, state_dir, stop)
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, model: str, state_dir: Path, stop: ShutdownSignal) -> int:
     status_file = state_dir / "restarts.json"
     serve, children, coordinator_addr, client = plan(args, model, str(status_file))
-    frontend_addr = f"{HOST}:{serve.port}"
+    if reason := busy_ports(serve, children):
+        raise ValueError(reason)
+    frontend_addr = f"{_dial_host(serve.host)}:{serve.port}"
     coordinator, *engines, frontend = children
     registry, metrics_server = serve_metrics_registry(serve, args)
     policy = RestartPolicy(serve.max_restarts, serve.restart_window_s, serve.restart_backoff_max_s)
@@ -312,15 +381,15 @@ def run(args: argparse.Namespace) -> int:
                     if not stop.is_set() and time.monotonic() >= deadline:
                         log.error("the cluster did not become ready within %.0fs",
                                   serve.startup_timeout_s)
-                    return 0 if stop.is_set() else 1
-        http = _http_banner(frontend.argv)
-        print(f"corestream is serving on {frontend_addr} "
+                    return 0 if stop.is_set() else _failure(supervision)
+        http = _http_banner(frontend.argv, serve.host)
+        print(f"corestream is serving on {serve.host}:{serve.port} "
               f"(model {model}, {supervision.num_engines} engine(s){http}); Ctrl-C stops it",
               flush=True)
         while not stop.wait(0.2):
             if reason := supervision.check():
                 log.error("stopping the cluster: %s", reason)
-                return 1
+                return _failure(supervision)
         return 0
     finally:
         # Nothing is restarted from here on: supervision.check() is not called again.
@@ -330,5 +399,4 @@ def run(args: argparse.Namespace) -> int:
             child.stop(drain_s + serve.stop_timeout_s)
         if metrics_server is not None:
             metrics_server.stop()
-        shutil.rmtree(state_dir, ignore_errors=True)
         log.info("all processes stopped")

@@ -41,6 +41,12 @@ class RestartPolicy:
                              f"<= max ({self.backoff_max_s})")
 
 
+CONFIG_ERROR_EXIT = 2
+"""The exit code of a process that refused its configuration (a flag's value, the
+checkpoint, a busy port): `corestream` exits so after printing why, as argparse does
+for a bad flag. Never restarted."""
+
+
 def describe_exit(returncode: int) -> str:
     """An exit status as a person reads it: `code 1`, `code -9 (SIGKILL)`."""
     if returncode >= 0:
@@ -66,6 +72,11 @@ class RestartTracker:
     @property
     def recent_exits(self) -> int:
         return len(self._exits)
+
+    def give_up(self, cause: str) -> None:
+        """Record an exit that no restart would cure."""
+        self.last_exit = cause
+        self.given_up = True
 
     def on_exit(self, cause: str) -> float | None:
         """Record an unrequested exit (`cause` from describe_exit); the seconds to wait

@@ -23,7 +23,12 @@ from prometheus_client import CollectorRegistry, Counter
 from services.common.metrics import PREFIX
 from services.common.parent_death import child_env
 from services.common.restart_status import PartStatus, write_status
-from services.serve.restart_policy import RestartPolicy, RestartTracker, describe_exit
+from services.serve.restart_policy import (
+    CONFIG_ERROR_EXIT,
+    RestartPolicy,
+    RestartTracker,
+    describe_exit,
+)
 
 log = logging.getLogger("services.serve")
 
@@ -79,6 +84,11 @@ class Part:
     def is_engine(self) -> bool:
         return not self.essential
 
+    def config_error(self) -> bool:
+        """Whether a child exited with CONFIG_ERROR_EXIT: it refused its flags or its
+        checkpoint (its one line says which), and would refuse them again."""
+        return any(c.exited() == CONFIG_ERROR_EXIT for c in self.children)
+
     def exit_cause(self) -> str | None:
         """Why the part went, or None while every child runs. In an MoE group a rank's
         death takes the others down: a signal is the likelier first cause."""
@@ -98,6 +108,8 @@ class Supervision:
                  registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.parts = list(parts)
+        self.config_error = False
+        """A part could not start for a reason no restart cures: serve exits 2."""
         self._clock = clock
         self._trackers = {p.name: RestartTracker(p.name, policy, clock) for p in self.parts}
         self._status_file = status_file
@@ -139,6 +151,16 @@ class Supervision:
         return None
 
     def _on_exit(self, part: Part, tracker: RestartTracker, cause: str) -> str | None:
+        if part.config_error():
+            # Every engine has the same flags and checkpoint: one refusing them stops the
+            # cluster, whether or not others still run.
+            tracker.give_up(cause)
+            self._write_status()
+            self.config_error = True
+            for child in part.children:
+                child.stop(GROUP_STOP_S)
+            return (f"{part.name} cannot start with these flags or this checkpoint (exit "
+                    f"code {CONFIG_ERROR_EXIT}, its reason is above); no restart would cure it")
         delay = tracker.on_exit(cause)
         # An MoE group is broken by any rank's exit: its other ranks go too.
         for child in part.children:

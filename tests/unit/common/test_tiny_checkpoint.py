@@ -66,6 +66,31 @@ def test_resolve_model_rejects_a_folder_without_config(tmp_path: Path) -> None:
     assert resolve_model(str(ensure_tiny_checkpoint(tmp_path))) == tmp_path / TINY_CHECKPOINT_NAME
 
 
+def test_a_hub_id_is_served_from_the_local_hugging_face_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"reads local checkpoints only.*hf download Org/Model"):
+        resolve_model("Org/Model")
+    repo = tmp_path / "hf" / "hub" / "models--Org--Model"
+    for revision in ("aaa", "bbb"):
+        (repo / "snapshots" / revision).mkdir(parents=True)
+        (repo / "snapshots" / revision / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("aaa\n")
+    assert resolve_model("Org/Model") == repo / "snapshots" / "aaa"
+    (repo / "refs" / "main").unlink()
+    found = resolve_model("Org/Model")
+    assert found.parent == repo / "snapshots" and (found / "config.json").is_file()
+
+
+def test_a_missing_path_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such folder"):
+        resolve_model(str(tmp_path / "not" / "here"))
+
+
 def test_model_info(checkpoint: Path) -> None:
     info = load_model_info(checkpoint)
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
