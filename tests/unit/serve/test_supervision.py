@@ -193,3 +193,18 @@ def test_admin_stats_shows_each_engines_restarts_and_the_other_processes() -> No
         {"part": "coordinator", "ok": True, "restarts": 1, "last_exit": "code -9 (SIGKILL)",
          "given_up": False},
         {"part": "frontend", "ok": True, "restarts": 0, "last_exit": "", "given_up": False}]
+
+
+def test_an_engine_that_refuses_its_configuration_stops_the_cluster_at_once(
+    tmp_path: Path,
+) -> None:
+    # Exit code 2: the engine printed why its flags or checkpoint cannot work; the same
+    # flags would fail again, and the other engines share them.
+    supervision, children, clock, registry = cluster(tmp_path / "restarts.json")
+    children["engine-1"].code = 2
+    reason = supervision.check()
+    assert reason is not None and "engine-1 cannot start" in reason
+    assert supervision.config_error
+    clock.now += 60
+    assert children["engine-1"].starts == 1 and restarts(registry, "engine-1") == 0
+    assert read_status(tmp_path / "restarts.json")[1].given_up
