@@ -21,7 +21,6 @@ from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
 
 from services.common.auth import with_api_key
-from services.common.config import add_arguments as add_config_arguments
 from services.common.config import from_args
 from services.common.grpc_server import make_channel
 from services.common.security_config import SecurityConfig
@@ -44,8 +43,9 @@ _SERVER_ONLY = ("health_host", "health_port", "require_client_cert", "reflection
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", required=True, metavar="HOST:PORT",
-                        help="The frontend's address.")
+    parser.add_argument("--address", default="127.0.0.1:50051", metavar="HOST:PORT",
+                        help="The frontend's gRPC address (default: %(default)s, where "
+                        "`corestream serve` puts it).")
     parser.add_argument("action", choices=tuple(COMMANDS))
     parser.add_argument("--mode", choices=tuple(PAUSE_MODES), default="wait",
                         help="For pause: abort all requests, let running ones finish "
@@ -56,8 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", default="", metavar="FILE",
                         help="Send the first key in FILE as 'authorization: Bearer' (the "
                         "frontend's --admin-api-key-file, when it has one).")
-    # --tls-cert/--tls-key/--tls-ca: the client certificate for an mTLS frontend.
-    add_config_arguments(parser, SecurityConfig, exclude=_SERVER_ONLY)
+    # The names of SecurityConfig's fields, with what they mean to a client.
+    parser.add_argument("--tls-ca", default="", metavar="PEM",
+                        help="Call over TLS, trusting the frontend's certificate when this CA "
+                        "bundle signed it (ca.pem in serve's --tls-dir under --tls-auto); "
+                        "needs --tls-cert and --tls-key.")
+    parser.add_argument("--tls-cert", default="", metavar="PEM",
+                        help="Client certificate to present to a frontend that requires one "
+                        "(client.pem under --tls-auto).")
+    parser.add_argument("--tls-key", default="", metavar="PEM",
+                        help="Private key of --tls-cert (client.key under --tls-auto).")
 
 
 def _result_to_dict(r: admin_pb2.EngineResult) -> dict[str, Any]:

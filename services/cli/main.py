@@ -40,6 +40,19 @@ SERVICES: dict[str, tuple[tuple[type, ...], str, str]] = {
                  "services.frontend.main", "Run the public frontend."),
 }
 
+# `serve --help` by part of the cluster; each flag goes to the process that owns it.
+SERVE_GROUPS: tuple[tuple[str, str, tuple[type, ...]], ...] = (
+    ("serve", "The launcher itself: ports, engine count, restarts.", (ServeConfig,)),
+    ("frontend", "The public frontend: limits, routing, chat, the HTTP door.",
+     (FrontendConfig,)),
+    ("engine", "Each engine-core: model, scheduler, KV cache, threads, parallelism.",
+     (EngineConfig, RunnerConfig, DataParallelConfig)),
+    ("coordinator", "The DP coordinator.", (CoordinatorConfig,)),
+    ("observability", "Logs, metrics and traces, for every process.", (ObservabilityConfig,)),
+    ("security", "TLS, client certificates and reflection, for every process.",
+     (SecurityConfig,)),
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="corestream", description=__doc__.split("\n\n")[0])
@@ -54,10 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run coordinator, engines and frontend as separate processes on 127.0.0.1; "
         "every flag of those services is accepted and passed to the process that owns it.",
     )
-    add_arguments(serve, ServeConfig)
-    for classes, _, _ in SERVICES.values():
+    for title, description, classes in SERVE_GROUPS:
+        group = serve.add_argument_group(title, description)
         for cls in classes:
-            add_arguments(serve, cls, exclude=SERVE_OWNED)
+            add_arguments(group, cls, exclude=() if cls is ServeConfig else SERVE_OWNED)
     admin = sub.add_parser(
         "admin", help="Call a frontend's AdminService; prints JSON.",
         description="Call a frontend's AdminService (per engine: prefix-cache reset, "

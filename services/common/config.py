@@ -43,9 +43,11 @@ def _scalar_type(tp: Any) -> tuple[Any, bool, bool]:
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser, cls: type, exclude: Iterable[str] = ()
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+    exclude: Iterable[str] = (),
 ) -> None:
-    """Add one flag per field of `cls`, skipping flags the parser already has."""
+    """Add one flag per field of `cls`, skipping flags the parser already has (a group
+    shares its parser's flags)."""
     hints = typing.get_type_hints(cls)
     existing = {a for action in parser._actions for a in action.option_strings}
     skip = set(exclude)
