@@ -13,8 +13,8 @@ LOG_FORMATS = ("text", "json")
 @dataclass(frozen=True)
 class ObservabilityConfig:
     metrics_port: int = doc(
-        "Port of the Prometheus /metrics HTTP endpoint; 0 turns it off. `corestream serve "
-        "--metrics-port P` gives the coordinator P, the frontend P+1 and engine i P+2+i.",
+        "Port of the Prometheus /metrics HTTP endpoint; 0 turns it off. Under `corestream "
+        "serve`, one port serves every process's metrics (serve's --metrics-port).",
         default=0,
     )
     metrics_host: str = doc(

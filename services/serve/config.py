@@ -12,7 +12,11 @@ from services.serve.restart_policy import INITIAL_BACKOFF_S
 # serve's engine count).
 SERVE_OWNED = ("host", "port", "coordinator", "engine_index", "engines", "advertise_address",
                "health_host", "health_port", "metrics_port", "data_parallel_size",
-               "data_parallel_master", "restart_status_file")
+               "data_parallel_master", "restart_status_file", "metrics_host")
+
+METRICS_PORT = 9464
+"""serve's default /metrics port (Prometheus exporters' customary 94xx range, outside the
+ephemeral ports that processes get from the kernel)."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,10 @@ class ServeConfig:
     )
 
     metrics_port: int = doc(
-        "First of the Prometheus /metrics ports (0 = off): the coordinator gets P, the "
-        "frontend P+1, engine i P+2+i, and serve itself (restart counts) the port after "
-        "the last engine's.", default=0
+        "Port of the one Prometheus /metrics endpoint of the whole cluster, on --host "
+        "(0 = off): every process's metrics, read on each scrape from the private ports "
+        "serve gives them, each sample labelled process=coordinator|frontend|engine-N|serve.",
+        default=METRICS_PORT
     )
 
     tls_auto: bool = doc(
@@ -74,10 +79,8 @@ class ServeConfig:
             raise ValueError(f"engines must be in [1, 64], got {self.engines}")
         if not 0 <= self.coordinator_port <= 65535:
             raise ValueError(f"coordinator_port must be in [0, 65535], got {self.coordinator_port}")
-        if self.metrics_port and not 1 <= self.metrics_port <= 65535 - 2 - self.engines:
-            raise ValueError(
-                f"metrics_port must be in [1, {65535 - 2 - self.engines}] (it is followed by "
-                f"one port per process and one for serve), got {self.metrics_port}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
         if self.restart_window_s <= 0:

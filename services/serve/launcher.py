@@ -16,8 +16,8 @@ expert-parallel group restarts as a whole, on a new rendezvous port); the
 frontend keeps its port. A crash loop gives the part up: serve serves on
 without an engine, and stops the cluster and exits non-zero for the coordinator,
 the frontend or the last engine. Restarts are logged with their cause, counted
-in `corestream:serve_restarts_total{part}` (serve's own /metrics port, after the
-engines' with --metrics-port) and written to a status file that the frontend
+in `corestream:serve_restarts_total{part}` (on serve's one /metrics port for the
+cluster, --metrics-port) and written to a status file that the frontend
 reports in AdminService/GetEngineStats. Every child gets SIGTERM when serve
 dies, even by SIGKILL (PR_SET_PDEATHSIG), and then drains as on any SIGTERM;
 while serve stops the cluster nothing is restarted.
@@ -54,7 +54,7 @@ from services.common.auth import load_keys
 from services.common.config import from_args, to_argv
 from services.common.grpc_server import make_channel
 from services.common.logs import setup_logging
-from services.common.metrics import MetricsServer, new_registry, serve_metrics
+from services.common.metrics import ConfigInfo, MetricsServer, new_registry
 from services.common.observability_config import ObservabilityConfig
 from services.common.ports import free_port, port_in_use
 from services.common.security_config import SecurityConfig
@@ -67,6 +67,7 @@ from services.engine.worker.config import RunnerConfig, format_cpu_list
 from services.engine.worker.cpu_threads import threads_set_by_environment, usable_cpus
 from services.frontend.config import FrontendConfig
 from services.serve.config import SERVE_OWNED, ServeConfig
+from services.serve.metrics import ClusterMetrics, scrape
 from services.serve.restart_policy import CONFIG_ERROR_EXIT, RestartPolicy
 from services.serve.supervision import GROUP_STOP_S, Child, Part, Supervision
 
@@ -176,7 +177,10 @@ def plan(
     observability = to_argv(from_args(ObservabilityConfig, args, exclude=SERVE_OWNED))
 
     def metrics_port(offset: int) -> list[str]:
-        return ["--metrics-port", str(serve.metrics_port + offset)] if serve.metrics_port else []
+        # Private ports: serve's own endpoint reads them all (services/serve/metrics.py).
+        del offset
+        return (["--metrics-port", str(free_port()), "--metrics-host", HOST]
+                if serve.metrics_port else [])
 
     children = [
         Child("coordinator", ["coordinator", *to_argv(coordinator),
@@ -252,18 +256,26 @@ def parts(children: list[Child], moe_group: bool) -> list[Part]:
             Part("frontend", [frontend], essential=True)]
 
 
-def serve_metrics_registry(serve: ServeConfig, args: argparse.Namespace
+def serve_metrics_registry(serve: ServeConfig, children: list[Child]
                            ) -> tuple[CollectorRegistry | None, MetricsServer | None]:
-    """serve's own /metrics (restart counts) on the port after the last engine's."""
+    """serve's one /metrics for the cluster: its own metrics (restart counts) and every
+    child's, read from their private ports on each scrape."""
     if not serve.metrics_port:
         return None, None
-    config = dataclasses.replace(from_args(ObservabilityConfig, args, exclude=SERVE_OWNED),
-                                 metrics_port=serve.metrics_port + 2 + serve.engines)
-    registry = new_registry()
+    own = new_registry()
+    own.register(ConfigInfo("serve", [serve]))
+    sources = [("serve", own.collect)] + [
+        (child.name, scrape(int(child.argv[child.argv.index("--metrics-port") + 1])))
+        for child in children]
+    endpoint = CollectorRegistry()
+    endpoint.register(ClusterMetrics(sources))
+    server = MetricsServer(endpoint)
     try:
-        return registry, serve_metrics("serve", config, HOST, [serve], registry)
+        server.start(ObservabilityConfig(metrics_port=serve.metrics_port), serve.host)
     except OSError as e:
-        raise SystemExit(f"corestream serve: its metrics port {config.metrics_port}: {e}") from e
+        raise ValueError(f"cannot serve metrics on {serve.host}:{serve.metrics_port}: {e}; "
+                         "pass --metrics-port") from e
+    return own, server
 
 
 def busy_ports(serve: ServeConfig, children: list[Child]) -> str | None:
@@ -277,8 +289,7 @@ def busy_ports(serve: ServeConfig, children: list[Child]) -> str | None:
     if serve.coordinator_port:
         wanted.append((HOST, serve.coordinator_port, "--coordinator-port"))
     if serve.metrics_port:
-        wanted += [(serve.host if offset == 1 else HOST, serve.metrics_port + offset,
-                    "--metrics-port") for offset in range(serve.engines + 3)]
+        wanted.append((serve.host, serve.metrics_port, "--metrics-port"))
     for host, port, flag in wanted:
         if reason := port_in_use(host, port):
             return f"{reason}; pass {flag}"
@@ -356,7 +367,7 @@ def _run(args: argparse.Namespace, model: str, state_dir: Path, stop: ShutdownSi
         raise ValueError(reason)
     frontend_addr = f"{_dial_host(serve.host)}:{serve.port}"
     coordinator, *engines, frontend = children
-    registry, metrics_server = serve_metrics_registry(serve, args)
+    registry, metrics_server = serve_metrics_registry(serve, children)
     policy = RestartPolicy(serve.max_restarts, serve.restart_window_s, serve.restart_backoff_max_s)
     supervision = Supervision(parts(children, serve.engines > 1 and splits_experts(model)),
                               policy, status_file, registry)
@@ -383,9 +394,11 @@ def _run(args: argparse.Namespace, model: str, state_dir: Path, stop: ShutdownSi
                                   serve.startup_timeout_s)
                     return 0 if stop.is_set() else _failure(supervision)
         http = _http_banner(frontend.argv, serve.host)
+        metrics = (f", metrics on http://{serve.host}:{serve.metrics_port}/metrics"
+                   if serve.metrics_port else "")
         print(f"corestream is serving on {serve.host}:{serve.port} "
-              f"(model {model}, {supervision.num_engines} engine(s){http}); Ctrl-C stops it",
-              flush=True)
+              f"(model {model}, {supervision.num_engines} engine(s){http}{metrics}); "
+              "Ctrl-C stops it", flush=True)
         while not stop.wait(0.2):
             if reason := supervision.check():
                 log.error("stopping the cluster: %s", reason)

@@ -63,8 +63,10 @@ class Cluster:
                  env: Mapping[str, str] | None = None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        # serve's metrics port is fixed by default: off here, since tests may run
+        # clusters side by side (a test's own --metrics-port comes later and wins).
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
-               *extra_args]
+               "--metrics-port", "0", *extra_args]
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},

@@ -2,8 +2,8 @@
 metric deltas on each service's /metrics endpoint, JSON logs with request and trace ids.
 
 One `corestream serve` (coordinator, one engine, frontend) exports spans to an OTLP
-receiver that the test runs, and serves /metrics on ports P (coordinator), P+1
-(frontend) and P+2 (engine).
+receiver that the test runs, and serves every process's metrics on one /metrics port,
+each sample labelled with its process.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(300)
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
-COORDINATOR, FRONTEND, ENGINE = 0, 1, 2
+COORDINATOR, FRONTEND, ENGINE = "coordinator", "frontend", "engine-0"
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -57,12 +57,14 @@ def stub(cluster: tuple[Cluster, int]) -> Iterator[pb_grpc.GenerateServiceStub]:
         yield pb_grpc.GenerateServiceStub(channel)
 
 
-def scrape(port: int) -> Samples:
+def scrape(port: int, process: str) -> Samples:
+    """One process's samples, from serve's endpoint for the cluster (its label dropped)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     return {
-        (s.name, frozenset(s.labels.items())): s.value
+        (s.name, frozenset((k, v) for k, v in s.labels.items() if k != "process")): s.value
         for family in text_string_to_metric_families(text) for s in family.samples
+        if s.labels.get("process") == process
     }
 
 
@@ -174,7 +176,7 @@ def test_metrics_move_by_exactly_the_workload(cluster: tuple[Cluster, int],
                                               stub: pb_grpc.GenerateServiceStub) -> None:
     c, port = cluster
     max_tokens = [4, 7, 9]
-    before = {p: scrape(port + p) for p in (FRONTEND, ENGINE)}
+    before = {p: scrape(port, p) for p in (FRONTEND, ENGINE)}
     prompt_ids = stub.Tokenize(pb.TokenizeRequest(text="the quick brown fox"), timeout=10)
     with grpc.insecure_channel(c.address) as channel:
         admin = admin_grpc.AdminServiceStub(channel)
@@ -187,7 +189,7 @@ def test_metrics_move_by_exactly_the_workload(cluster: tuple[Cluster, int],
             t.start()
         # During: the paused engine holds every request in its waiting queue.
         deadline = time.monotonic() + 30
-        while value(during := scrape(port + ENGINE), "corestream:num_requests_waiting") < 3:
+        while value(during := scrape(port, ENGINE), "corestream:num_requests_waiting") < 3:
             assert time.monotonic() < deadline, "the requests never showed as waiting"
             time.sleep(0.05)
         assert value(during, "corestream:num_requests_running") == 0
@@ -198,9 +200,9 @@ def test_metrics_move_by_exactly_the_workload(cluster: tuple[Cluster, int],
             t.join(60)
     assert sorted(streamed) == max_tokens
 
-    after = {p: scrape(port + p) for p in (FRONTEND, ENGINE)}
+    after = {p: scrape(port, p) for p in (FRONTEND, ENGINE)}
 
-    def delta(p: int, name: str, **labels: str) -> float:
+    def delta(p: str, name: str, **labels: str) -> float:
         return value(after[p], name, **labels) - value(before[p], name, **labels)
 
     n = len(max_tokens)
@@ -212,7 +214,7 @@ def test_metrics_move_by_exactly_the_workload(cluster: tuple[Cluster, int],
     assert delta(ENGINE, "corestream:prefix_cache_queries_total") >= len(prompt_ids.token_ids)
     # The gauges come from the stats the loop publishes after the step that ended them.
     deadline = time.monotonic() + 10
-    while (value(idle := scrape(port + ENGINE), "corestream:num_requests_running"),
+    while (value(idle := scrape(port, ENGINE), "corestream:num_requests_running"),
            value(idle, "corestream:num_requests_waiting")) != (0, 0):
         assert time.monotonic() < deadline, "the engine never showed idle"
         time.sleep(0.05)
@@ -230,12 +232,12 @@ def test_metrics_move_by_exactly_the_workload(cluster: tuple[Cluster, int],
 
 def test_rejections_count_by_reason_and_code(cluster: tuple[Cluster, int],
                                              stub: pb_grpc.GenerateServiceStub) -> None:
-    port = cluster[1] + FRONTEND
+    port = cluster[1]
     rejected = {"code": "INVALID_ARGUMENT"}
     handled = {"grpc_method": "GenerateStream", "grpc_code": "INVALID_ARGUMENT"}
 
     def counts() -> tuple[float, float]:
-        samples = scrape(port)
+        samples = scrape(port, FRONTEND)
         return (value(samples, "corestream:requests_rejected_total", **rejected),
                 value(samples, "corestream:grpc_server_handled_total", **handled))
 
@@ -278,20 +280,22 @@ def test_each_endpoint_shows_its_effective_configuration(cluster: tuple[Cluster,
     port = cluster[1]
     expected = {COORDINATOR: "CoordinatorConfig", FRONTEND: "FrontendConfig",
                 ENGINE: "EngineConfig"}
-    for offset, component in expected.items():
-        samples = scrape(port + offset)
+    for process, component in expected.items():
+        samples = scrape(port, process)
         info = [dict(labels) for (name, labels), _ in samples.items()
                 if name == "corestream:config_info" and ("component", component) in labels]
         assert len(info) == 1, component
         observability = [dict(labels) for (name, labels), _ in samples.items()
                          if name == "corestream:config_info"
                          and ("component", "ObservabilityConfig") in labels]
-        assert observability[0]["metrics_port"] == str(port + offset)
+        # Each process's own endpoint is private; serve's port serves them all.
+        assert observability[0]["metrics_host"] == "127.0.0.1"
+        assert int(observability[0]["metrics_port"]) not in (0, port)
         assert observability[0]["log_format"] == "json"
 
 
 def test_coordinator_counts_its_calls(cluster: tuple[Cluster, int]) -> None:
-    samples = scrape(cluster[1] + COORDINATOR)
+    samples = scrape(cluster[1], COORDINATOR)
     coordinator = "corestream.coordinator.v1.CoordinatorService"
     assert value(samples, "corestream:grpc_server_handled_total", grpc_service=coordinator,
                  grpc_method="RegisterEngine", grpc_code="OK") == 1  # one engine

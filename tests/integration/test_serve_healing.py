@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.engine.fault_injection import ENV_VAR as FAULT_INJECT
-from tests.integration.cluster import REPO, Cluster, alive, descendants
+from tests.integration.cluster import REPO, Cluster, alive, descendants, free_port
 from tests.integration.faults import start_stream, wait_all, wait_for
 from tests.integration.test_moe_waves import moe_checkpoint  # noqa: F401, F811 (a fixture)
 
@@ -41,24 +40,6 @@ DEATH_TO_UNAVAILABLE_S = 5.0
 # engine took 4.7-12 s to take requests again, most of it importing torch and loading.
 ENGINE_BACK_S = 60.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-def free_port_block(size: int) -> int:
-    """The first of `size` consecutive free ports (serve's --metrics-port layout)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = int(s.getsockname()[1])
-        if first + size > 65535:
-            continue
-        try:
-            for port in range(first, first + size):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError("no block of free ports")
 
 
 def child_pid(c: Cluster, role: str) -> int:
@@ -135,7 +116,7 @@ def admin_stats(address: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def metrics_port() -> int:
-    return free_port_block(5)  # coordinator, frontend, two engines, serve
+    return free_port()  # serve's one endpoint for the cluster
 
 
 @pytest.fixture(scope="module")
@@ -182,10 +163,11 @@ def test_coordinator_sigkill_fails_no_request_and_it_comes_back(
     assert child_pid(cluster, "coordinator") != old
     assert time.monotonic() - killed_at < 30
     assert "coordinator exited unexpectedly with code -9 (SIGKILL); restart 1" in log(cluster)
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port + 4}/metrics") as reply:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics") as reply:
         metrics = reply.read().decode()
-    assert 'corestream:serve_restarts_total{part="coordinator"} 1.0' in metrics
-    assert 'corestream:serve_restarts_total{part="engine-1"} 0.0' in metrics
+    assert ('corestream:serve_restarts_total{part="coordinator",process="serve"} 1.0'
+            in metrics)
+    assert 'corestream:serve_restarts_total{part="engine-1",process="serve"} 0.0' in metrics
     coordinator = next(r for r in admin_stats(cluster.address) if r.get("part") == "coordinator")
     assert coordinator["restarts"] == 1 and coordinator["last_exit"] == "code -9 (SIGKILL)"
 

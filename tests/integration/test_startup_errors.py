@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(120)
 def serve(args: Sequence[str], env: dict[str, str] | None = None,
           timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", *args], cwd=REPO, text=True,
+        [sys.executable, "-m", "services.cli", "serve", "--metrics-port", "0", *args],
+        cwd=REPO, text=True,
         capture_output=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False)
 
 

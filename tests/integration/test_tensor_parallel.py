@@ -49,12 +49,14 @@ def workers_of(pid: int) -> list[int]:
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """An engine's samples by name and labels (model_name and engine left out)."""
+    """Engine 0's samples by name and labels (model_name and engine left out), from
+    serve's endpoint for the cluster."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items()
-                                  if k not in ("model_name", "engine")))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+                                  if k not in ("model_name", "engine", "process")))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.labels.get("process") == "engine-0"}
 
 
 def cpus_of(pid: int) -> str:
@@ -70,14 +72,14 @@ def test_two_ranks_give_the_tokens_of_one() -> None:
         stub = pb_grpc.GenerateServiceStub(channel)
         expected = [greedy(stub, p) for p in PROMPTS]
         assert stub.GetModelInfo(pb.GetModelInfoRequest()).tensor_parallel_size == 1
-    metrics_port = free_port()  # serve gives engine 0 the port 2 above
+    metrics_port = free_port()
     with cluster(["--tensor-parallel-size", "2", "--metrics-port", str(metrics_port)]) \
             as (c, children), grpc.insecure_channel(c.address) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
         assert [greedy(stub, p) for p in PROMPTS] == expected
         # engine -> coordinator (registration) -> frontend (load snapshot)
         assert stub.GetModelInfo(pb.GetModelInfoRequest()).tensor_parallel_size == 2
-        samples = scrape(metrics_port + 2)
+        samples = scrape(metrics_port)
         assert samples[("corestream:tensor_parallel_size", ())] == 2
         calls = [samples[("corestream:tensor_parallel_calls_total", (("rank", r),))]
                  for r in "01"]
