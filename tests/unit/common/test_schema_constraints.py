@@ -24,7 +24,7 @@ from services.common.constraints import (
     llguidance_grammar,
 )
 from services.common.schema_support import Draft, _Resolver, disjoint, exact_one_of
-from services.frontend.constraint_check import OutputCheck
+from services.frontend.generate.constraint_check import OutputCheck
 from tests.data.schemas.kubernetes_like import manifest_schema
 
 CORPUS = Path(__file__).parents[2] / "data" / "schemas"

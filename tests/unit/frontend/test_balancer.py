@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from services.common.block_hash import prompt_block_hashes
-from services.frontend.balancer import (
+from services.frontend.errors import RequestError
+from services.frontend.routing.balancer import (
     KV_PRESSURE_THRESHOLD,
     KV_PRESSURE_WEIGHT,
     WAITING_WEIGHT,
@@ -20,9 +21,8 @@ from services.frontend.balancer import (
     load_score,
     waiting_cost,
 )
-from services.frontend.engine_client import EngineClient
-from services.frontend.errors import RequestError
-from services.frontend.routing import RoutingPolicy
+from services.frontend.routing.engine_client import EngineClient
+from services.frontend.routing.policies import RoutingPolicy
 
 
 class _StubClient(EngineClient):

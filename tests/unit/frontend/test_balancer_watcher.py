@@ -16,9 +16,9 @@ from corestream.coordinator.v1 import coordinator_service_pb2_grpc as pb_grpc
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.registry import EngineRegistry
 from services.coordinator.server import CoordinatorServicer
-from services.frontend import load_watcher
-from services.frontend.balancer import Balancer
-from services.frontend.load_watcher import LoadWatcher
+from services.frontend.routing import load_watcher
+from services.frontend.routing.balancer import Balancer
+from services.frontend.routing.load_watcher import LoadWatcher
 from tests.integration.cluster import free_port
 from tests.unit.frontend.test_balancer import _StubClient
 

@@ -24,15 +24,15 @@ from services.common.constraints import (
     llguidance_grammar,
 )
 from services.common.tiny_checkpoint import train_byte_level_bpe
-from services.frontend.chat_constraints import (
+from services.frontend.chat.constraints import (
     FunctionSpec,
     added_token_ids,
     response_format_constraint,
     tool_call_constraint,
     with_reasoning_prefix,
 )
-from services.frontend.reasoning_parsers import make_reasoning_parser
-from services.frontend.tool_parsers import make_tool_parser
+from services.frontend.chat.parsers.reasoning import make_reasoning_parser
+from services.frontend.chat.parsers.tools import make_tool_parser
 
 EOS = "</s>"
 _CORPUS = [

@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from services.common.model_info import ModelInfo
 from services.common.tiny_checkpoint import TINY_CHAT_TEMPLATE, train_byte_level_bpe
-from services.frontend.chat_template import ChatTemplates, render_chat
+from services.frontend.chat.template import ChatTemplates, render_chat
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TextTokenizer

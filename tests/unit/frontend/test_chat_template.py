@@ -22,8 +22,8 @@ import jinja2
 import pytest
 
 from services.common.tiny_checkpoint import train_byte_level_bpe
-from services.frontend import chat_template as chat_template_module
-from services.frontend.chat_template import (
+from services.frontend.chat import template as chat_template_module
+from services.frontend.chat.template import (
     ChatTemplates,
     TemplateError,
     compile_template,

@@ -13,9 +13,9 @@ from tokenizers import Tokenizer, decoders, models
 from services.common.constraints import ConstraintKind, OutputConstraint
 from services.common.model_info import ModelInfo, load_model_info
 from services.common.tiny_checkpoint import resolve_model
-from services.frontend import constraint_check
-from services.frontend.constraint_check import ConstraintChecker
 from services.frontend.errors import RequestError
+from services.frontend.generate import constraint_check
+from services.frontend.generate.constraint_check import ConstraintChecker
 from services.frontend.tokenizer import TextTokenizer
 
 REGEX = OutputConstraint(ConstraintKind.REGEX, "[0-9]+")

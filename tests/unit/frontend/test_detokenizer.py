@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from services.frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from services.frontend.generate.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.frontend.tokenizer import TextTokenizer
 
 

@@ -20,7 +20,7 @@ import pytest
 from corestream.common.v1 import common_pb2
 
 from services.common.tiny_checkpoint import TINY_CHAT_TEMPLATE
-from services.frontend.chat_template import ChatTemplates
+from services.frontend.chat.template import ChatTemplates
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
 

@@ -10,8 +10,8 @@ from services.common.block_hash import prompt_block_hashes
 from services.common.sampling import SamplingParams
 from services.engine.request import Request
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
-from services.frontend.prefix_index import PrefixIndex
-from services.frontend.routing import Option, cache_aware, least_load
+from services.frontend.routing.policies import Option, cache_aware, least_load
+from services.frontend.routing.prefix_index import PrefixIndex
 
 BS = 4
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.frontend.reasoning_parsers import (
+from services.frontend.chat.parsers.reasoning import (
     REASONING_PARSERS,
     DeepSeekR1ReasoningParser,
     Qwen3ReasoningParser,
@@ -13,7 +13,7 @@ from services.frontend.reasoning_parsers import (
     make_reasoning_parser,
     prompt_opens_reasoning,
 )
-from services.frontend.tool_parsers import ToolCall, make_tool_parser
+from services.frontend.chat.parsers.tools import ToolCall, make_tool_parser
 from tests.unit.frontend.chunkings import chunkings
 
 

@@ -29,7 +29,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from services.common.model_info import ModelInfo
-from services.frontend.chat_request import _FUNCTION_NAME, ROLES
+from services.frontend.chat.request import _FUNCTION_NAME, ROLES
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
 

@@ -19,8 +19,9 @@ from grpc_status import rpc_status
 
 from services.common.model_info import ModelInfo
 from services.frontend.config import FrontendConfig
+from services.frontend.generate_service import SERVICE_NAME
 from services.frontend.main import event_loop_factory
-from services.frontend.server import SERVICE_NAME, FrontendServer
+from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TextTokenizer
 
 from .conftest import EOS_ID, MAX_MODEL_LEN

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.frontend.tool_parsers import (
+from services.frontend.chat.parsers.tools import (
     TOOL_PARSERS,
     HermesToolParser,
     Llama3JsonToolParser,

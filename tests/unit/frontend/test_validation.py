@@ -8,7 +8,7 @@ import pytest
 from corestream.common.v1 import common_pb2
 
 from services.frontend.errors import RequestError
-from services.frontend.validation import (
+from services.frontend.generate.validation import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     check_length,

@@ -6,7 +6,7 @@ engine that leaves the snapshot, or stops running, takes no new requests; its
 client stays open until its in-flight requests finish, so a draining engine can
 complete them.
 
-Routing follows the policy (see routing.py): by default the lowest cost of load
+Routing follows the policy (see policies.py): by default the lowest cost of load
 plus the prefill an engine would still do, from the engines' prefix-cache events
 (prefix_index.py); else the lowest `load_score`, or a plain rotation. A load
 snapshot lags behind our own routing (engine report, then the coordinator's rate
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.block_hash import BlockHash, prompt_block_hashes
-from services.frontend import routing
-from services.frontend.engine_client import EngineClient
 from services.frontend.errors import invalid_argument, unavailable
-from services.frontend.prefix_index import PrefixIndex
-from services.frontend.routing import Option, RoutingPolicy
+from services.frontend.routing import policies
+from services.frontend.routing.engine_client import EngineClient
+from services.frontend.routing.policies import Option, RoutingPolicy
+from services.frontend.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -216,17 +216,17 @@ class Balancer:
         ordered = candidates[start:] + candidates[:start]
         hashes: dict[int, list[BlockHash]] = {}
         if self.policy is RoutingPolicy.ROUND_ROBIN:
-            choice, cached = routing.Choice(0, "round_robin"), [0] * len(ordered)
+            choice, cached = policies.Choice(0, "round_robin"), [0] * len(ordered)
         else:
             loads = [self._score(address, client) for address, client in ordered]
             if self.policy is RoutingPolicy.CACHE_AWARE and prompt_token_ids:
                 cached = self._cached_tokens(ordered, prompt_token_ids, cache_salt, hashes)
-                choice = routing.cache_aware(
+                choice = policies.cache_aware(
                     [Option(load, c) for load, c in zip(loads, cached, strict=True)],
                     len(prompt_token_ids), self._prefill_tokens_per_request)
             else:
                 cached = [0] * len(ordered)
-                choice = routing.least_load([Option(load) for load in loads])
+                choice = policies.least_load([Option(load) for load in loads])
         address, client = ordered[choice.index]
         self._last_pick = address
         self._unseen.setdefault(address, _Unseen()).current += 1

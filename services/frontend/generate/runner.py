@@ -36,12 +36,12 @@ from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 from services.common.convert import sampling_to_proto
 from services.common.model_info import ModelInfo
 from services.common.sampling import SamplingParams
-from services.frontend.balancer import Balancer
-from services.frontend.constraint_check import OutputCheck
-from services.frontend.engine_client import EngineClient, EngineEvent, EngineFailure
 from services.frontend.errors import RequestError, engine_error
-from services.frontend.request_telemetry import RequestTelemetry
-from services.frontend.sample_stream import SampleStream, with_token_text
+from services.frontend.generate.constraint_check import OutputCheck
+from services.frontend.generate.sample_stream import SampleStream, with_token_text
+from services.frontend.generate.telemetry import RequestTelemetry
+from services.frontend.routing.balancer import Balancer
+from services.frontend.routing.engine_client import EngineClient, EngineEvent, EngineFailure
 from services.frontend.tokenizer import TextTokenizer
 
 

@@ -26,7 +26,7 @@ import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
-from services.frontend.markers import marker_prefix_length
+from services.frontend.chat.parsers.markers import marker_prefix_length
 
 THINK_START = "<think>"
 THINK_END = "</think>"

@@ -25,7 +25,7 @@ from services.common.constraints import (
     OutputConstraint,
     exact_schema,
 )
-from services.frontend.reasoning_parsers import THINK_END, THINK_START
+from services.frontend.chat.parsers.reasoning import THINK_END, THINK_START
 
 if TYPE_CHECKING:
     import tokenizers

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from corestream.common.v1 import common_pb2
 from corestream.generate.v1 import chat_service_pb2 as chat_pb2
 
-from services.frontend.reasoning_parsers import ReasoningParser
-from services.frontend.tool_parsers import ParsedDelta, ToolCall, ToolCallDelta, ToolParser
+from services.frontend.chat.parsers.reasoning import ReasoningParser
+from services.frontend.chat.parsers.tools import ParsedDelta, ToolCall, ToolCallDelta, ToolParser
 
 # The engine's reasons that mean the model (or its constraint) ended the answer.
 _ENDED = (

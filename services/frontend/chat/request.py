@@ -17,7 +17,7 @@ from typing import Any
 from corestream.generate.v1 import chat_service_pb2 as chat_pb2
 from google.protobuf import json_format
 
-from services.frontend.chat_constraints import FunctionSpec
+from services.frontend.chat.constraints import FunctionSpec
 from services.frontend.errors import invalid_argument
 
 ROLES = ("system", "user", "assistant", "tool", "developer")

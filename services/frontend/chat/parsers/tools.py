@@ -26,7 +26,7 @@ import re
 import string
 from dataclasses import dataclass
 
-from services.frontend.markers import marker_prefix_length
+from services.frontend.chat.parsers.markers import marker_prefix_length
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
 

@@ -18,8 +18,8 @@ from corestream.engine.v1 import engine_core_service_pb2 as engine_pb2
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 
 from services.common.sampling import SamplingParams
-from services.frontend.constraint_check import OutputCheck
-from services.frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from services.frontend.generate.constraint_check import OutputCheck
+from services.frontend.generate.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.frontend.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)

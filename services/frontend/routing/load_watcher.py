@@ -23,7 +23,7 @@ from services.common.backoff import Backoff
 from services.common.grpc_server import make_aio_channel
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.common.tasks import cancel_and_wait
-from services.frontend.balancer import Balancer, EngineLoadInfo
+from services.frontend.routing.balancer import Balancer, EngineLoadInfo
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from services.common.tracing import Tracing
 from services.frontend.errors import RequestError
 
 if TYPE_CHECKING:
-    from services.frontend.balancer import Route
+    from services.frontend.routing.balancer import Route
 
 # One line per request, like an access log (JSON logs carry its request and trace ids).
 log = logging.getLogger("services.frontend.requests")

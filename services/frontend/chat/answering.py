@@ -1,15 +1,20 @@
-"""ChatService: conversations in, answers out, on GenerateService's request path.
+"""Chat answering: conversations in, answers out, on the frontend's request path
+(pipeline.py), for every door that takes chat (ChatService, /v1/chat/completions).
 
 A chat request is rendered with the checkpoint's own template, tokenized without
 adding special tokens again (the template wrote them), and then runs exactly like
 a Generate request: the same validation, limits, routing, telemetry and abort.
+It walks the pipeline in sequence: `Pipeline.request` opens its telemetry and time
+limit, the pipeline's checks admit and validate it, the conversation is rendered and
+its constraint built here, `Pipeline.prepared` applies the limits, `Pipeline.run`
+runs it.
 What comes back is read per sample by an `AnswerParser` (reasoning, content, tool
 calls). When a parser reads the answer, special tokens are kept in the detokenized
 text, since markers like `[TOOL_CALLS]` are special tokens in some vocabularies;
 only the stop token that ended the answer is cut off.
 
 `tool_choice` required or a named function and `response_format` become an output
-constraint (see chat_constraints.py), so the answer has the promised form even
+constraint (see constraints.py), so the answer has the promised form even
 from a model that would not write it by itself.
 """
 
@@ -21,24 +26,28 @@ import functools
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 from corestream.generate.v1 import chat_service_pb2 as chat_pb2
-from corestream.generate.v1 import chat_service_pb2_grpc as chat_pb2_grpc
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 
 from services.common.constraints import OutputConstraint
-from services.frontend.chat_answer import AnswerDelta, AnswerParser
-from services.frontend.chat_constraints import (
+from services.frontend.chat.constraints import (
     FunctionSpec,
     added_token_ids,
     response_format_constraint,
     tool_call_constraint,
     with_reasoning_prefix,
 )
-from services.frontend.chat_request import ChatLimits, ChatRequestLike, read_conversation
-from services.frontend.chat_template import (
+from services.frontend.chat.parsers.answer import AnswerDelta, AnswerParser
+from services.frontend.chat.parsers.reasoning import (
+    REASONING_PARSERS,
+    make_reasoning_parser,
+    prompt_opens_reasoning,
+)
+from services.frontend.chat.parsers.tools import make_tool_parser, pick_tool_parser
+from services.frontend.chat.request import ChatLimits, ChatRequestLike, read_conversation
+from services.frontend.chat.template import (
     ChatTemplates,
     TemplateError,
     compile_template,
@@ -46,22 +55,11 @@ from services.frontend.chat_template import (
     render_chat,
 )
 from services.frontend.config import FrontendConfig
-from services.frontend.errors import RequestError, invalid_argument, to_status
-from services.frontend.grpc_calls import aborting_on_error, call_metadata, start_call
-from services.frontend.reasoning_parsers import (
-    REASONING_PARSERS,
-    make_reasoning_parser,
-    prompt_opens_reasoning,
-)
-from services.frontend.request_runner import PreparedRequest
-from services.frontend.request_telemetry import RequestTelemetry
+from services.frontend.errors import RequestError, invalid_argument
+from services.frontend.generate.runner import PreparedRequest
+from services.frontend.generate.telemetry import RequestTelemetry
+from services.frontend.pipeline import Pipeline
 from services.frontend.tokenizer import TextTokenizer
-from services.frontend.tool_parsers import make_tool_parser, pick_tool_parser
-
-if TYPE_CHECKING:
-    from services.frontend.server import GenerateServicer
-
-SERVICE_NAME = chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name
 
 _NO_TEMPLATE = (
     "the served model has no chat template, so it cannot take chat messages; start the "
@@ -71,7 +69,7 @@ _NO_TEMPLATE = (
 
 
 @dataclass(frozen=True)
-class _Rendered:
+class Rendered:
     prompt: str
     token_ids: list[int]
     template: str
@@ -80,68 +78,43 @@ class _Rendered:
 
 @dataclass
 class _Answers:
-    """One call's per-sample parsers, made once the request is prepared."""
+    """One call's per-sample parsers."""
 
-    make_parser: functools.partial[AnswerParser] | None = None
-    keeps_special_tokens: bool = False
-    stop_token_ids: frozenset[int] = frozenset()
+    make_parser: functools.partial[AnswerParser]
+    keeps_special_tokens: bool
+    stop_token_ids: frozenset[int]
     """EOS and the request's stop tokens: the ids that end an answer."""
     parsers: dict[int, AnswerParser] = field(default_factory=dict)
 
     def parser(self, index: int) -> AnswerParser:
         parser = self.parsers.get(index)
         if parser is None:
-            assert self.make_parser is not None
             parser = self.parsers[index] = self.make_parser()
         return parser
 
 
-class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(self, config: FrontendConfig, generate: GenerateServicer,
+class ChatAnswering:
+    def __init__(self, config: FrontendConfig, pipeline: Pipeline,
                  tokenizer: TextTokenizer, templates: ChatTemplates,
                  eos_token_ids: tuple[int, ...]) -> None:
         self._config = config
-        self._generate = generate
+        self._pipeline = pipeline
         self._tokenizer = tokenizer
         self._templates = templates
         self._limits = ChatLimits(config.max_chat_messages, config.max_chat_chars)
         self._special_tokens = added_token_ids(tokenizer.backend)
         self._eos_token_ids = eos_token_ids
 
-    async def RenderChat(
-        self, request: chat_pb2.RenderChatRequest, context: grpc.aio.ServicerContext
-    ) -> chat_pb2.RenderChatResponse:
-        try:
-            rendered = await self._render(request)
-        except RequestError as e:
-            await context.abort_with_status(to_status(e))
-        return chat_pb2.RenderChatResponse(prompt=rendered.prompt, token_ids=rendered.token_ids)
-
-    async def ChatStream(
-        self, request: chat_pb2.ChatStreamRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[chat_pb2.ChatStreamResponse]:
-        request_id = await start_call(request.request_id, context)
-        async for response in aborting_on_error(
-                self.answer(request_id, request, call_metadata(context)), context):
-            yield response
-
-    async def Chat(
-        self, request: chat_pb2.ChatRequest, context: grpc.aio.ServicerContext
-    ) -> chat_pb2.ChatResponse:
-        request_id = await start_call(request.request_id, context)
-        responses = self.answer(request_id, request, call_metadata(context))
-        return await collect_chat(request_id, aborting_on_error(responses, context))
-
     async def answer(self, request_id: str, request: ChatRequestLike,
                      metadata: Mapping[str, str]) -> AsyncIterator[chat_pb2.ChatStreamResponse]:
         """A chat request's answer as stream deltas; RequestError when it fails (any
         transport: the gRPC RPCs and the HTTP API both read this)."""
-        answers = _Answers()
-        prepare = functools.partial(self._prepare, request_id, request, answers)
-        async for chunk in self._generate.run(request_id, metadata, prepare, "chat"):
-            response = self._stream_response(answers, chunk)
-            if response is not None:
-                yield response
+        async with self._pipeline.request(request_id, metadata, "chat") as telemetry:
+            prepared, answers = await self._prepare(request_id, request, telemetry)
+            async for chunk in self._pipeline.run(prepared, telemetry):
+                response = self._stream_response(answers, chunk)
+                if response is not None:
+                    yield response
 
     def _stream_response(
         self, answers: _Answers, chunk: generate_pb2.GenerateStreamResponse
@@ -178,19 +151,21 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
             return delta, chat_pb2.CHAT_FINISH_REASON_UNSPECIFIED
         return delta + parser.finish(), parser.finish_reason(chunk.finish_reason)
 
-    async def _prepare(self, request_id: str, request: ChatRequestLike, answers: _Answers,
-                       telemetry: RequestTelemetry) -> PreparedRequest:
-        generate = self._generate
+    async def _prepare(self, request_id: str, request: ChatRequestLike,
+                       telemetry: RequestTelemetry) -> tuple[PreparedRequest, _Answers]:
+        """The request validated, rendered and constrained, ready to run; and the
+        parsers that read its answer."""
+        pipeline = self._pipeline
         with telemetry.phase("validate"):
-            generate.check_accepting()
-            sampling = generate.check_sampling(request.sampling)
+            pipeline.check_accepting()
+            sampling = pipeline.check_sampling(request.sampling)
             if sampling.constraint is not None:
                 field_name = sampling.constraint.field
                 raise invalid_argument(
                     field_name, f"{field_name} is not accepted in a chat request: use "
                     "response_format, or tool_choice to require a tool call")
         with telemetry.phase("render"):
-            rendered = await self._render(request)
+            rendered = await self.render(request)
         tool_parser = self._tool_parser(request, rendered)
         constraint = self._constraint(request, rendered, tool_parser)
         reasoning_parser = self._config.reasoning_parser or None
@@ -198,7 +173,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         if constraint is not None:
             field_name = _constraint_field(request)
             with telemetry.phase("validate"):
-                accepted = await generate.check_constraint(constraint, field_name)
+                accepted = await pipeline.check_constraint(constraint, field_name)
             if reasoning_parser is not None and accepted.output_check is not None:
                 # The answer's grammar then follows a reasoning block, and the output
                 # check has no way to tell the JSON from the reasoning.
@@ -213,10 +188,11 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                         special_tokens=self._special_tokens)
                 except ValueError as exc:
                     raise invalid_argument(field_name, f"{field_name}: {exc}") from None
-        answers.make_parser = functools.partial(
-            _answer_parser, reasoning_parser, starts_in_reasoning, tool_parser)
-        answers.keeps_special_tokens = bool(tool_parser or reasoning_parser)
-        answers.stop_token_ids = frozenset((*self._eos_token_ids, *sampling.stop_token_ids))
+        answers = _Answers(
+            make_parser=functools.partial(
+                _answer_parser, reasoning_parser, starts_in_reasoning, tool_parser),
+            keeps_special_tokens=bool(tool_parser or reasoning_parser),
+            stop_token_ids=frozenset((*self._eos_token_ids, *sampling.stop_token_ids)))
         prepared = PreparedRequest(
             request_id=request_id,
             prompt_token_ids=rendered.token_ids,
@@ -227,9 +203,11 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
             data_parallel_rank=(request.data_parallel_rank
                                 if request.HasField("data_parallel_rank") else None),
         )
-        return await generate.prepared(prepared, rendered.prompt, telemetry)
+        return await pipeline.prepared(prepared, rendered.prompt, telemetry), answers
 
-    async def _render(self, request: ChatRequestLike | chat_pb2.RenderChatRequest) -> _Rendered:
+    async def render(self, request: ChatRequestLike | chat_pb2.RenderChatRequest) -> Rendered:
+        """The conversation rendered with its template and tokenized (RenderChat's
+        answer, and the prompt of a chat request)."""
         conversation = read_conversation(request, self._limits)
         template = self._template(request, has_tools=conversation.tools is not None)
         try:
@@ -243,8 +221,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         except TemplateError as exc:
             raise invalid_argument("messages", f"the chat template refused the "
                                                f"conversation: {exc}") from None
-        token_ids = await self._generate.encode(prompt, add_special_tokens=False)
-        return _Rendered(prompt, token_ids, template, conversation.functions)
+        token_ids = await self._pipeline.encode(prompt, add_special_tokens=False)
+        return Rendered(prompt, token_ids, template, conversation.functions)
 
     def _template(self, request: ChatRequestLike | chat_pb2.RenderChatRequest,
                   has_tools: bool) -> str:
@@ -268,7 +246,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                                reason="NO_CHAT_TEMPLATE")
         return template
 
-    def _tool_parser(self, request: ChatRequestLike, rendered: _Rendered) -> str | None:
+    def _tool_parser(self, request: ChatRequestLike, rendered: Rendered) -> str | None:
         """The format to read tool calls in, or None when the answer is content only."""
         mode = request.tool_choice.WhichOneof("choice")
         if not rendered.functions or (
@@ -281,7 +259,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
             return _picked_parser(rendered.template)
         return configured
 
-    def _constraint(self, request: ChatRequestLike, rendered: _Rendered,
+    def _constraint(self, request: ChatRequestLike, rendered: Rendered,
                     tool_parser: str | None) -> OutputConstraint | None:
         """The output constraint that tool_choice or response_format asks for."""
         choice = request.tool_choice

@@ -46,7 +46,7 @@ from services.common.grpc_server import make_aio_channel
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.common.tasks import cancel_and_wait
 from services.frontend.errors import RequestError, unavailable
-from services.frontend.prefix_index import PrefixIndex
+from services.frontend.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
