@@ -1,7 +1,7 @@
 """The RenderChat RPC against transformers' apply_chat_template on real published templates.
 
-test_chat_template.py checks `render_chat` on dicts; this sends the same corpus over
-gRPC to a real FrontendServer, so that the proto conversion (chat_request.py) is part
+test_template.py checks `render_chat` on dicts; this sends the same corpus over
+gRPC to a real FrontendServer, so that the proto conversion (request.py) is part
 of what must agree: each conversation becomes ChatMessage / Tool protos, and the
 RPC's prompt and token ids must equal what transformers renders from the dicts on
 the same tokenizer. Where transformers refuses, the RPC answers INVALID_ARGUMENT.
@@ -32,17 +32,13 @@ from services.common.model_info import ModelInfo
 from services.frontend.chat.request import _FUNCTION_NAME, ROLES
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
-
-from .test_chat_template import (  # noqa: F401  (fixtures, found by pytest by name)
+from tests.unit.frontend.chat.template_corpus import (
     CASES,
     CHECKPOINTS,
     EXPECTED_REFUSALS,
     Case,
     Pair,
-    _variants,
-    fixed_clock,
-    pairs,
-    transformers_module,
+    variants,
 )
 
 # Renders each template must compare (text and ids), refusals not counted.
@@ -300,7 +296,7 @@ def _plan(name: str, pair: Pair) -> Plan:
             plan.unsendable[case_name] = reason
             continue
         has_lines = any("\n" in m["content"] for m in case.messages)
-        for add_generation_prompt, continue_final, kwargs in _variants(name, pair, case):
+        for add_generation_prompt, continue_final, kwargs in variants(name, pair, case):
             if _kwargs_unsendable(kwargs):
                 plan.kwargs_left_out += 1
                 continue
@@ -399,7 +395,7 @@ def _check_refusal(where: str, expected: Refusal, outcome: Outcome) -> None:
 @pytest.mark.usefixtures("fixed_clock")  # both sides print the same date (Llama)
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_render_chat_rpc_matches_transformers(
-    pairs: dict[str, Pair],  # noqa: F811  (the fixture imported above)
+    pairs: dict[str, Pair],
     name: str,
 ) -> None:
     pair = pairs[name]

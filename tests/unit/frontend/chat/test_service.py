@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,19 +22,17 @@ from corestream.generate.v1 import chat_service_pb2_grpc as chat_grpc
 from google.protobuf import struct_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from tokenizers import AddedToken, Tokenizer
 
-from services.common.model_info import ModelInfo
-from services.common.tiny_checkpoint import TINY_CHAT_TEMPLATE, train_byte_level_bpe
+from services.common.tiny_checkpoint import TINY_CHAT_TEMPLATE
 from services.frontend.chat.template import ChatTemplates, render_chat
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
-from services.frontend.tokenizer import TextTokenizer
+from tests.unit.frontend.fakes import CALL_TEXT, FakeEngine, start_fake_engine
+from tests.unit.frontend.fakes import CHAT_EOS_ID as EOS_ID
+from tests.unit.frontend.fakes import CHAT_MODEL as MODEL
+from tests.unit.frontend.fakes import CHAT_SPECIAL as SPECIAL
+from tests.unit.frontend.fakes import CHAT_TOKENIZER as TOKENIZER
 
-from .fake_engine import FakeEngine, start_fake_engine
-
-SPECIAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-EOS_ID = 2
 WEATHER = chat_pb2.Tool(
     name="get_weather", description="Current weather in a city.",
     parameters=json.dumps({"type": "object", "properties": {
@@ -45,27 +42,10 @@ WEATHER = chat_pb2.Tool(
 TIME = chat_pb2.Tool(name="get_time", parameters="")
 QUESTION = [chat_pb2.ChatMessage(role="system", content="Be brief."),
             chat_pb2.ChatMessage(role="user", content="Weather in Paris?")]
-CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 # A template that refuses a conversation, as real ones do for unsupported roles.
 REFUSING_TEMPLATE = ("{% if messages[0].role == 'user' %}{{ raise_exception('Conversations "
                      "must start with a system message') }}{% endif %}ok")
 
-
-def _tokenizer() -> TextTokenizer:
-    lines = ["Weather in Paris is sunny; the city is nice.", 'get_weather {"city": "Paris"}',
-             "Let me check. I think about it. Hello there!"] * 5
-    backend: Tokenizer = train_byte_level_bpe(lines, 400, ("<unk>", "<s>", "</s>"))
-    # As in Qwen vocabularies: the markers are added tokens, but not special ones.
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t in ("<tool_call>", "</tool_call>", "<think>", "</think>")])
-    assert backend.token_to_id("</s>") == EOS_ID
-    return TextTokenizer(backend)
-
-
-TOKENIZER = _tokenizer()
-MODEL = ModelInfo(name="chat-test", path=str(Path("/nonexistent")),
-                  architectures=("LlamaForCausalLM",), vocab_size=TOKENIZER.vocab_size,
-                  max_model_len=4096, eos_token_ids=(EOS_ID,), bos_token_id=1, dtype="float32")
 
 Body = Callable[[chat_grpc.ChatServiceStub], Awaitable[None]]
 

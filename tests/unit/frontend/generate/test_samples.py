@@ -12,16 +12,14 @@ from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
 from services.common.model_info import ModelInfo
 from services.frontend.tokenizer import TextTokenizer
-
-from .fake_engine import FakeEngine
-from .test_server import _script, _serve
+from tests.unit.frontend.fakes import FakeEngine, script, serve_generate
 
 
 @pytest.mark.timeout(60)
 def test_stream_interleaves_samples_and_sums_usage(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
-    engine = FakeEngine(_script(tokenizer))
+    engine = FakeEngine(script(tokenizer))
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         sampling = common_pb2.SamplingParams(n=3, seed=10, max_tokens=4, prompt_logprobs=1)
@@ -44,14 +42,14 @@ def test_stream_interleaves_samples_and_sums_usage(
         assert [a.sampling.HasField("prompt_logprobs") for a in engine.adds] == [
             True, False, False]
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
 def test_unary_completions_with_logprobs_and_token_text(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
-    engine = FakeEngine(_script(tokenizer))
+    engine = FakeEngine(script(tokenizer))
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         sampling = common_pb2.SamplingParams(n=2, max_tokens=3, logprobs=2, prompt_logprobs=0,
@@ -77,12 +75,12 @@ def test_unary_completions_with_logprobs_and_token_text(
             prompt[1:])
         assert response.usage.completion_tokens == 4
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
 def test_no_logprobs_unless_asked(tokenizer: TextTokenizer, model_info: ModelInfo) -> None:
-    engine = FakeEngine(_script(tokenizer))
+    engine = FakeEngine(script(tokenizer))
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         response = await stub.Generate(pb.GenerateRequest(text="hello"))
@@ -91,14 +89,14 @@ def test_no_logprobs_unless_asked(tokenizer: TextTokenizer, model_info: ModelInf
         assert not add.sampling.HasField("logprobs")
         assert add.request_id == response.request_id  # n = 1 keeps the client's id
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
 def test_abort_rpc_and_cancel_end_every_sample(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
-    engine = FakeEngine(_script(tokenizer), step_s=0.1)
+    engine = FakeEngine(script(tokenizer), step_s=0.1)
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         sampling = common_pb2.SamplingParams(n=2)
@@ -130,4 +128,4 @@ def test_abort_rpc_and_cancel_end_every_sample(
             while not {"q-0", "q-1"} <= set(engine.aborts):
                 await asyncio.sleep(0.01)
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)

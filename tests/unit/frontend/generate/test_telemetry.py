@@ -18,9 +18,7 @@ from services.common.observability_config import ObservabilityConfig
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TextTokenizer
-
-from .conftest import EOS_ID
-from .fake_engine import FakeEngine, start_fake_engine
+from tests.unit.frontend.fakes import EOS_ID, FakeEngine, start_fake_engine
 
 TEXT = "hello world"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

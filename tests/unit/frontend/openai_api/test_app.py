@@ -23,9 +23,11 @@ from services.common.tiny_checkpoint import TINY_CHAT_TEMPLATE
 from services.frontend.chat.template import ChatTemplates
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
-
-from .fake_engine import FakeEngine, start_fake_engine
-from .test_chat_service import CALL_TEXT, EOS_ID, MODEL, SPECIAL, TOKENIZER
+from tests.unit.frontend.fakes import CALL_TEXT, FakeEngine, start_fake_engine
+from tests.unit.frontend.fakes import CHAT_EOS_ID as EOS_ID
+from tests.unit.frontend.fakes import CHAT_MODEL as MODEL
+from tests.unit.frontend.fakes import CHAT_SPECIAL as SPECIAL
+from tests.unit.frontend.fakes import CHAT_TOKENIZER as TOKENIZER
 
 ANSWER = "Weather in Paris is sunny; the city is nice."
 USER = [{"role": "user", "content": "Weather in Paris?"}]

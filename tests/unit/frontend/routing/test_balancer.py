@@ -21,20 +21,8 @@ from services.frontend.routing.balancer import (
     load_score,
     waiting_cost,
 )
-from services.frontend.routing.engine_client import EngineClient
 from services.frontend.routing.policies import RoutingPolicy
-
-
-class _StubClient(EngineClient):
-    """Connected at once, no network."""
-
-    def start(self) -> None:
-        self._connected = True
-        self.closed = False
-
-    async def close(self) -> None:
-        self.closed = True
-        self._connected = False
+from tests.unit.frontend.fakes import StubClient
 
 
 def _load(address: str, running: int = 0, waiting: int = 0, kv: float = 0.0,
@@ -75,7 +63,7 @@ def test_score_weights_waiting_more_as_the_kv_cache_fills() -> None:
 
 def test_burst_fills_the_idler_engine_counting_unseen_requests() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         await balancer.update([_load("busy:1", running=6), _load("idle:1")])
         picks = _sends(balancer, 12)
         # The idle engine takes the first 6 until the scores meet, then they alternate.
@@ -88,7 +76,7 @@ def test_burst_fills_the_idler_engine_counting_unseen_requests() -> None:
 
 def test_kv_pressure_steers_away_from_a_full_cache() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         # Same counts; one engine's cache is nearly full, so its waiting request costs more.
         await balancer.update([_load("full:1", running=2, waiting=1, kv=0.98),
                                _load("roomy:1", running=2, waiting=1, kv=0.3)])
@@ -100,7 +88,7 @@ def test_kv_pressure_steers_away_from_a_full_cache() -> None:
 
 def test_equal_scores_rotate() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         await balancer.set_static(["a:1", "b:1", "c:1"])
         # Static engines route on our own in-flight counts, all zero here: a tie each time.
         assert _picks(balancer, 7) == ["a:1", "b:1", "c:1", "a:1", "b:1", "c:1", "a:1"]
@@ -111,7 +99,7 @@ def test_equal_scores_rotate() -> None:
 
 def test_snapshots_retire_unseen_counts() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         snapshot = [_load("a:1"), _load("b:1")]
         await balancer.update(snapshot)
         assert _sends(balancer, 4) == ["a:1", "b:1", "a:1", "b:1"]
@@ -129,7 +117,7 @@ def test_snapshots_retire_unseen_counts() -> None:
 
 def test_unseen_requests_count_only_while_in_flight() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         await balancer.update([_load("a:1"), _load("b:1", running=1)])
         # Sequential requests that finish at once: a stays the idler engine.
         assert _picks(balancer, 3) == ["a:1"] * 3
@@ -140,7 +128,7 @@ def test_unseen_requests_count_only_while_in_flight() -> None:
 
 def test_pinned_rank_and_its_errors() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         await balancer.update([_load("a:1", rank=0), _load("b:1", running=50, rank=1),
                                _load("c:1", rank=2, routable=False)])
         assert _picks(balancer, 3, rank=1) == ["b:1"] * 3  # pinned beats the least loaded
@@ -164,7 +152,7 @@ def test_pinned_rank_and_its_errors() -> None:
 
 def test_degraded_routes_on_own_counts_over_known_engines() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         await balancer.update([_load("a:1", running=9), _load("b:1", running=0)])
         assert not balancer.degraded
         balancer.set_degraded("coordinator lost")
@@ -182,7 +170,7 @@ def test_degraded_routes_on_own_counts_over_known_engines() -> None:
 
 def test_update_without_retire_keeps_missing_engines() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         await balancer.update([_load("a:1"), _load("b:1")])
         await balancer.update([_load("b:1")], retire=False)  # a has not re-registered yet
         assert {c.address for c in balancer.clients} == {"a:1", "b:1"}
@@ -196,7 +184,7 @@ def test_update_without_retire_keeps_missing_engines() -> None:
 
 def test_tensor_parallel_size_is_the_largest_told() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         assert balancer.tensor_parallel_size == 0  # no snapshot yet
         await balancer.update([_load("old:1")])  # an engine too old to tell it
         assert balancer.tensor_parallel_size == 0
@@ -217,7 +205,7 @@ def test_tensor_parallel_size_is_the_largest_told() -> None:
 def test_vanished_engines_and_readiness() -> None:
     async def main() -> None:
         readiness: list[bool] = []
-        balancer = Balancer("f", on_readiness=readiness.append, client_factory=_StubClient)
+        balancer = Balancer("f", on_readiness=readiness.append, client_factory=StubClient)
         await balancer.update([_load("a:1"), _load("b:1"), _load("c:1", routable=False)])
         assert readiness == [True]
         assert balancer.pick().address in ("a:1", "b:1")
@@ -245,7 +233,7 @@ def test_frontend_never_imports_torch() -> None:
         "import sys; import services.frontend.main, services.frontend.server; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=root)
 
 
@@ -262,7 +250,7 @@ def _follow(balancer: Balancer, address: str, held: list[bytes] = ()) -> None:
 
 def test_cache_aware_follows_the_prefix_and_spreads_new_ones() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient, policy=RoutingPolicy.CACHE_AWARE)
+        balancer = Balancer("f", client_factory=StubClient, policy=RoutingPolicy.CACHE_AWARE)
         await balancer.update([_load("a:1", running=3), _load("b:1", running=1)])
         system = list(range(1024))
         _follow(balancer, "a:1", prompt_block_hashes(system + [1], BS))
@@ -287,7 +275,7 @@ def test_cache_aware_follows_the_prefix_and_spreads_new_ones() -> None:
 
 def test_cache_aware_with_engines_leaving_joining_and_no_coordinator() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient, policy=RoutingPolicy.CACHE_AWARE)
+        balancer = Balancer("f", client_factory=StubClient, policy=RoutingPolicy.CACHE_AWARE)
         index = balancer.prefix_index
         assert index is not None
         await balancer.update([_load("a:1"), _load("b:1", running=1)])
@@ -319,7 +307,7 @@ def test_cache_aware_with_engines_leaving_joining_and_no_coordinator() -> None:
 
 def test_cache_aware_lets_load_win_when_badly_imbalanced() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient, policy=RoutingPolicy.CACHE_AWARE)
+        balancer = Balancer("f", client_factory=StubClient, policy=RoutingPolicy.CACHE_AWARE)
         await balancer.update([_load("a:1", running=20), _load("b:1", running=2)])
         prompt = list(range(1100))
         _follow(balancer, "a:1", prompt_block_hashes(prompt, BS))
@@ -333,7 +321,7 @@ def test_cache_aware_lets_load_win_when_badly_imbalanced() -> None:
 
 def test_round_robin_ignores_load() -> None:
     async def main() -> None:
-        balancer = Balancer("f", client_factory=_StubClient, policy=RoutingPolicy.ROUND_ROBIN)
+        balancer = Balancer("f", client_factory=StubClient, policy=RoutingPolicy.ROUND_ROBIN)
         await balancer.update([_load("a:1", running=30), _load("b:1")])
         assert _picks(balancer, 4) == ["a:1", "b:1", "a:1", "b:1"]
         await balancer.close()

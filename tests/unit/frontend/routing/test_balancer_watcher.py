@@ -20,7 +20,7 @@ from services.frontend.routing import load_watcher
 from services.frontend.routing.balancer import Balancer
 from services.frontend.routing.load_watcher import LoadWatcher
 from tests.integration.cluster import free_port
-from tests.unit.frontend.test_balancer import _StubClient
+from tests.unit.frontend.fakes import StubClient
 
 RUNNING = common_pb2.ENGINE_STATE_RUNNING
 
@@ -51,7 +51,7 @@ def test_coordinator_loss_degrades_then_recovers(monkeypatch: pytest.MonkeyPatch
 
     async def main() -> None:
         server, registry = start_coordinator(port, ["a:1", "b:1"])
-        balancer = Balancer("f", client_factory=_StubClient)
+        balancer = Balancer("f", client_factory=StubClient)
         watcher = LoadWatcher(f"127.0.0.1:{port}", balancer)
         watcher.start()
         addresses = lambda: {c.address for c in balancer.clients}  # noqa: E731
@@ -98,7 +98,7 @@ def test_a_failure_applying_a_snapshot_does_not_end_the_watch() -> None:
 
     async def main() -> None:
         server, registry = start_coordinator(port, ["a:1"])
-        balancer = _FailingOnce("f", client_factory=_StubClient)
+        balancer = _FailingOnce("f", client_factory=StubClient)
         watcher = LoadWatcher(f"127.0.0.1:{port}", balancer)
         watcher.start()
         await until(lambda: {c.address for c in balancer.clients} == {"a:1"})

@@ -9,8 +9,7 @@ from corestream.common.v1 import common_pb2
 from corestream.engine.v1 import engine_core_service_pb2 as engine_pb2
 
 from services.frontend.routing.engine_client import EngineClient
-
-from .fake_engine import FakeEngine, start_fake_engine
+from tests.unit.frontend.fakes import FakeEngine, start_fake_engine
 
 
 @pytest.mark.timeout(30)

@@ -14,7 +14,7 @@ from services.frontend.chat.parsers.reasoning import (
     prompt_opens_reasoning,
 )
 from services.frontend.chat.parsers.tools import ToolCall, make_tool_parser
-from tests.unit.frontend.chunkings import chunkings
+from tests.unit.frontend.fakes import chunkings
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from services.frontend.chat.parsers.tools import (
     make_tool_parser,
     pick_tool_parser,
 )
-from tests.unit.frontend.chunkings import chunkings
+from tests.unit.frontend.fakes import chunkings
 
 
 @dataclass(frozen=True)
