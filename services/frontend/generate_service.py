@@ -16,9 +16,9 @@ from corestream.generate.v1 import generate_service_pb2_grpc as generate_pb2_grp
 
 from services.common.model_info import ModelInfo
 from services.common.restart_status import given_up_engines
+from services.frontend.collect import collect_generate
 from services.frontend.config import FrontendConfig
 from services.frontend.errors import invalid_argument, to_status
-from services.frontend.generate.runner import collect_generate
 from services.frontend.grpc_calls import aborting_on_error, call_metadata, start_call
 from services.frontend.pipeline import Pipeline
 from services.frontend.routing.balancer import Balancer

@@ -308,36 +308,6 @@ def _response_format(response_format: chat_pb2.ResponseFormat) -> OutputConstrai
     return None
 
 
-async def collect_chat(
-    request_id: str, responses: AsyncIterator[chat_pb2.ChatStreamResponse]
-) -> chat_pb2.ChatResponse:
-    """A whole ChatResponse out of an answer's deltas."""
-    response = chat_pb2.ChatResponse(request_id=request_id)
-    choices: dict[int, chat_pb2.ChatChoice] = {}
-    texts: dict[int, tuple[list[str], list[str]]] = {}
-    async for delta in responses:
-        choice = choices.setdefault(delta.index, chat_pb2.ChatChoice(index=delta.index))
-        content, reasoning = texts.setdefault(delta.index, ([], []))
-        content.append(delta.content)
-        reasoning.append(delta.reasoning)
-        choice.logprobs.extend(delta.logprobs)
-        for call in delta.tool_calls:
-            if call.id:  # a call's first delta
-                choice.tool_calls.add(id=call.id, name=call.name)
-            choice.tool_calls[call.index].arguments += call.arguments
-        if delta.finish_reason:
-            choice.finish_reason = delta.finish_reason
-        if delta.HasField("usage"):
-            response.usage.CopyFrom(delta.usage)
-        response.warnings.extend(delta.warnings)
-    for index in sorted(choices):
-        content, reasoning = texts[index]
-        choices[index].content = "".join(content)
-        choices[index].reasoning = "".join(reasoning)
-        response.choices.append(choices[index])
-    return response
-
-
 def _constraint_field(request: ChatRequestLike) -> str:
     """Where a request's constraint came from, for error messages."""
     return "tools" if _requires_call(request.tool_choice) else "response_format.json_schema"

@@ -8,7 +8,8 @@ import grpc
 from corestream.generate.v1 import chat_service_pb2 as chat_pb2
 from corestream.generate.v1 import chat_service_pb2_grpc as chat_pb2_grpc
 
-from services.frontend.chat.answering import ChatAnswering, collect_chat
+from services.frontend.chat.answering import ChatAnswering
+from services.frontend.collect import collect_chat
 from services.frontend.errors import RequestError, to_status
 from services.frontend.grpc_calls import aborting_on_error, call_metadata, start_call
 

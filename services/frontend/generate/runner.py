@@ -250,34 +250,6 @@ class RequestRunner:
         )
 
 
-async def collect_generate(
-    request_id: str, chunks: AsyncIterator[generate_pb2.GenerateStreamResponse]
-) -> generate_pb2.GenerateResponse:
-    """A whole GenerateResponse out of a request's chunks."""
-    response = generate_pb2.GenerateResponse(request_id=request_id)
-    completions: dict[int, generate_pb2.Completion] = {}
-    texts: dict[int, list[str]] = {}
-    async for chunk in chunks:
-        completion = completions.setdefault(
-            chunk.index, generate_pb2.Completion(index=chunk.index))
-        texts.setdefault(chunk.index, []).append(chunk.text)
-        completion.token_ids.extend(chunk.token_ids)
-        completion.logprobs.extend(chunk.logprobs)
-        response.prompt_logprobs.extend(chunk.prompt_logprobs)
-        response.warnings.extend(chunk.warnings)
-        if chunk.finish_reason:
-            completion.finish_reason = chunk.finish_reason
-            stop = chunk.WhichOneof("matched_stop")
-            if stop is not None:
-                setattr(completion, stop, getattr(chunk, stop))
-        if chunk.HasField("usage"):
-            response.usage.CopyFrom(chunk.usage)
-    for index in sorted(completions):
-        completions[index].text = "".join(texts[index])
-        response.completions.append(completions[index])
-    return response
-
-
 def _engine_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}-{index}"
 

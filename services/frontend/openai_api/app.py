@@ -35,9 +35,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common.security_config import PLAINTEXT, SecurityConfig
-from services.frontend.chat.answering import ChatAnswering, collect_chat
+from services.frontend.chat.answering import ChatAnswering
+from services.frontend.collect import collect_chat, collect_generate
 from services.frontend.errors import RequestError, invalid_argument
-from services.frontend.generate.runner import collect_generate
 from services.frontend.generate.validation import check_request_id
 from services.frontend.grpc_calls import MAX_REQUEST_ID_CHARS
 from services.frontend.openai_api import responses
