@@ -4,10 +4,11 @@
 A chat request is rendered with the checkpoint's own template, tokenized without
 adding special tokens again (the template wrote them), and then runs exactly like
 a Generate request: the same validation, limits, routing, telemetry and abort.
-It walks the pipeline in sequence: `Pipeline.request` opens its telemetry and time
-limit, the pipeline's checks admit and validate it, the conversation is rendered and
-its constraint built here, `Pipeline.prepared` applies the limits, `Pipeline.run`
-runs it.
+`ChatAnswering.answer` walks the pipeline in sequence, with no callback into this
+module: `Pipeline.request` opens the telemetry and time limit, the pipeline's checks
+admit and validate, the conversation is rendered and its constraint built here,
+`Pipeline.prepared` applies the limits and `Pipeline.run` runs it.
+
 What comes back is read per sample by an `AnswerParser` (reasoning, content, tool
 calls). When a parser reads the answer, special tokens are kept in the detokenized
 text, since markers like `[TOOL_CALLS]` are special tokens in some vocabularies;
