@@ -22,9 +22,9 @@ from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
 
 from services.common.restart_status import PartStatus, read_status
-from services.frontend.balancer import Balancer
-from services.frontend.engine_client import EngineClient
 from services.frontend.errors import RequestError
+from services.frontend.routing.balancer import Balancer
+from services.frontend.routing.engine_client import EngineClient
 
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 # Utilities run between two steps, so an engine normally answers within one step.

@@ -7,10 +7,14 @@ from dataclasses import dataclass
 
 from services.common.config import doc
 from services.common.grpc_server import SESSION_HEARTBEAT_S, MiB
-from services.frontend.reasoning_parsers import REASONING_PARSERS
-from services.frontend.routing import RoutingPolicy
-from services.frontend.tool_parsers import TOOL_PARSERS
-from services.frontend.validation import MAX_SAMPLES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from services.frontend.chat.parsers.reasoning import REASONING_PARSERS
+from services.frontend.chat.parsers.tools import TOOL_PARSERS
+from services.frontend.generate.validation import (
+    MAX_SAMPLES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+)
+from services.frontend.routing.policies import RoutingPolicy
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")

@@ -10,7 +10,7 @@ from typing import TypeVar
 import grpc
 
 from services.frontend.errors import RequestError, to_status
-from services.frontend.validation import check_request_id
+from services.frontend.generate.validation import check_request_id
 
 MAX_REQUEST_ID_CHARS = 256
 T = TypeVar("T")

@@ -16,8 +16,8 @@ from services.common.observability import Observability
 from services.common.observability_config import ObservabilityConfig
 from services.common.security_config import SecurityConfig
 from services.common.tiny_checkpoint import resolve_model
-from services.frontend.chat_service import load_templates
-from services.frontend.chat_template import ChatTemplates, TemplateError
+from services.frontend.chat.answering import load_templates
+from services.frontend.chat.template import ChatTemplates, TemplateError
 from services.frontend.config import FrontendConfig
 from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TextTokenizer

@@ -25,7 +25,7 @@ from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
 from services.common.tiny_checkpoint import ensure_tiny_checkpoint
-from services.frontend.chat_constraints import (
+from services.frontend.chat.constraints import (
     FunctionSpec,
     added_token_ids,
     tool_call_constraint,

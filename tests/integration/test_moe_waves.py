@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -22,28 +21,12 @@ from corestream.generate.v1 import admin_service_pb2_grpc as admin_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
-from services.common.tiny_checkpoint import ensure_tiny_checkpoint
 from tests.integration.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(400)
 
 PROMPTS = {"a": [5, 17, 42, 99, 7, 3, 250, 11], "b": [1, 2, 3], "c": list(range(40, 70))}
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.unit.engine.hf_checkpoints import make_checkpoint
-
-    tiny = ensure_tiny_checkpoint()
-    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
-    folder = tmp_path_factory.mktemp("mixtral")
-    make_checkpoint(folder, "mixtral", vocab_size=vocab, num_local_experts=4,
-                    num_experts_per_tok=2, intermediate_size=64, max_position_embeddings=256)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, folder / name)
-    return folder
 
 
 @pytest.fixture(scope="module")

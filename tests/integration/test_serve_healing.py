@@ -31,7 +31,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.engine.fault_injection import ENV_VAR as FAULT_INJECT
 from tests.integration.cluster import REPO, Cluster, alive, descendants, free_port
 from tests.integration.faults import start_stream, wait_all, wait_for
-from tests.integration.test_moe_waves import moe_checkpoint  # noqa: F401, F811 (a fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -258,7 +257,7 @@ def test_an_engine_crashing_on_start_is_given_up_and_serve_serves_on() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_killed_moe_rank_restarts_its_whole_group(moe_checkpoint: Path) -> None:  # noqa: F811
+def test_a_killed_moe_rank_restarts_its_whole_group(moe_checkpoint: Path) -> None:
     c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval",
                  "4", "--data-parallel-timeout", "15", "--kv-cache-memory", "16MiB"],
                 env={"OMP_NUM_THREADS": "1"})

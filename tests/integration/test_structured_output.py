@@ -37,8 +37,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from services.frontend.config import FrontendConfig
+from tests.data.schemas.cases import CASES, Case
 from tests.integration.cluster import Cluster
-from tests.unit.common.test_schema_constraints import CASES, Case
 
 # Covers the cluster's start (the first test pays it) plus a test's own requests.
 TIMEOUT_S = 240

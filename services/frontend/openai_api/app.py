@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API: a second door onto the frontend's request path.
 
 `/v1/completions` and `/v1/chat/completions` turn the JSON body into the same
-request protos the gRPC API takes and run them through the same servicer code
-(validation, limits, routing, telemetry, abort), in process: no loopback gRPC call.
+request protos the gRPC API takes and run them on the same request path (pipeline.py
+and, for chat, chat/answering.py: validation, limits, routing, telemetry, abort), in
+process: no loopback gRPC call.
 Errors come back in OpenAI's shape with the HTTP status matching the gRPC code.
 
 Starlette serves it under uvicorn, on the frontend's own event loop. A client that
@@ -22,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pydantic
@@ -34,8 +35,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common.security_config import PLAINTEXT, SecurityConfig
-from services.frontend.chat_service import ChatServicer, collect_chat
+from services.frontend.chat.answering import ChatAnswering
+from services.frontend.collect import collect_chat, collect_generate
 from services.frontend.errors import RequestError, invalid_argument
+from services.frontend.generate.validation import check_request_id
 from services.frontend.grpc_calls import MAX_REQUEST_ID_CHARS
 from services.frontend.openai_api import responses
 from services.frontend.openai_api.schemas import (
@@ -44,11 +47,7 @@ from services.frontend.openai_api.schemas import (
     chat_request,
     completion_requests,
 )
-from services.frontend.request_runner import collect_generate
-from services.frontend.validation import check_request_id
-
-if TYPE_CHECKING:
-    from services.frontend.server import GenerateServicer
+from services.frontend.pipeline import Pipeline
 
 T = TypeVar("T")
 
@@ -80,10 +79,10 @@ class HttpSettings:
 
 
 class OpenAIApi:
-    def __init__(self, settings: HttpSettings, generate: GenerateServicer,
-                 chat: ChatServicer, is_ready: Callable[[], bool]) -> None:
+    def __init__(self, settings: HttpSettings, pipeline: Pipeline,
+                 chat: ChatAnswering, is_ready: Callable[[], bool]) -> None:
         self._settings = settings
-        self._generate = generate
+        self._pipeline = pipeline
         self._chat = chat
         self._is_ready = is_ready
         self._created = int(time.time())
@@ -99,7 +98,7 @@ class OpenAIApi:
         return self._settings.model_names[0]
 
     async def health(self, request: Request) -> Response:
-        ready = self._is_ready() and not self._generate.draining
+        ready = self._is_ready() and not self._pipeline.draining
         return Response(status_code=200 if ready else 503)
 
     async def models(self, request: Request) -> Response:
@@ -124,7 +123,7 @@ class OpenAIApi:
         for i, proto in enumerate(protos):
             # One engine request per prompt; the client's id names the first.
             proto.request_id = request_id if len(protos) == 1 else f"{request_id}-p{i}"
-            streams.append(_indexed(self._generate.generate(proto.request_id, proto, metadata),
+            streams.append(_indexed(self._pipeline.generate(proto.request_id, proto, metadata),
                                     i * n))
         created = int(time.time())
         rid = f"cmpl-{request_id}"

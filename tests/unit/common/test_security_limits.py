@@ -22,7 +22,7 @@ from services.frontend.errors import (
     invalid_argument,
     to_status,
 )
-from services.frontend.validation import RequestLimits, check_length, check_sampling
+from services.frontend.generate.validation import RequestLimits, check_length, check_sampling
 
 ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 1000

@@ -163,7 +163,7 @@ def test_concurrent_writers_agree(tmp_path: Path) -> None:
 
 def test_the_chat_template_is_served_and_matches_transformers(checkpoint: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from services.frontend.chat_template import load_chat_templates, render_chat
+    from services.frontend.chat.template import load_chat_templates, render_chat
 
     templates = load_chat_templates(checkpoint)
     hf = transformers.AutoTokenizer.from_pretrained(checkpoint)

@@ -1,31 +1,14 @@
-"""A tiny byte-level BPE tokenizer and model description for frontend tests."""
+"""The tiny byte-level BPE tokenizer and model description (see fakes.py) as fixtures."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
 from services.common.model_info import ModelInfo
-from services.common.tiny_checkpoint import train_byte_level_bpe
 from services.frontend.tokenizer import TextTokenizer
-
-BOS_ID = 0
-EOS_ID = 1
-VOCAB_SIZE = 300
-MAX_MODEL_LEN = 64
-
-_CORPUS = [
-    "hello world, the quick brown fox jumps over the lazy dog.",
-    "a stream of tokens becomes a stream of text; stop here. STOP",
-]
-
-
-def build_tokenizer() -> Tokenizer:
-    tokenizer = train_byte_level_bpe(_CORPUS * 10, VOCAB_SIZE, ("<s>", "</s>"))
-    assert tokenizer.token_to_id("<s>") == BOS_ID and tokenizer.token_to_id("</s>") == EOS_ID
-    return tokenizer
+from tests.unit.frontend.fakes import BOS_ID, EOS_ID, MAX_MODEL_LEN, VOCAB_SIZE, build_tokenizer
 
 
 @pytest.fixture(scope="session")

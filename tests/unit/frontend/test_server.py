@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -19,53 +18,19 @@ from grpc_status import rpc_status
 
 from services.common.model_info import ModelInfo
 from services.frontend.config import FrontendConfig
+from services.frontend.generate_service import SERVICE_NAME
 from services.frontend.main import event_loop_factory
-from services.frontend.server import SERVICE_NAME, FrontendServer
+from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TextTokenizer
-
-from .conftest import EOS_ID, MAX_MODEL_LEN
-from .fake_engine import FakeEngine, start_fake_engine
-
-TEXT = "hello world, the quick brown fox"
-
-Body = Callable[[pb_grpc.GenerateServiceStub, grpc.aio.Channel], Awaitable[None]]
-
-
-def _serve(
-    tokenizer: TextTokenizer,
-    model_info: ModelInfo,
-    engine: FakeEngine | None,
-    body: Body,
-    event_loop: str = "asyncio",
-    **config: Any,
-) -> None:
-    async def main() -> None:
-        engine_server = None
-        address = "127.0.0.1:1"  # nothing listens there
-        if engine is not None:
-            engine_server, address = await start_fake_engine(engine)
-        frontend = FrontendServer(
-            FrontendConfig(port=0, engines=(address,), **config), tokenizer, model_info
-        )
-        port = await frontend.start()
-        try:
-            if engine is not None:
-                async with asyncio.timeout(10):
-                    while not frontend.balancer.ready:
-                        await asyncio.sleep(0.01)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                await body(pb_grpc.GenerateServiceStub(channel), channel)
-        finally:
-            await frontend.stop(0)
-            if engine_server is not None:
-                await engine_server.stop(0)
-
-    with asyncio.Runner(loop_factory=event_loop_factory(event_loop)) as runner:
-        runner.run(main())
-
-
-def _script(tokenizer: TextTokenizer, text: str = TEXT, eos: bool = True) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False) + ([EOS_ID] if eos else [])
+from tests.unit.frontend.fakes import (
+    EOS_ID,
+    MAX_MODEL_LEN,
+    TEXT,
+    FakeEngine,
+    script,
+    serve_generate,
+    start_fake_engine,
+)
 
 
 async def _readiness(channel: grpc.aio.Channel) -> int:
@@ -79,7 +44,7 @@ async def _readiness(channel: grpc.aio.Channel) -> int:
 def test_stream_detokenizes_and_reports_usage(
     tokenizer: TextTokenizer, model_info: ModelInfo, event_loop: str
 ) -> None:
-    engine = FakeEngine(_script(tokenizer))
+    engine = FakeEngine(script(tokenizer))
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         assert await _readiness(channel) == health_pb2.HealthCheckResponse.SERVING
@@ -107,7 +72,7 @@ def test_stream_detokenizes_and_reports_usage(
         assert add.sampling.max_tokens == MAX_MODEL_LEN - len(prompt)
         assert len(engine.hellos) == 1 and engine.hellos[0].frontend_id
 
-    _serve(tokenizer, model_info, engine, body, event_loop)
+    serve_generate(tokenizer, model_info, engine, body, event_loop)
 
 
 def test_event_loop_choices() -> None:
@@ -124,7 +89,7 @@ def test_event_loop_choices() -> None:
 def test_stop_string_trims_text_and_aborts_engine(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
-    engine = FakeEngine(_script(tokenizer))
+    engine = FakeEngine(script(tokenizer))
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         request = pb.GenerateStreamRequest(
@@ -139,14 +104,14 @@ def test_stop_string_trims_text_and_aborts_engine(
         await asyncio.wait_for(engine.aborted.wait(), 5)
         assert engine.aborts == ["stop-me"]
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
 def test_unary_generate_length_and_stop_token(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
-    engine = FakeEngine(_script(tokenizer))
+    engine = FakeEngine(script(tokenizer))
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         response = await stub.Generate(
@@ -166,12 +131,12 @@ def test_unary_generate_length_and_stop_token(
         assert response.completions[0].finish_reason == common_pb2.FINISH_REASON_STOP_TOKEN
         assert response.completions[0].stop_token_id == stop_id
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
 def test_client_cancel_aborts_in_engine(tokenizer: TextTokenizer, model_info: ModelInfo) -> None:
-    engine = FakeEngine(_script(tokenizer), step_s=0.1)
+    engine = FakeEngine(script(tokenizer), step_s=0.1)
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         call = stub.GenerateStream(pb.GenerateStreamRequest(request_id="gone", text="hello"))
@@ -180,12 +145,12 @@ def test_client_cancel_aborts_in_engine(tokenizer: TextTokenizer, model_info: Mo
         await asyncio.wait_for(engine.aborted.wait(), 5)
         assert engine.aborts == ["gone"]
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
 def test_deadline_aborts_in_engine(tokenizer: TextTokenizer, model_info: ModelInfo) -> None:
-    engine = FakeEngine(_script(tokenizer), step_s=0.1)
+    engine = FakeEngine(script(tokenizer), step_s=0.1)
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -194,12 +159,12 @@ def test_deadline_aborts_in_engine(tokenizer: TextTokenizer, model_info: ModelIn
         await asyncio.wait_for(engine.aborted.wait(), 5)
         assert engine.aborts == ["late"]
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
 def test_abort_rpc_and_duplicate_ids(tokenizer: TextTokenizer, model_info: ModelInfo) -> None:
-    engine = FakeEngine(_script(tokenizer), step_s=0.1)
+    engine = FakeEngine(script(tokenizer), step_s=0.1)
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         call = stub.GenerateStream(pb.GenerateStreamRequest(request_id="r1", text="hello"))
@@ -216,14 +181,14 @@ def test_abort_rpc_and_duplicate_ids(tokenizer: TextTokenizer, model_info: Model
         assert await call.code() == grpc.StatusCode.OK
         assert "r1" in engine.aborts
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
 def test_invalid_requests_carry_field_violations(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
-    engine = FakeEngine(_script(tokenizer))
+    engine = FakeEngine(script(tokenizer))
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         cases = [
@@ -246,14 +211,14 @@ def test_invalid_requests_carry_field_violations(
             assert bad_request.field_violations[0].field == field
         assert engine.adds == []
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
 def test_engine_error_and_death_become_statuses(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
-    engine = FakeEngine(_script(tokenizer))
+    engine = FakeEngine(script(tokenizer))
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         engine.error = (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "KV cache is full")
@@ -282,7 +247,7 @@ def test_engine_error_and_death_become_statuses(
                     await asyncio.sleep(0.05)
         assert response.completions[0].finish_reason == common_pb2.FINISH_REASON_EOS_TOKEN
 
-    _serve(tokenizer, model_info, engine, body)
+    serve_generate(tokenizer, model_info, engine, body)
 
 
 @pytest.mark.timeout(60)
@@ -296,7 +261,7 @@ def test_no_engine_is_unavailable(tokenizer: TextTokenizer, model_info: ModelInf
         model = await stub.GetModelInfo(pb.GetModelInfoRequest())
         assert model.num_engines == 0 and model.tensor_parallel_size == 0
 
-    _serve(tokenizer, model_info, None, body)
+    serve_generate(tokenizer, model_info, None, body)
 
 
 @pytest.mark.timeout(60)
@@ -325,7 +290,7 @@ def test_tokenize_detokenize_model_info(tokenizer: TextTokenizer, model_info: Mo
         assert model.num_engines == 1 and list(model.architectures) == ["LlamaForCausalLM"]
         assert model.tensor_parallel_size == 0  # a static engine list does not tell it
 
-    _serve(tokenizer, model_info, engine, body, served_model_name="served-name")
+    serve_generate(tokenizer, model_info, engine, body, served_model_name="served-name")
 
 
 @pytest.mark.timeout(60)
@@ -333,7 +298,7 @@ def test_a_request_whose_engine_dies_before_any_output_runs_elsewhere(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
     async def main() -> None:
-        dying, healthy = FakeEngine(_script(tokenizer)), FakeEngine(_script(tokenizer))
+        dying, healthy = FakeEngine(script(tokenizer)), FakeEngine(script(tokenizer))
         servers = [await start_fake_engine(e) for e in (dying, healthy)]
         frontend = FrontendServer(
             FrontendConfig(port=0, engines=tuple(a for _, a in servers),
@@ -398,7 +363,7 @@ def test_engines_learned_from_coordinator(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
     async def main() -> None:
-        engine = FakeEngine(_script(tokenizer))
+        engine = FakeEngine(script(tokenizer))
         engine_server, engine_address = await start_fake_engine(engine)
         coordinator = grpc.aio.server()
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
@@ -432,7 +397,7 @@ def test_engines_learned_from_coordinator(
 
 @pytest.mark.timeout(60)
 def test_frozen_engine_trips_the_watchdog(tokenizer: TextTokenizer, model_info: ModelInfo) -> None:
-    engine = FakeEngine(_script(tokenizer, eos=False) * 50, step_s=0.05)
+    engine = FakeEngine(script(tokenizer, eos=False) * 50, step_s=0.05)
     timeout_s = 3.0
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
@@ -455,7 +420,7 @@ def test_frozen_engine_trips_the_watchdog(tokenizer: TextTokenizer, model_info: 
         assert await _readiness(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
         engine.frozen = False
 
-    _serve(tokenizer, model_info, engine, body, watchdog_timeout=timeout_s)
+    serve_generate(tokenizer, model_info, engine, body, watchdog_timeout=timeout_s)
 
 
 @pytest.mark.timeout(60)
@@ -463,7 +428,7 @@ def test_drain_refuses_new_then_ends_the_rest(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
     async def main() -> None:
-        engine = FakeEngine(_script(tokenizer, eos=False) * 100, step_s=0.05)
+        engine = FakeEngine(script(tokenizer, eos=False) * 100, step_s=0.05)
         engine_server, address = await start_fake_engine(engine)
         frontend = FrontendServer(FrontendConfig(port=0, engines=(address,)), tokenizer,
                                   model_info)

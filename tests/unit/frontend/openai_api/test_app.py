@@ -1,0 +1,686 @@
+"""The OpenAI-compatible HTTP API end to end: the official `openai` client and raw
+httpx against a FrontendServer (http_port=0) in front of a scripted engine.
+
+The happy paths go through the SDK, as clients do; the wire details (error body
+shape, headers, SSE framing, status codes the SDK hides) are read with httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from corestream.common.v1 import common_pb2
+
+from services.common.tiny_checkpoint import TINY_CHAT_TEMPLATE
+from services.frontend.chat.template import ChatTemplates
+from services.frontend.config import FrontendConfig
+from services.frontend.server import FrontendServer
+from tests.unit.frontend.fakes import CALL_TEXT, FakeEngine, start_fake_engine
+from tests.unit.frontend.fakes import CHAT_EOS_ID as EOS_ID
+from tests.unit.frontend.fakes import CHAT_MODEL as MODEL
+from tests.unit.frontend.fakes import CHAT_SPECIAL as SPECIAL
+from tests.unit.frontend.fakes import CHAT_TOKENIZER as TOKENIZER
+
+ANSWER = "Weather in Paris is sunny; the city is nice."
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+KEY = "sk-test-key"
+
+
+@dataclass
+class Env:
+    frontend: FrontendServer
+    engine: FakeEngine
+    base: str
+    """http://127.0.0.1:<port>"""
+
+    def client(self, api_key: str = KEY) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base}/v1", api_key=api_key, max_retries=0,
+                                  timeout=10)
+
+    def http(self, **kwargs: Any) -> httpx.AsyncClient:
+        kwargs.setdefault("timeout", 10)
+        return httpx.AsyncClient(base_url=self.base, **kwargs)
+
+
+Body = Callable[[Env], Awaitable[None]]
+
+
+def _script(text: str, eos: bool = True) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False) + ([EOS_ID] if eos else [])
+
+
+def _serve(body: Body, answer: str = ANSWER, *, eos: bool = True,
+           engine: FakeEngine | None = None, engines: tuple[str, ...] | None = None,
+           templates: ChatTemplates | None = None, **config: Any) -> FakeEngine:
+    engine = engine or FakeEngine(_script(answer, eos), step_s=0.001)
+    if templates is None:
+        templates = ChatTemplates(default=TINY_CHAT_TEMPLATE, special_tokens=SPECIAL)
+
+    async def main() -> None:
+        engine_server, address = await start_fake_engine(engine)
+        frontend = FrontendServer(
+            FrontendConfig(port=0, http_port=0, engines=engines or (address,), **config),
+            TOKENIZER, MODEL, chat_templates=templates)
+        await frontend.start()
+        try:
+            if engines is None:
+                async with asyncio.timeout(10):
+                    while not frontend.balancer.ready:
+                        await asyncio.sleep(0.01)
+            async with asyncio.timeout(20):
+                await body(Env(frontend, engine, f"http://127.0.0.1:{frontend.http_port}"))
+        finally:
+            await frontend.stop(0)
+            await engine_server.stop(0)
+
+    asyncio.run(main())
+    return engine
+
+
+def _sse_events(raw: str) -> list[str]:
+    """The data of each event, checking the framing: every event is one `data: ` line
+    followed by a blank line."""
+    assert raw.endswith("\n\n"), raw[-50:]
+    events = raw[:-2].split("\n\n")
+    for event in events:
+        assert event.startswith("data: ") and "\n" not in event, event
+    return [event.removeprefix("data: ") for event in events]
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None,
+                  *words: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error
+    return error
+
+
+# --- models -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_models_lists_the_served_model() -> None:
+    async def body(env: Env) -> None:
+        page = await env.client().models.list()
+        assert [m.id for m in page.data] == [MODEL.name]
+        assert page.data[0].owned_by == "corestream"
+
+    _serve(body)
+
+
+@pytest.mark.timeout(30)
+def test_served_model_name_is_listed_and_the_checkpoint_name_still_works() -> None:
+    async def body(env: Env) -> None:
+        client = env.client()
+        page = await client.models.list()
+        assert [m.id for m in page.data] == ["my-alias"]
+        for name in ("my-alias", MODEL.name):
+            response = await client.completions.create(model=name, prompt="hello",
+                                                       max_tokens=3)
+            assert response.model == "my-alias"
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="other", prompt="hello")
+
+    _serve(body, served_model_name="my-alias")
+
+
+# --- completions --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_completion_whole_and_streamed() -> None:
+    async def body(env: Env) -> None:
+        client = env.client()
+        whole = await client.completions.create(model=MODEL.name, prompt="hello",
+                                                max_tokens=100)
+        choice = whole.choices[0]
+        assert (choice.index, choice.text, choice.finish_reason) == (0, ANSWER, "stop")
+        assert whole.object == "text_completion" and whole.model == MODEL.name
+        add = env.engine.adds[-1]
+        assert whole.usage is not None
+        assert whole.usage.prompt_tokens == len(add.prompt_token_ids)
+        assert whole.usage.completion_tokens == len(env.engine.script)
+        assert whole.usage.total_tokens == (whole.usage.prompt_tokens
+                                            + whole.usage.completion_tokens)
+
+        short = await client.completions.create(model=MODEL.name, prompt="hello",
+                                                max_tokens=3)
+        assert short.choices[0].finish_reason == "length"
+        assert short.choices[0].text == TOKENIZER.decode(env.engine.script[:3])
+        assert short.usage is not None and short.usage.completion_tokens == 3
+
+        stream = await client.completions.create(
+            model=MODEL.name, prompt="hello", max_tokens=100, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == ANSWER
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "stop" and set(finishes[:-1]) == {None}
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == len(env.engine.script)
+        assert all(c.usage is None for c in chunks[:-1])
+        assert {c.id for c in chunks} == {chunks[0].id}
+
+    _serve(body)
+
+
+@pytest.mark.timeout(30)
+def test_completion_stream_is_sse_framed_and_ends_with_done() -> None:
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello", "max_tokens": 100, "stream": True})
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(response.text)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event) for event in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == ANSWER
+        # Without include_usage there is no usage chunk.
+        assert all(c["choices"] for c in chunks)
+
+    _serve(body)
+
+
+@pytest.mark.timeout(30)
+def test_completion_n_logprobs_several_prompts_and_stop() -> None:
+    async def body(env: Env) -> None:
+        client = env.client()
+        two = await client.completions.create(model=MODEL.name, prompt="hello", n=2,
+                                              max_tokens=100)
+        assert [c.index for c in two.choices] == [0, 1]
+        assert [c.text for c in two.choices] == [ANSWER, ANSWER]
+
+        scored = await client.completions.create(model=MODEL.name, prompt="hello",
+                                                 max_tokens=4, logprobs=2)
+        logprobs = scored.choices[0].logprobs
+        assert logprobs is not None and logprobs.tokens and logprobs.top_logprobs
+        assert env.engine.adds[-1].sampling.logprobs == 2
+        assert len(logprobs.tokens) == len(logprobs.token_logprobs or []) == 4
+        assert logprobs.token_logprobs == [0.0, -1.0, -2.0, -3.0]
+        assert len(logprobs.top_logprobs) == 4
+        for token, top in zip(logprobs.tokens, logprobs.top_logprobs, strict=True):
+            # The two alternatives, plus the sampled token as OpenAI includes it.
+            assert 2 <= len(top) <= 3 and token in top
+        assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
+
+        many = await client.completions.create(model=MODEL.name, prompt=["hello", "world"],
+                                               n=2, max_tokens=100)
+        assert [c.index for c in many.choices] == [0, 1, 2, 3]
+        assert all(c.text == ANSWER for c in many.choices)
+        prompts = {TOKENIZER.decode(list(a.prompt_token_ids)) for a in env.engine.adds[-2:]}
+        assert prompts == {"hello", "world"}
+        assert many.usage is not None
+        assert many.usage.completion_tokens == 4 * len(env.engine.script)
+
+        stream = await client.completions.create(model=MODEL.name, prompt=["hello", "world"],
+                                                 n=2, max_tokens=100, stream=True)
+        texts: dict[int, str] = {}
+        async for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+        assert texts == dict.fromkeys(range(4), ANSWER)
+
+        stopped = await client.completions.create(model=MODEL.name, prompt="hello",
+                                                  max_tokens=100, stop=["sunny"])
+        choice = stopped.choices[0]
+        assert choice.text == "Weather in Paris is "
+        assert choice.finish_reason == "stop"
+        assert choice.model_extra and choice.model_extra["stop_reason"] == "sunny"
+
+    _serve(body)
+
+
+# --- chat ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_chat_whole_answer_with_a_tool_call() -> None:
+    async def body(env: Env) -> None:
+        response = await env.client().chat.completions.create(
+            model=MODEL.name, messages=USER, tools=[WEATHER_TOOL])
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.role == "assistant"
+        assert choice.message.content == "Let me check."
+        calls = choice.message.tool_calls
+        assert calls is not None and len(calls) == 1
+        assert calls[0].type == "function" and calls[0].id
+        assert calls[0].function.name == "get_weather"
+        assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+        assert response.object == "chat.completion"
+        assert response.usage is not None
+        assert response.usage.prompt_tokens == len(env.engine.adds[-1].prompt_token_ids)
+        # The tools reached the template, hence the engine's prompt.
+        assert "get_weather" in TOKENIZER.decode(list(env.engine.adds[-1].prompt_token_ids))
+
+    _serve(body, "Let me check.\n" + CALL_TEXT)
+
+
+@pytest.mark.timeout(30)
+def test_chat_stream_roles_deltas_tool_call_and_usage() -> None:
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL.name, "messages": USER, "tools": [WEATHER_TOOL],
+                "stream": True, "stream_options": {"include_usage": True}})
+        assert response.status_code == 200
+        events = _sse_events(response.text)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(event) for event in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        *answer, last = chunks
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == len(
+            env.engine.script)
+        assert all("usage" not in c or c["usage"] is None for c in answer)
+        deltas = [c["choices"][0]["delta"] for c in answer]
+        assert deltas[0]["role"] == "assistant"
+        assert all("role" not in d for d in deltas[1:])
+        assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+        calls = [call for d in deltas for call in d.get("tool_calls", ())]
+        assert calls and calls[0]["id"] and calls[0]["type"] == "function"
+        assert calls[0]["function"]["name"] == "get_weather"
+        assert all("id" not in call and "name" not in call["function"] for call in calls[1:])
+        assert {call["index"] for call in calls} == {0}
+        arguments = "".join(call["function"]["arguments"] for call in calls)
+        assert json.loads(arguments) == {"city": "Paris"}
+        finishes = [c["choices"][0]["finish_reason"] for c in answer]
+        assert finishes[-1] == "tool_calls" and set(finishes[:-1]) == {None}
+
+        # The SDK reads the same stream.
+        stream = await env.client().chat.completions.create(
+            model=MODEL.name, messages=USER, tools=[WEATHER_TOOL],
+            stream=True)
+        sdk_chunks = [chunk async for chunk in stream]
+        content = "".join(c.choices[0].delta.content or "" for c in sdk_chunks)
+        assert content == "Let me check."
+        assert sdk_chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    _serve(body, "Let me check.\n" + CALL_TEXT)
+
+
+@pytest.mark.timeout(30)
+def test_chat_extra_body_reaches_the_engine() -> None:
+    template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    async def body(env: Env) -> None:
+        response = await env.client().chat.completions.create(
+            model=MODEL.name, messages=USER,
+            extra_body={"chat_template_kwargs": {"greeting": "Hello there! "}, "top_k": 5})
+        assert response.choices[0].message.content == ANSWER
+        add = env.engine.adds[-1]
+        assert add.sampling.top_k == 5
+        assert TOKENIZER.decode(list(add.prompt_token_ids)) == (
+            "Hello there! Weather in Paris?")
+
+    _serve(body, templates=ChatTemplates(default=template))
+
+
+@pytest.mark.timeout(30)
+def test_chat_tool_choice_required_and_json_schema_constrain_the_engine() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}
+
+    async def body(env: Env) -> None:
+        client = env.client()
+        plain = await client.chat.completions.create(model=MODEL.name, messages=USER)
+        assert plain.choices[0].message.content is not None
+        assert env.engine.adds[-1].sampling.WhichOneof("constraint") is None
+
+        response = await client.chat.completions.create(
+            model=MODEL.name, messages=USER, tools=[WEATHER_TOOL],
+            tool_choice="required")
+        assert env.engine.adds[-1].sampling.grammar
+        calls = response.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "get_weather"
+
+        await client.chat.completions.create(
+            model=MODEL.name, messages=USER,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "city", "schema": schema}})
+        sent = env.engine.adds[-1].sampling
+        assert sent.WhichOneof("constraint") == "json_schema"
+        assert json.loads(sent.json_schema) == schema
+
+    _serve(body, CALL_TEXT)
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_bad_requests_get_400_with_the_field_at_fault() -> None:
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/chat/completions", content=b"{not json",
+                                       headers={"content-type": "application/json"})
+            error = _assert_error(response, 400, "body", "JSON")
+            assert error["type"] == "invalid_request_error"
+
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello", "max_tokens": "many"})
+            _assert_error(response, 400, "max_tokens", "max_tokens")
+
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL.name, "messages": [{"role": "robot", "content": "hi"}]})
+            _assert_error(response, 400, "messages[0].role", "robot")
+
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL.name, "messages": USER, "temperature": -1})
+            _assert_error(response, 400, "temperature", "temperature")
+
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello", "temperature": -1, "stream": True})
+            _assert_error(response, 400, "temperature", "temperature")
+
+            response = await http.post("/v1/chat/completions", json={
+                "model": "nope", "messages": USER})
+            error = _assert_error(response, 404, "model", "nope")
+            assert error["code"] == "model_not_found"
+
+        client = env.client()
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.chat.completions.create(model=MODEL.name, messages=USER,
+                                                 temperature=-1)
+        assert bad.value.status_code == 400 and bad.value.param == "temperature"
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="nope", messages=USER)
+        assert env.engine.adds == []
+
+    _serve(body)
+
+
+@pytest.mark.timeout(30)
+def test_body_larger_than_max_message_bytes_is_refused() -> None:
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            big = {"model": MODEL.name, "prompt": "hello " * 1000}
+            response = await http.post("/v1/completions", json=big)
+            _assert_error(response, 400, "body", "4096")
+
+            # Streamed without a length: refused while reading.
+            async def chunks() -> Any:
+                for _ in range(10):
+                    yield b" " * 1000
+            response = await http.post("/v1/completions", content=chunks())
+            _assert_error(response, 400, "body", "4096")
+
+            ok = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello", "max_tokens": 2})
+            assert ok.status_code == 200
+        assert len(env.engine.adds) == 1
+
+    _serve(body, max_message_bytes=4096)
+
+
+@pytest.mark.timeout(30)
+def test_api_keys_guard_the_api_but_not_health(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"# the test's key\n{KEY}\n", encoding="utf-8")
+
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.get("/v1/models")
+            error = _assert_error(response, 401, None, "Bearer")
+            assert error["type"] == "authentication_error"
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello"}, headers={"Authorization": "Bearer x"})
+            _assert_error(response, 401, None)
+            # Probes carry no key.
+            assert (await http.get("/health")).status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            await env.client("wrong").models.list()
+        with pytest.raises(openai.AuthenticationError):
+            await env.client("wrong").chat.completions.create(model=MODEL.name, messages=USER)
+        assert env.engine.adds == []
+        client = env.client()
+        assert [m.id for m in (await client.models.list()).data] == [MODEL.name]
+        response = await client.completions.create(model=MODEL.name, prompt="hello",
+                                                   max_tokens=100)
+        assert response.choices[0].text == ANSWER
+
+    _serve(body, api_key_file=str(keys))
+
+
+@pytest.mark.timeout(30)
+def test_engine_overload_is_429_with_retry_after() -> None:
+    engine = FakeEngine(_script(ANSWER), step_s=0.001)
+    engine.error = (8, "the engine is overloaded")
+
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL.name, "messages": USER})
+            error = _assert_error(response, 429, None)
+            assert error["type"] == "rate_limit_error"
+            assert int(response.headers["retry-after"]) >= 1
+
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello", "stream": True})
+            _assert_error(response, 429, None)
+            assert int(response.headers["retry-after"]) >= 1
+        with pytest.raises(openai.RateLimitError):
+            await env.client().completions.create(model=MODEL.name, prompt="hello")
+
+    _serve(body, engine=engine)
+
+
+@pytest.mark.timeout(30)
+def test_no_engine_is_503_and_unhealthy() -> None:
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            assert (await http.get("/health")).status_code == 503
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello"})
+            _assert_error(response, 503, None)
+        with pytest.raises(openai.InternalServerError) as info:
+            await env.client().chat.completions.create(model=MODEL.name, messages=USER)
+        assert info.value.status_code == 503
+
+    _serve(body, engines=("127.0.0.1:1",))
+
+
+@pytest.mark.timeout(30)
+def test_health_is_200_with_an_engine() -> None:
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.get("/health")
+        assert response.status_code == 200
+
+    _serve(body)
+
+
+@pytest.mark.timeout(30)
+def test_a_draining_frontend_refuses_new_requests_with_503() -> None:
+    engine = FakeEngine(_script("hello " * 100, eos=False), step_s=0.02)
+
+    async def body(env: Env) -> None:
+        async with env.http() as http, http.stream("POST", "/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello", "max_tokens": 100,
+                "stream": True}) as running:
+            assert running.status_code == 200
+            lines = running.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            # stop() drains: the running request may finish, new ones are refused.
+            stopping = asyncio.ensure_future(env.frontend.stop(10))
+            while (await http.get("/health")).status_code == 200:
+                await asyncio.sleep(0.01)
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL.name, "messages": USER})
+            error = _assert_error(response, 503, None, "draining")
+            assert error["type"] == "service_unavailable"
+            assert len(env.engine.adds) == 1
+            # The running stream goes on while draining.
+            assert (await anext(lines)) == ""
+            assert (await anext(lines)).startswith("data: ")
+        await stopping
+
+    _serve(body, engine=engine)
+
+
+@pytest.mark.timeout(30)
+def test_x_request_id_is_used_and_echoed_and_a_running_duplicate_is_409() -> None:
+    engine = FakeEngine(_script("hello " * 100, eos=False), step_s=0.02)
+
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL.name, "messages": USER, "max_tokens": 2},
+                headers={"X-Request-Id": "my-id-1"})
+            assert response.status_code == 200
+            assert response.headers["x-request-id"] == "my-id-1"
+            assert response.json()["id"] == "chatcmpl-my-id-1"
+            assert env.engine.adds[-1].request_id == "my-id-1"
+
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello", "max_tokens": 2, "stream": True},
+                headers={"X-Request-Id": "my-id-2"})
+            assert response.headers["x-request-id"] == "my-id-2"
+            assert json.loads(_sse_events(response.text)[0])["id"] == "cmpl-my-id-2"
+            assert env.engine.adds[-1].request_id == "my-id-2"
+
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": MODEL.name, "prompt": "hello", "max_tokens": 100,
+                    "stream": True}, headers={"X-Request-Id": "dup"}) as running:
+                assert (await anext(running.aiter_lines())).startswith("data: ")
+                response = await http.post("/v1/completions", json={
+                    "model": MODEL.name, "prompt": "hello"}, headers={"X-Request-Id": "dup"})
+                _assert_error(response, 409, "request_id", "dup")
+                assert response.headers["x-request-id"] == "dup"
+
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello"}, headers={"X-Request-Id": "x" * 10000})
+            _assert_error(response, 400, "request_id")
+            assert "x-request-id" not in response.headers
+
+            # Refused before the id was settled (the body, the model): echoed all the same.
+            for path, body_json in (("/v1/completions", {"model": MODEL.name}),
+                                    ("/v1/chat/completions", {"model": "gpt-nope",
+                                                              "messages": USER})):
+                response = await http.post(path, json=body_json,
+                                           headers={"X-Request-Id": "early"})
+                assert response.status_code in (400, 404)
+                assert response.headers["x-request-id"] == "early"
+
+    _serve(body, engine=engine)
+
+
+# --- disconnects --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_leaving_a_stream_aborts_the_request(path: str) -> None:
+    engine = FakeEngine(_script("hello " * 200, eos=False), step_s=0.05)
+    fields = ({"prompt": "hello", "max_tokens": 200} if path == "/v1/completions"
+              else {"messages": USER, "max_tokens": 200})
+
+    async def body(env: Env) -> None:
+        async with env.http() as http, http.stream("POST", path, json={
+                "model": MODEL.name, "stream": True, **fields},
+                headers={"X-Request-Id": "leaver"}) as response:
+            assert response.status_code == 200
+            assert (await anext(response.aiter_lines())).startswith("data: ")
+            assert env.engine.aborts == []
+        async with asyncio.timeout(5):
+            await env.engine.aborted.wait()
+        assert env.engine.aborts == ["leaver"]
+
+    _serve(body, engine=engine)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_leaving_a_whole_request_aborts_it(path: str) -> None:
+    engine = FakeEngine(_script("hello " * 200, eos=False), step_s=0.05)
+    fields = ({"prompt": "hello", "max_tokens": 200} if path == "/v1/completions"
+              else {"messages": USER, "max_tokens": 200})
+
+    async def body(env: Env) -> None:
+        async with env.http(timeout=httpx.Timeout(10, read=0.5)) as http:
+            with pytest.raises(httpx.ReadTimeout):
+                await http.post(path, json={"model": MODEL.name, **fields},
+                                headers={"X-Request-Id": "impatient"})
+        async with asyncio.timeout(5):
+            await env.engine.aborted.wait()
+        assert env.engine.aborts == ["impatient"]
+
+    _serve(body, engine=engine)
+
+
+@pytest.mark.timeout(30)
+def test_the_sdk_closing_a_stream_aborts_the_request() -> None:
+    engine = FakeEngine(_script("hello " * 200, eos=False), step_s=0.05)
+
+    async def body(env: Env) -> None:
+        client = env.client()
+        stream = await client.chat.completions.create(
+            model=MODEL.name, messages=USER, max_tokens=200, stream=True,
+            extra_headers={"X-Request-Id": "sdk-leaver"})
+        first = await anext(stream.__aiter__())
+        assert first.choices[0].delta.role == "assistant"
+        await stream.close()
+        async with asyncio.timeout(5):
+            await env.engine.aborted.wait()
+        assert env.engine.aborts == ["sdk-leaver"]
+        await client.close()
+
+    _serve(body, engine=engine)
+
+
+@pytest.mark.timeout(30)
+def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    engine = FakeEngine(_script(ANSWER), step_s=0.001)
+    engine.final_state = common_pb2.ENGINE_STATE_DEAD
+
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello", "stream": True})
+        assert response.status_code == 200
+        events = _sse_events(response.text)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])
+        assert set(error) == {"error"}
+        assert set(error["error"]) == {"message", "type", "param", "code"}
+        assert error["error"]["type"] == "service_unavailable"
+        assert json.loads(events[0])["choices"][0]["text"]
+
+    _serve(body, engine=engine)
+
+
+@pytest.mark.timeout(30)
+def test_completion_prompt_logprobs_come_back_per_choice() -> None:
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/completions", json={
+                "model": MODEL.name, "prompt": "hello world", "max_tokens": 2, "n": 2,
+                "prompt_logprobs": 1})
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        prompt_ids = list(env.engine.adds[0].prompt_token_ids)
+        for choice in choices:
+            entries = choice["prompt_logprobs"]
+            assert entries[0] is None and len(entries) == len(prompt_ids)
+            for token_id, entry in zip(prompt_ids[1:], entries[1:], strict=True):
+                assert str(token_id) in entry
+
+    _serve(body)
