@@ -30,15 +30,15 @@ from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
 from services.engine.config import EngineConfig
-from services.engine.dp_config import DataParallelConfig
-from services.engine.engine_core import EngineCore
-from services.engine.fault_injection import ENV_VAR as FAULT_INJECT_ENV
-from services.engine.fault_injection import maybe_inject, worker_fault
+from services.engine.core.engine_core import EngineCore
+from services.engine.core.session_router import EngineState
+from services.engine.executor.fault_injection import ENV_VAR as FAULT_INJECT_ENV
+from services.engine.executor.fault_injection import maybe_inject, worker_fault
 from services.engine.load_reporter import LoadReporter
 from services.engine.metrics import EngineMetrics
 from services.engine.server import EngineServer
-from services.engine.session_router import EngineState
-from services.engine.wave_relay import WaveRelay
+from services.engine.waves.config import DataParallelConfig
+from services.engine.waves.relay import WaveRelay
 from services.engine.worker.config import RunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -154,8 +154,8 @@ def build_executor(config: EngineConfig, runner_config: RunnerConfig,
     if runner_config.tensor_parallel_size == 1:
         from services.engine.worker.model_runner import ModelRunner
         return ModelRunner(runner_config)
-    from services.engine.parallel.tp_executor import TensorParallelExecutor
-    from services.engine.parallel.tp_worker import ExpertParallelRendezvous
+    from services.engine.executor.tp_executor import TensorParallelExecutor
+    from services.engine.executor.tp_worker import ExpertParallelRendezvous
 
     rendezvous = None
     if expert_parallel is not None:

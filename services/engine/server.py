@@ -43,11 +43,8 @@ from services.common.grpc_server import (
 )
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.common.thread_names import name_native_thread
-from services.engine.engine_core import EngineCore
-from services.engine.request import Request, RequestUpdate
-from services.engine.scheduler.kv_events import BlockRemoved, BlockStored, KvEvent
-from services.engine.scheduler.output import PositionLogprobs
-from services.engine.session_router import (
+from services.engine.core.engine_core import EngineCore
+from services.engine.core.session_router import (
     EngineState,
     KvSnapshot,
     SessionItem,
@@ -56,7 +53,10 @@ from services.engine.session_router import (
     engine_request_id,
     session_request_id,
 )
-from services.engine.utilities import UtilityCall
+from services.engine.core.utilities import UtilityCall
+from services.engine.request import Request, RequestUpdate
+from services.engine.scheduler.kv_events import BlockRemoved, BlockStored, KvEvent
+from services.engine.scheduler.output import PositionLogprobs
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import panels_of
 from services.engine.models.loader import load_model, torch_dtype
 from services.engine.parallel.dp_group import current_dp_group
-from services.engine.parallel.dummy_batch import dummy_forward
 from services.engine.scheduler.output import (
     GrammarMask,
     PositionLogprobs,
@@ -42,6 +41,7 @@ from services.engine.scheduler.output import (
 )
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_threads
+from services.engine.worker.dummy_batch import dummy_forward
 from services.engine.worker.huge_pages import HugePageReport, collapse_in_background
 from services.engine.worker.kv_cache_memory import available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
@@ -87,7 +87,7 @@ class StepArrays:
 
 class Followers(Protocol):
     """The other tensor-parallel ranks, which mirror this runner's model calls (see
-    `services.engine.parallel.step_channel`); None at tensor_parallel_size 1."""
+    `services.engine.executor.step_channel`); None at tensor_parallel_size 1."""
 
     def forward(self, arrays: StepArrays) -> None: ...
 

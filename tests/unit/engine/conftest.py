@@ -14,7 +14,7 @@ import pytest
 
 from services.common.grpc_server import channel_options
 from services.engine.config import EngineConfig
-from services.engine.engine_core import EngineCore
+from services.engine.core.engine_core import EngineCore
 from services.engine.server import EngineServer
 
 

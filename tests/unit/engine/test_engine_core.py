@@ -14,8 +14,9 @@ from services.common.model_info import ModelInfo
 from services.common.sampling import SamplingParams
 from services.common.thread_names import native_thread_name
 from services.engine.config import EngineConfig
-from services.engine.engine_core import EngineCore
-from services.engine.executor import Executor
+from services.engine.core.engine_core import EngineCore
+from services.engine.core.session_router import EngineState, SessionItem, SessionOutputs
+from services.engine.executor.protocol import Executor
 from services.engine.request import (
     INTERNAL,
     INVALID_ARGUMENT,
@@ -25,7 +26,6 @@ from services.engine.request import (
     RequestUpdate,
 )
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
-from services.engine.session_router import EngineState, SessionItem, SessionOutputs
 
 VOCAB = 100
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from services.engine.config import EngineConfig
-from services.engine.engine_core import EngineCore
+from services.engine.core.engine_core import EngineCore
+from services.engine.core.session_router import SessionItem, SessionOutputs, UtilityReply
+from services.engine.core.utilities import UtilityCall
 from services.engine.request import FinishReason, RequestUpdate
-from services.engine.session_router import SessionItem, SessionOutputs, UtilityReply
-from services.engine.utilities import UtilityCall
 from tests.unit.engine.test_engine_core import FakeRunner, collect, request, tokens
 
 _call_ids = itertools.count(1)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from services.engine.config import EngineConfig
-from services.engine.engine_core import EngineCore
+from services.engine.core.engine_core import EngineCore
 from services.engine.request import FinishReason
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from tests.unit.engine.test_engine_core import FakeRunner, collect, request, tokens

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from services.engine.models.loader import load_model
 from services.engine.models.moe import SparseMoeBlock
 from services.engine.parallel.dp_group import init_dp_group, leave_dp_group
-from services.engine.parallel.dummy_batch import dummy_forward
+from services.engine.worker.dummy_batch import dummy_forward
 from tests.integration.cluster import free_port
 from tests.unit.engine.runner_driver import generate, make_runner, random_prompts
 

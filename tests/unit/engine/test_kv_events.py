@@ -14,7 +14,8 @@ from corestream.engine.v1 import engine_core_service_pb2 as pb
 from services.common.block_hash import NO_PARENT, BlockHash
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.engine_core import EngineCore
+from services.engine.core.engine_core import EngineCore
+from services.engine.core.session_router import KvSnapshot, SessionItem, SessionOutputs
 from services.engine.request import Request
 from services.engine.scheduler.block_pool import BlockPool
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
@@ -27,7 +28,6 @@ from services.engine.scheduler.kv_events import (
 )
 from services.engine.scheduler.scheduler import Scheduler
 from services.engine.server import EngineServer
-from services.engine.session_router import KvSnapshot, SessionItem, SessionOutputs
 from tests.unit.engine.test_block_pool import h
 from tests.unit.engine.test_engine_core import FakeRunner, collect, request
 from tests.unit.engine.test_prefix_cache import compute, req

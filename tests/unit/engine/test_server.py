@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 
 from services.common.metrics import new_registry
 from services.engine.config import EngineConfig
-from services.engine.engine_core import EngineCore
+from services.engine.core.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.server import SERVICE_NAME, EngineServer
 from services.engine.worker.config import RunnerConfig

@@ -10,7 +10,7 @@ import multiprocessing
 import numpy as np
 import pytest
 
-from services.engine.parallel.step_channel import (
+from services.engine.executor.step_channel import (
     CallKind,
     FollowerChannel,
     LeaderChannel,

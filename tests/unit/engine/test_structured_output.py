@@ -23,12 +23,12 @@ from tokenizers import Tokenizer
 from services.common.constraints import ConstraintKind, OutputConstraint
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
-from services.engine.engine_core import EngineCore
-from services.engine.executor import Executor
+from services.engine.core.engine_core import EngineCore
+from services.engine.core.session_router import EngineState
+from services.engine.executor.protocol import Executor
 from services.engine.metrics import EngineMetrics
 from services.engine.request import INVALID_ARGUMENT, FinishReason, Request, RequestUpdate
 from services.engine.scheduler.scheduler import SchedulerStats
-from services.engine.session_router import EngineState
 from services.engine.structured.compiler import GrammarCompiler
 from tests.unit.engine.test_engine_core import (
     RecordingRunner,

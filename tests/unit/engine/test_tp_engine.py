@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.engine.executor import Executor
+from services.engine.executor.protocol import Executor
 from services.engine.parallel.tp_group import current_tp_group
 from tests.unit.engine.test_engine_core import (
     RecordingRunner,
@@ -31,7 +31,7 @@ def one_rank() -> Executor:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> Iterator[Executor]:
-    from services.engine.parallel.tp_executor import TensorParallelExecutor
+    from services.engine.executor.tp_executor import TensorParallelExecutor
     from services.engine.worker.config import RunnerConfig
 
     executor = TensorParallelExecutor(RunnerConfig(kv_cache_memory="8MiB"), 2)

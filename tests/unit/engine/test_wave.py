@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.wave import WaveState
+from services.engine.waves.state import WaveState
 
 
 def test_a_rank_with_work_starts_the_wave_and_asks_the_others() -> None:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from services.common.model_info import ModelInfo
 from services.engine.config import EngineConfig
-from services.engine.emitter import OutputEmitter
-from services.engine.observer import EngineObserver
+from services.engine.core.emitter import OutputEmitter
+from services.engine.core.observer import EngineObserver
 from services.engine.request import INVALID_ARGUMENT, FinishReason, Request, RequestUpdate
 from services.engine.scheduler.output import SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler

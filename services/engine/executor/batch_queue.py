@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from services.common.thread_names import name_native_thread
-from services.engine.executor import Executor
+from services.engine.executor.protocol import Executor
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

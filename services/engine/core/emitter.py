@@ -20,17 +20,17 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from services.engine.observer import EngineObserver
-from services.engine.request import FinishReason, Request, RequestUpdate
-from services.engine.scheduler.kv_events import KvEvent, KvEventLog
-from services.engine.scheduler.scheduler import Scheduler
-from services.engine.session_router import (
+from services.engine.core.observer import EngineObserver
+from services.engine.core.session_router import (
     EngineState,
     KvSnapshot,
     SessionRouter,
     StepOutputs,
     UtilityReply,
 )
+from services.engine.request import FinishReason, Request, RequestUpdate
+from services.engine.scheduler.kv_events import KvEvent, KvEventLog
+from services.engine.scheduler.scheduler import Scheduler
 
 
 class OutputEmitter:

@@ -51,14 +51,14 @@ import torch
 from services.common.model_info import ModelInfo
 from services.common.ports import free_port
 from services.common.thread_names import name_native_thread
-from services.engine.fault_injection import FaultSpec
-from services.engine.parallel.step_channel import CallKind, LeaderChannel, read_report
-from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
-from services.engine.parallel.tp_worker import (
+from services.engine.executor.fault_injection import FaultSpec
+from services.engine.executor.step_channel import CallKind, LeaderChannel, read_report
+from services.engine.executor.tp_worker import (
     ExpertParallelRendezvous,
     WorkerSpec,
     run_worker,
 )
+from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import resolve_num_threads

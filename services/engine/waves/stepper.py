@@ -1,6 +1,6 @@
 """WaveStepper: how an expert-parallel rank steps, in lockstep waves with the others.
 
-Every MoE layer's collectives need every rank (wave.py says when a wave starts and
+Every MoE layer's collectives need every rank (waves/state.py says when a wave starts and
 ends). While a wave runs this rank steps every loop iteration: a real batch when
 the scheduler has one, a dummy forward otherwise; every check interval the ranks
 all-reduce whether any still has work. A rank runs one batch at a time here, so the
@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from services.engine.executor import Executor
+from services.engine.executor.protocol import Executor
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
-from services.engine.wave import WaveState
+from services.engine.waves.state import WaveState
 
 logger = logging.getLogger(__name__)
 

@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.engine.config import EngineConfig
-from services.engine.emitter import OutputEmitter
-from services.engine.executor import Executor
+from services.engine.core.emitter import OutputEmitter
+from services.engine.core.session_router import EngineState, UtilityReply
+from services.engine.executor.protocol import Executor
 from services.engine.request import FinishReason
 from services.engine.scheduler.scheduler import Scheduler
-from services.engine.session_router import EngineState, UtilityReply
-from services.engine.wave import WaveState
+from services.engine.waves.state import WaveState
 
 if TYPE_CHECKING:
-    from services.engine.lifecycle import FinishAll, Lifecycle
+    from services.engine.core.lifecycle import FinishAll, Lifecycle
 
 logger = logging.getLogger(__name__)
 

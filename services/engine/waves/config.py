@@ -2,7 +2,7 @@
 
 Dense models ignore it: their data-parallel ranks are independent engines. An MoE
 model's experts are split over the ranks, so the ranks form one process group
-(rank 0 hosts its rendezvous) and step in lockstep waves (services/engine/wave.py).
+(rank 0 hosts its rendezvous) and step in lockstep waves (services/engine/waves/state.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.config import doc
-from services.engine.wave import DEFAULT_CHECK_INTERVAL
+from services.engine.waves.state import DEFAULT_CHECK_INTERVAL
 
 
 @dataclass(frozen=True)

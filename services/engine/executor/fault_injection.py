@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 
 from services.common.model_info import ModelInfo
-from services.engine.executor import Executor
+from services.engine.executor.protocol import Executor
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

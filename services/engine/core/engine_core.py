@@ -10,13 +10,13 @@ Nothing in the busy loop waits on the network.
     step = schedule -> execute -> update (aborts that came meanwhile go out first)
 
 Collaborators, each in its own module:
-    executor.py      Executor, the seam the loop drives (the model, at any TP size)
-    lifecycle.py     states, watchdog, drain, stop and death
-    emitter.py       outputs, replies and state changes to the Sessions, in one order
-    utilities.py     utility calls (reset_prefix_cache, get_stats, pause, ...)
-    compiles.py      constrained requests waiting for their grammars; step masks
-    batch_queue.py   batches in flight while the loop schedules ahead (depth > 1)
-    wave_stepper.py  lockstep waves of an expert-parallel group
+    executor/protocol.py     Executor, the seam the loop drives (the model, at any TP size)
+    core/lifecycle.py        states, watchdog, drain, stop and death
+    core/emitter.py          outputs, replies and state changes to the Sessions, in one order
+    core/utilities.py        utility calls (reset_prefix_cache, get_stats, pause, ...)
+    core/compiles.py         constrained requests waiting for their grammars; step masks
+    executor/batch_queue.py  batches in flight while the loop schedules ahead (depth > 1)
+    waves/stepper.py         lockstep waves of an expert-parallel group
 
 Prefix-cache events: the block pool records its changes in `kv_events`, on the
 loop thread only; each step's StepOutputs carries the events drained at its end,
@@ -38,14 +38,16 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common.thread_names import name_native_thread
-from services.engine.batch_queue import BatchQueue
-from services.engine.compiles import GrammarCompiles
 from services.engine.config import EngineConfig
-from services.engine.emitter import OutputEmitter
-from services.engine.executor import Executor
-from services.engine.inputs import InputQueue, InputType
-from services.engine.lifecycle import Lifecycle
-from services.engine.observer import EngineObserver
+from services.engine.core.compiles import GrammarCompiles
+from services.engine.core.emitter import OutputEmitter
+from services.engine.core.lifecycle import Lifecycle
+from services.engine.core.observer import EngineObserver
+from services.engine.core.session_router import EngineState, SessionRouter
+from services.engine.core.utilities import PauseMode, Utilities, UtilityCall, utility_reply
+from services.engine.executor.batch_queue import BatchQueue
+from services.engine.executor.protocol import Executor
+from services.engine.messages import InputQueue, InputType
 from services.engine.request import (
     INTERNAL,
     INVALID_ARGUMENT,
@@ -59,10 +61,8 @@ from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.kv_events import KvEventLog
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
-from services.engine.session_router import EngineState, SessionRouter
-from services.engine.utilities import PauseMode, Utilities, UtilityCall, utility_reply
-from services.engine.wave import WaveState
-from services.engine.wave_stepper import WaveStepper
+from services.engine.waves.state import WaveState
+from services.engine.waves.stepper import WaveStepper
 
 logger = logging.getLogger(__name__)
 

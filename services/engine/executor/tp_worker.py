@@ -25,8 +25,8 @@ import traceback
 from dataclasses import dataclass
 
 from services.common.logs import setup_logging
-from services.engine.fault_injection import FaultSpec
-from services.engine.parallel.step_channel import CallKind, FollowerChannel
+from services.engine.executor.fault_injection import FaultSpec
+from services.engine.executor.step_channel import CallKind, FollowerChannel
 from services.engine.worker.config import RunnerConfig
 
 logger = logging.getLogger(__name__)

@@ -24,14 +24,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from services.engine.emitter import OutputEmitter
-from services.engine.executor import Executor
-from services.engine.inputs import InputQueue, InputType
+from services.engine.core.emitter import OutputEmitter
+from services.engine.core.session_router import EngineState
+from services.engine.core.utilities import utility_reply
+from services.engine.core.watchdog import Watchdog
+from services.engine.executor.protocol import Executor
+from services.engine.messages import InputQueue, InputType
 from services.engine.request import UNAVAILABLE, FinishReason, RequestUpdate
 from services.engine.scheduler.scheduler import Scheduler
-from services.engine.session_router import EngineState
-from services.engine.utilities import utility_reply
-from services.engine.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
