@@ -61,7 +61,7 @@ def run_engine(model: Path, workload: list[BenchRequest], args: argparse.Namespa
     from services.common.sampling import SamplingParams
     from services.engine.config import EngineConfig
     from services.engine.core.engine_core import EngineCore
-    from services.engine.core.session_router import SessionOutputs
+    from services.engine.messages import SessionOutputs
     from services.engine.request import Request
     from services.engine.worker.config import RunnerConfig
     from services.engine.worker.model_runner import ModelRunner

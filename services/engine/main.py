@@ -31,10 +31,10 @@ from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
-from services.engine.core.session_router import EngineState
 from services.engine.executor.fault_injection import ENV_VAR as FAULT_INJECT_ENV
 from services.engine.executor.fault_injection import maybe_inject, worker_fault
 from services.engine.load_reporter import LoadReporter
+from services.engine.messages import EngineState
 from services.engine.metrics import EngineMetrics
 from services.engine.server import EngineServer
 from services.engine.waves.config import DataParallelConfig

@@ -36,8 +36,8 @@ from services.common.metrics import PREFIX, REQUEST_LATENCY_BUCKETS
 from services.common.thread_names import name_native_thread
 from services.common.tracing import Tracing
 from services.engine.core.observer import EngineObserver
-from services.engine.core.session_router import EngineState
 from services.engine.executor.protocol import Executor
+from services.engine.messages import EngineState
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import SchedulerOutput
 from services.engine.scheduler.scheduler import SchedulerStats

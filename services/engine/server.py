@@ -44,16 +44,15 @@ from services.common.grpc_server import (
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.common.thread_names import name_native_thread
 from services.engine.core.engine_core import EngineCore
-from services.engine.core.session_router import (
+from services.engine.core.session_router import engine_request_id, session_request_id
+from services.engine.messages import (
     EngineState,
     KvSnapshot,
     SessionItem,
     SessionOutputs,
+    UtilityCall,
     UtilityReply,
-    engine_request_id,
-    session_request_id,
 )
-from services.engine.core.utilities import UtilityCall
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.kv_events import BlockRemoved, BlockStored, KvEvent
 from services.engine.scheduler.output import PositionLogprobs

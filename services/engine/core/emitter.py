@@ -21,13 +21,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from services.engine.core.observer import EngineObserver
-from services.engine.core.session_router import (
-    EngineState,
-    KvSnapshot,
-    SessionRouter,
-    StepOutputs,
-    UtilityReply,
-)
+from services.engine.core.session_router import SessionRouter
+from services.engine.messages import EngineState, KvSnapshot, StepOutputs, UtilityReply
 from services.engine.request import FinishReason, Request, RequestUpdate
 from services.engine.scheduler.kv_events import KvEvent, KvEventLog
 from services.engine.scheduler.scheduler import Scheduler

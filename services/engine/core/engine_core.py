@@ -43,11 +43,11 @@ from services.engine.core.compiles import GrammarCompiles
 from services.engine.core.emitter import OutputEmitter
 from services.engine.core.lifecycle import Lifecycle
 from services.engine.core.observer import EngineObserver
-from services.engine.core.session_router import EngineState, SessionRouter
-from services.engine.core.utilities import PauseMode, Utilities, UtilityCall, utility_reply
+from services.engine.core.session_router import SessionRouter
+from services.engine.core.utilities import PauseMode, Utilities
 from services.engine.executor.batch_queue import BatchQueue
 from services.engine.executor.protocol import Executor
-from services.engine.messages import InputQueue, InputType
+from services.engine.messages import EngineState, InputQueue, InputType, UtilityCall, utility_reply
 from services.engine.request import (
     INTERNAL,
     INVALID_ARGUMENT,

@@ -25,11 +25,9 @@ import time
 from collections.abc import Callable
 
 from services.engine.core.emitter import OutputEmitter
-from services.engine.core.session_router import EngineState
-from services.engine.core.utilities import utility_reply
 from services.engine.core.watchdog import Watchdog
 from services.engine.executor.protocol import Executor
-from services.engine.messages import InputQueue, InputType
+from services.engine.messages import EngineState, InputQueue, InputType, utility_reply
 from services.engine.request import UNAVAILABLE, FinishReason, RequestUpdate
 from services.engine.scheduler.scheduler import Scheduler
 

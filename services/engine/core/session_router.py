@@ -22,71 +22,16 @@ events after its snapshot: no gap, no duplicate.
 
 from __future__ import annotations
 
-import enum
 import queue
 import threading
-from dataclasses import dataclass, field
 
-from services.common.block_hash import BlockHash
-from services.engine.request import RequestUpdate
-from services.engine.scheduler.kv_events import KvEvent
-from services.engine.scheduler.scheduler import SchedulerStats
-
-
-class EngineState(enum.IntEnum):
-    """Mirrors corestream.common.v1.EngineState, so the edge converts by value."""
-
-    STARTING = 1
-    RUNNING = 2
-    DRAINING = 3
-    STOPPED = 4
-    DEAD = 5
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutputs:
-    """Everything one busy-loop step (or one state change) produced, by session id."""
-
-    by_session: dict[str, list[RequestUpdate]]
-    stats: SchedulerStats
-    state: EngineState
-    timestamp: float
-    broadcast: bool = False
-    """Deliver to every open Session, even those without updates (state changes)."""
-    kv_events: tuple[KvEvent, ...] = ()
-    """The prefix-cache changes since the previous StepOutputs, for subscribers."""
-
-
-@dataclass(frozen=True, slots=True)
-class SessionOutputs:
-    updates: list[RequestUpdate]
-    stats: SchedulerStats
-    state: EngineState
-    timestamp: float
-    session_id: str = field(default="")
-    kv_events: tuple[KvEvent, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class UtilityReply:
-    """The answer to one utility call, for the Session that made it."""
-
-    call_id: int
-    result_json: str = ""
-    failure_message: str = ""
-    session_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class KvSnapshot:
-    """The prefix cache's content for one subscribing Session."""
-
-    session_id: str
-    epoch: str
-    seq: int
-    """The seq of the last event the snapshot includes."""
-    block_size: int
-    block_hashes: list[BlockHash]
+from services.engine.messages import (
+    KvSnapshot,
+    SessionItem,
+    SessionOutputs,
+    StepOutputs,
+    UtilityReply,
+)
 
 
 def engine_request_id(session_id: str, request_id: str) -> str:
@@ -97,10 +42,6 @@ def engine_request_id(session_id: str, request_id: str) -> str:
 def session_request_id(session_id: str, engine_request_id: str) -> str:
     """The id the Session's frontend gave the request."""
     return engine_request_id.removeprefix(f"{session_id}/")
-
-
-# What a Session's queue carries; None means the engine will send nothing more.
-SessionItem = SessionOutputs | UtilityReply | KvSnapshot | None
 
 
 class SessionRouter:

@@ -12,18 +12,16 @@ new requests queue up until `resume` (modes: abort = abort everything first; wai
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.engine.config import EngineConfig
 from services.engine.core.emitter import OutputEmitter
-from services.engine.core.session_router import EngineState, UtilityReply
 from services.engine.executor.protocol import Executor
+from services.engine.messages import EngineState, UtilityCall, utility_reply
 from services.engine.request import FinishReason
 from services.engine.scheduler.scheduler import Scheduler
 from services.engine.waves.state import WaveState
@@ -34,24 +32,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class UtilityCall:
-    session_id: str
-    call_id: int
-    method: str
-    args: dict[str, Any]
-
-
 class PauseMode(enum.Enum):
     ABORT = "abort"
     WAIT = "wait"
     KEEP = "keep"
-
-
-def utility_reply(call: UtilityCall, result: dict[str, Any] | None = None,
-                  failure: str = "") -> UtilityReply:
-    return UtilityReply(call.call_id, json.dumps(result) if result is not None else "",
-                        failure, call.session_id)
 
 
 class Utilities:

@@ -15,8 +15,8 @@ from services.common.sampling import SamplingParams
 from services.common.thread_names import native_thread_name
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
-from services.engine.core.session_router import EngineState, SessionItem, SessionOutputs
 from services.engine.executor.protocol import Executor
+from services.engine.messages import EngineState, SessionItem, SessionOutputs
 from services.engine.request import (
     INTERNAL,
     INVALID_ARGUMENT,

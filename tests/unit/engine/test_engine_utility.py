@@ -15,8 +15,7 @@ import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
-from services.engine.core.session_router import SessionItem, SessionOutputs, UtilityReply
-from services.engine.core.utilities import UtilityCall
+from services.engine.messages import SessionItem, SessionOutputs, UtilityCall, UtilityReply
 from services.engine.request import FinishReason, RequestUpdate
 from tests.unit.engine.test_engine_core import FakeRunner, collect, request, tokens
 

@@ -15,7 +15,7 @@ from services.common.block_hash import NO_PARENT, BlockHash
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
-from services.engine.core.session_router import KvSnapshot, SessionItem, SessionOutputs
+from services.engine.messages import KvSnapshot, SessionItem, SessionOutputs
 from services.engine.request import Request
 from services.engine.scheduler.block_pool import BlockPool
 from services.engine.scheduler.kv_cache_manager import KVCacheManager

@@ -12,7 +12,7 @@ from services.common.metrics import new_registry
 from services.common.observability_config import ObservabilityConfig
 from services.common.sampling import SamplingParams
 from services.common.tracing import Tracing
-from services.engine.core.session_router import EngineState
+from services.engine.messages import EngineState
 from services.engine.metrics import EngineMetrics
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.kv_cache_manager import KVCacheManager

@@ -24,8 +24,8 @@ from services.common.constraints import ConstraintKind, OutputConstraint
 from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
-from services.engine.core.session_router import EngineState
 from services.engine.executor.protocol import Executor
+from services.engine.messages import EngineState
 from services.engine.metrics import EngineMetrics
 from services.engine.request import INVALID_ARGUMENT, FinishReason, Request, RequestUpdate
 from services.engine.scheduler.scheduler import SchedulerStats
