@@ -17,7 +17,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from corestream.coordinator.v1 import coordinator_service_pb2 as coordinator_pb
 
@@ -40,6 +40,10 @@ from services.engine.server import EngineServer
 from services.engine.waves.config import DataParallelConfig
 from services.engine.waves.relay import WaveRelay
 from services.engine.worker.config import RunnerConfig
+
+if TYPE_CHECKING:
+    from services.engine.executor.tp_executor import TensorParallelExecutor
+    from services.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 def build_executor(config: EngineConfig, runner_config: RunnerConfig,
                    obs_config: ObservabilityConfig,
-                   expert_parallel: DataParallelConfig | None = None) -> Any:
+                   expert_parallel: DataParallelConfig | None = None
+                   ) -> ModelRunner | TensorParallelExecutor:
     """The model's executor: in this process at tensor_parallel_size 1, else rank 0 here
     and a worker process per other rank (each joining the expert-parallel group of its
     own rank, when `expert_parallel`). Imported here: torch loads only in the process

@@ -37,6 +37,17 @@ class Executor(Protocol):
     def model_info(self) -> ModelInfo: ...
 
     @property
+    def device(self) -> str:
+        """Where the model runs, as torch names it ("cpu", "cuda:0"); rank 0's under
+        tensor parallelism."""
+        ...
+
+    @property
+    def dtype(self) -> str:
+        """The weights' and the KV cache's dtype, without the "torch." prefix."""
+        ...
+
+    @property
     def tensor_parallel_size(self) -> int:
         """Ranks the model runs over (1: this process alone)."""
         ...

@@ -60,9 +60,10 @@ from services.engine.executor.tp_worker import (
 )
 from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
+from services.engine.worker.batch import StepArrays
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import resolve_num_threads
-from services.engine.worker.model_runner import ModelRunner, StepArrays, pick_device
+from services.engine.worker.model_runner import ModelRunner, pick_device
 
 logger = logging.getLogger(__name__)
 

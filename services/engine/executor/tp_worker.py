@@ -107,7 +107,8 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
     import torch
 
     from services.engine.parallel.tp_group import init_tp_group
-    from services.engine.worker.model_runner import ModelRunner, StepArrays
+    from services.engine.worker.batch import StepArrays
+    from services.engine.worker.model_runner import ModelRunner
 
     if spec.cpus is not None:
         os.sched_setaffinity(0, spec.cpus)
