@@ -28,11 +28,8 @@ from services.engine.scheduler.kv_events import (
 )
 from services.engine.scheduler.scheduler import Scheduler
 from services.engine.server import EngineServer
-from tests.unit.engine.test_block_pool import h
-from tests.unit.engine.test_engine_core import FakeRunner, collect, request
-from tests.unit.engine.test_prefix_cache import compute, req
-from tests.unit.engine.test_scheduler import step
-from tests.unit.engine.test_server import SessionClient
+from tests.unit.engine.fakes import FakeRunner, SessionClient, collect, request
+from tests.unit.engine.scheduler_helpers import compute, h, req, step
 
 
 class Mirror:

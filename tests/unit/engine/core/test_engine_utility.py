@@ -17,7 +17,7 @@ from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
 from services.engine.messages import SessionItem, SessionOutputs, UtilityCall, UtilityReply
 from services.engine.request import FinishReason, RequestUpdate
-from tests.unit.engine.test_engine_core import FakeRunner, collect, request, tokens
+from tests.unit.engine.fakes import FakeRunner, collect, request, tokens
 
 _call_ids = itertools.count(1)
 
@@ -200,7 +200,7 @@ def test_utility_on_stopped_engine_fails_at_once(core: EngineCore) -> None:
 
 @pytest.mark.timeout(60)
 def test_profile_start_stop_writes_a_trace_of_the_steps_between(tmp_path: Any) -> None:
-    from tests.unit.engine.test_engine_core import real_request, tiny_runner_for_tests
+    from tests.unit.engine.fakes import real_request, tiny_runner_for_tests
 
     core = EngineCore(EngineConfig(profile_dir=str(tmp_path)), tiny_runner_for_tests())
     q = core.sessions.open("s")

@@ -17,19 +17,23 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel
 
 from services.common.tiny_checkpoint import ensure_tiny_checkpoint
-from services.engine.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
-from tests.unit.engine.hf_checkpoints import VOCAB, hf_greedy, hf_logits, make_checkpoint
+from tests.unit.engine.hf_checkpoints import (
+    PROMPT_LENGTHS,
+    VOCAB,
+    check_mixed_batch,
+    hf_greedy,
+    hf_logits,
+    make_checkpoint,
+)
 from tests.unit.engine.runner_driver import (
-    GREEDY,
-    all_logits,
     generate,
     make_runner,
     random_prompts,
 )
 
-PROMPT_LENGTHS = {"a": 5, "b": 13, "c": 1, "d": 22}
 # With a window of 8: prompts of 2.5 to 5 windows, plus one shorter than the window.
 WINDOWED_PROMPT_LENGTHS = {"a": 20, "b": 33, "c": 5, "d": 40}
 
@@ -79,46 +83,6 @@ NO_WINDOW: dict[str, dict[str, Any]] = {
     "qwen2": {"use_sliding_window": False, "layer_types": ["full_attention"] * 2},
     "qwen3": {"use_sliding_window": False, "layer_types": ["full_attention"] * 2},
 }
-
-
-def check_mixed_batch(
-    hf: PreTrainedModel,
-    runner: ModelRunner,
-    atol: float,
-    rtol: float,
-    lengths: dict[str, int] = PROMPT_LENGTHS,
-) -> None:
-    """Step 1: whole prompts a, b, c and the first 9 tokens of d. Step 2: the rest of d
-    (after its cached prefix) alongside one decode of a."""
-    ps = random_prompts(lengths, VOCAB)
-    per_request = runner.model_info.max_model_len // runner.block_size
-    split = 9
-    step1 = [
-        ScheduledRequest(rid, p[:split] if rid == "d" else p, 0,
-                         list(range(i * per_request, (i + 1) * per_request)),
-                         True, GREEDY, p, [])
-        for i, (rid, p) in enumerate(ps.items())
-    ]
-    got1 = all_logits(runner, step1)
-    extra = 77
-    a, d = step1[0], step1[3]
-    step2 = [
-        ScheduledRequest("a", [extra], len(ps["a"]), a.block_ids, True, GREEDY, ps["a"], []),
-        ScheduledRequest("d", ps["d"][split:], split, d.block_ids, True, GREEDY, ps["d"], []),
-    ]
-    got2 = all_logits(runner, step2)
-
-    want = {rid: hf_logits(hf, p) for rid, p in ps.items()}
-    want_a_next = hf_logits(hf, ps["a"] + [extra])[-1]
-    offsets = [0]
-    for r in step1:
-        offsets.append(offsets[-1] + len(r.token_ids))
-    for i, (rid, p) in enumerate(ps.items()):
-        n = split if rid == "d" else len(p)
-        torch.testing.assert_close(got1[offsets[i]:offsets[i + 1]], want[rid][:n],
-                                   atol=atol, rtol=rtol, msg=rid)
-    torch.testing.assert_close(got2[0], want_a_next, atol=atol, rtol=rtol)
-    torch.testing.assert_close(got2[1:], want["d"][split:], atol=atol, rtol=rtol)
 
 
 Pair = tuple[PreTrainedModel, ModelRunner, dict[str, int]]

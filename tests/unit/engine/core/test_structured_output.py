@@ -30,7 +30,7 @@ from services.engine.metrics import EngineMetrics
 from services.engine.request import INVALID_ARGUMENT, FinishReason, Request, RequestUpdate
 from services.engine.scheduler.scheduler import SchedulerStats
 from services.engine.structured.compiler import GrammarCompiler
-from tests.unit.engine.test_engine_core import (
+from tests.unit.engine.fakes import (
     RecordingRunner,
     collect,
     prompt_of,

@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.engine.scheduler.block_pool import BlockPool
-
-
-def h(i: int) -> bytes:
-    return i.to_bytes(32, "little")
+from tests.unit.engine.scheduler_helpers import h
 
 
 def test_allocates_and_frees_with_ref_counts() -> None:

@@ -18,9 +18,9 @@ from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import PositionLogprobs
 from services.engine.worker import model_runner as model_runner_module
 from services.engine.worker.model_runner import ModelRunner
+from tests.unit.engine.fakes import run_core, tokens
 from tests.unit.engine.hf_checkpoints import VOCAB, hf_logits, make_checkpoint
 from tests.unit.engine.runner_driver import make_runner, random_prompts
-from tests.unit.engine.test_engine_core import run_core, tokens
 
 ATOL = 1e-4
 

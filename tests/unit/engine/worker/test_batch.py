@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from services.engine.scheduler.output import ScheduledRequest
+from tests.unit.engine.fixed_logits_checkpoint import VOCAB, write_checkpoint
 from tests.unit.engine.runner_driver import GREEDY, make_runner
-from tests.unit.engine.test_fixed_logits import VOCAB, write_checkpoint
 
 BLOCK = 4  # runner_driver's block size
 

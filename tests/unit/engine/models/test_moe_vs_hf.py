@@ -20,9 +20,14 @@ from transformers import MixtralConfig, PreTrainedModel, Qwen2MoeConfig, Qwen3Mo
 from services.engine.models.loader import model_class
 from services.engine.models.moe import SparseMoeBlock
 from services.engine.worker.model_runner import ModelRunner
-from tests.unit.engine.hf_checkpoints import VOCAB, hf_greedy, make_checkpoint
+from tests.unit.engine.hf_checkpoints import (
+    PROMPT_LENGTHS,
+    VOCAB,
+    check_mixed_batch,
+    hf_greedy,
+    make_checkpoint,
+)
 from tests.unit.engine.runner_driver import generate, make_runner, random_prompts
-from tests.unit.engine.test_model_vs_hf import PROMPT_LENGTHS, check_mixed_batch
 
 # Every checkpoint: hidden 64, 2 layers, top-2 routing.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
+from tests.unit.engine.fixed_logits_checkpoint import VOCAB, write_checkpoint
 from tests.unit.engine.runner_driver import generate, make_runner
-
-VOCAB = 50
-
-
-def write_checkpoint(folder: Path, logits: np.ndarray, **extra: Any) -> Path:
-    folder.mkdir()
-    config = {
-        "architectures": ["CorestreamFixedLogitsForCausalLM"], "hidden_size": 8,
-        "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-        "num_key_value_heads": 1, "vocab_size": VOCAB, "max_position_embeddings": 128,
-        "eos_token_id": 2, "dtype": "float32", **extra,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file({"logits": logits.astype(np.float32)}, str(folder / "model.safetensors"))
-    return folder
 
 
 def test_every_step_samples_the_fixed_argmax(tmp_path: Path) -> None:

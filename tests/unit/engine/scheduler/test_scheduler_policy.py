@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler.policy import FcfsQueue, PriorityQueue
-from tests.unit.engine.test_scheduler import make_request, make_scheduler, step
+from tests.unit.engine.scheduler_helpers import make_request, make_scheduler, step
 
 
 def ranked(rid: str, priority: int, arrival: float) -> Request:

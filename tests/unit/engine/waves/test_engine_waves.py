@@ -12,7 +12,7 @@ from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
 from services.engine.request import FinishReason
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
-from tests.unit.engine.test_engine_core import FakeRunner, collect, request, tokens
+from tests.unit.engine.fakes import FakeRunner, collect, request, tokens
 
 
 class LockstepRunner(FakeRunner):

@@ -11,7 +11,7 @@ import pytest
 
 from services.engine.executor.protocol import Executor
 from services.engine.parallel.tp_group import current_tp_group
-from tests.unit.engine.test_engine_core import (
+from tests.unit.engine.fakes import (
     RecordingRunner,
     prompt_of,
     real_request,

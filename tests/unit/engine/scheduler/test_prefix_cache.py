@@ -6,29 +6,21 @@ from __future__ import annotations
 import pytest
 
 from services.common.block_hash import extend_block_hashes, hash_block
-from services.common.sampling import SamplingParams
-from services.engine.request import Request
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.scheduler import Scheduler
-from tests.unit.engine.test_scheduler import make_scheduler, run_to_completion, step
-
-
-def req(rid: str, prompt: list[int], max_tokens: int = 4, salt: str = "") -> Request:
-    return Request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                   eos_token_ids=(0,), cache_salt=salt)
+from tests.unit.engine.scheduler_helpers import (
+    compute,
+    make_scheduler,
+    req,
+    run_to_completion,
+    step,
+)
 
 
 def hashes(tokens: list[int], block_size: int = 4, salt: str = "") -> list[bytes]:
     out: list[bytes] = []
     extend_block_hashes(out, lambda a, b: tokens[a:b], len(tokens), block_size, salt)
     return out
-
-
-def compute(kv: KVCacheManager, r: Request) -> None:
-    """Pretend the whole request ran: hold blocks for it and cache its full blocks."""
-    assert kv.allocate_slots(r.request_id, r.num_tokens, kv.find_cached_prefix(r))
-    r.num_computed_tokens = r.num_tokens
-    kv.cache_full_blocks(r)
 
 
 # ---- hashes ----------------------------------------------------------------------
