@@ -5,7 +5,7 @@ KV usage, prefix cache, preemptions, steps, engine state) are read from the
 latest SchedulerStats when Prometheus scrapes, so they cost the loop nothing.
 So are the tensor-parallel size and the model calls each rank has finished (the
 executor's progress slots, in shared memory): a worker whose count stops while
-rank 0's goes on is stalled. The loop's hooks (see observer.py) only stamp times
+rank 0's goes on is stalled. The loop's hooks (see core/observer.py) only stamp times
 and add token counts.
 
 Tracing: each request gets one span over its life in this engine, child of the
