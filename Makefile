@@ -37,9 +37,9 @@ serve: $(VENV)/.serve-installed
 # The kernel, loader, model-vs-transformers and bfloat16-serving tests again with every
 # CPU path capped at AVX2 (our kernels, oneDNN, ATen: kernels/cpu_isa.py), as on a CPU
 # without AVX-512, so that a change that breaks such machines fails on any machine.
-AVX2_TESTS := tests/kernels tests/unit/engine/test_model_vs_hf.py \
-	tests/unit/engine/test_moe_vs_hf.py tests/unit/engine/test_models_loading.py \
-	tests/unit/engine/test_huge_pages.py tests/unit/engine/test_engine_core.py \
+AVX2_TESTS := tests/kernels tests/unit/engine/models/test_model_vs_hf.py \
+	tests/unit/engine/models/test_moe_vs_hf.py tests/unit/engine/models/test_models_loading.py \
+	tests/unit/engine/worker/test_huge_pages.py tests/unit/engine/core/test_engine_core.py \
 	tests/integration/test_serve_bfloat16.py
 
 test: $(VENV)/.dev-installed $(HELM)

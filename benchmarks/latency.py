@@ -115,7 +115,7 @@ def engine_step_ms(model: Path, prompt: list[int], max_tokens: int) -> float:
     """Median decode-step time of the engine alone, one request, no gRPC."""
     from services.common.sampling import SamplingParams
     from services.engine.config import EngineConfig
-    from services.engine.engine_core import EngineCore
+    from services.engine.core.engine_core import EngineCore
     from services.engine.request import Request
     from services.engine.worker.config import RunnerConfig
     from services.engine.worker.model_runner import ModelRunner

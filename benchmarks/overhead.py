@@ -30,7 +30,7 @@ def profile_engine(model: Path, workload: list[BenchRequest], args: argparse.Nam
     """cProfile of the engine steps, run on this thread so the profiler sees them."""
     from services.common.sampling import SamplingParams
     from services.engine.config import EngineConfig
-    from services.engine.engine_core import EngineCore
+    from services.engine.core.engine_core import EngineCore
     from services.engine.request import Request
     from services.engine.worker.config import RunnerConfig
     from services.engine.worker.model_runner import ModelRunner

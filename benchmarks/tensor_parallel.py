@@ -44,13 +44,13 @@ import torch.multiprocessing as mp  # noqa: E402
 from benchmarks.sequences import Sequences  # noqa: E402
 from benchmarks.workload import CACHE  # noqa: E402
 from services.common.ports import free_port  # noqa: E402
-from services.engine.parallel.step_channel import (  # noqa: E402
+from services.engine.executor.step_channel import (  # noqa: E402
     CallKind,
     FollowerChannel,
     LeaderChannel,
     read_report,
 )
-from services.engine.parallel.tp_executor import TensorParallelExecutor  # noqa: E402
+from services.engine.executor.tp_executor import TensorParallelExecutor  # noqa: E402
 from services.engine.parallel.tp_group import (  # noqa: E402
     current_tp_group,
     init_tp_group,

@@ -60,9 +60,9 @@ def prompt_tokens(workload: list[BenchRequest]) -> int:
 def run_engine(model: Path, workload: list[BenchRequest], args: argparse.Namespace) -> Result:
     from services.common.sampling import SamplingParams
     from services.engine.config import EngineConfig
-    from services.engine.engine_core import EngineCore
+    from services.engine.core.engine_core import EngineCore
+    from services.engine.messages import SessionOutputs
     from services.engine.request import Request
-    from services.engine.session_router import SessionOutputs
     from services.engine.worker.config import RunnerConfig
     from services.engine.worker.model_runner import ModelRunner
 

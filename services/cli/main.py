@@ -25,7 +25,7 @@ from services.common.parent_death import die_with_parent_from_env
 from services.common.security_config import SecurityConfig
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
-from services.engine.dp_config import DataParallelConfig
+from services.engine.waves.config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig
 from services.frontend.config import FrontendConfig
 from services.serve.config import SERVE_OWNED, ServeConfig

@@ -1,6 +1,6 @@
 """WaveHub: relays wave starts between the engines of an expert-parallel group.
 
-An MoE model's ranks step in lockstep waves (services/engine/wave.py). A rank that
+An MoE model's ranks step in lockstep waves (services/engine/waves/state.py). A rank that
 gets work while the group idles starts the next wave itself and tells the
 coordinator, which relays the start to every other rank of the same group (the
 engines serving the same model). Engines are the judges of staleness: one that has

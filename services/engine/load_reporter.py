@@ -26,9 +26,9 @@ from services.common.backoff import Backoff
 from services.common.grpc_server import make_channel
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.common.thread_names import name_native_thread
+from services.engine.messages import EngineState
 from services.engine.scheduler.scheduler import SchedulerStats
-from services.engine.session_router import EngineState
-from services.engine.wave import WaveState
+from services.engine.waves.state import WaveState
 
 logger = logging.getLogger(__name__)
 

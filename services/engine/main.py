@@ -17,7 +17,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from corestream.coordinator.v1 import coordinator_service_pb2 as coordinator_pb
 
@@ -30,16 +30,20 @@ from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
 from services.engine.config import EngineConfig
-from services.engine.dp_config import DataParallelConfig
-from services.engine.engine_core import EngineCore
-from services.engine.fault_injection import ENV_VAR as FAULT_INJECT_ENV
-from services.engine.fault_injection import maybe_inject, worker_fault
+from services.engine.core.engine_core import EngineCore
+from services.engine.executor.fault_injection import ENV_VAR as FAULT_INJECT_ENV
+from services.engine.executor.fault_injection import maybe_inject, worker_fault
 from services.engine.load_reporter import LoadReporter
+from services.engine.messages import EngineState
 from services.engine.metrics import EngineMetrics
 from services.engine.server import EngineServer
-from services.engine.session_router import EngineState
-from services.engine.wave_relay import WaveRelay
+from services.engine.waves.config import DataParallelConfig
+from services.engine.waves.relay import WaveRelay
 from services.engine.worker.config import RunnerConfig
+
+if TYPE_CHECKING:
+    from services.engine.executor.tp_executor import TensorParallelExecutor
+    from services.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 def build_executor(config: EngineConfig, runner_config: RunnerConfig,
                    obs_config: ObservabilityConfig,
-                   expert_parallel: DataParallelConfig | None = None) -> Any:
+                   expert_parallel: DataParallelConfig | None = None
+                   ) -> ModelRunner | TensorParallelExecutor:
     """The model's executor: in this process at tensor_parallel_size 1, else rank 0 here
     and a worker process per other rank (each joining the expert-parallel group of its
     own rank, when `expert_parallel`). Imported here: torch loads only in the process
@@ -154,8 +159,8 @@ def build_executor(config: EngineConfig, runner_config: RunnerConfig,
     if runner_config.tensor_parallel_size == 1:
         from services.engine.worker.model_runner import ModelRunner
         return ModelRunner(runner_config)
-    from services.engine.parallel.tp_executor import TensorParallelExecutor
-    from services.engine.parallel.tp_worker import ExpertParallelRendezvous
+    from services.engine.executor.tp_executor import TensorParallelExecutor
+    from services.engine.executor.tp_worker import ExpertParallelRendezvous
 
     rendezvous = None
     if expert_parallel is not None:

@@ -5,7 +5,7 @@ KV usage, prefix cache, preemptions, steps, engine state) are read from the
 latest SchedulerStats when Prometheus scrapes, so they cost the loop nothing.
 So are the tensor-parallel size and the model calls each rank has finished (the
 executor's progress slots, in shared memory): a worker whose count stops while
-rank 0's goes on is stalled. The loop's hooks (see observer.py) only stamp times
+rank 0's goes on is stalled. The loop's hooks (see core/observer.py) only stamp times
 and add token counts.
 
 Tracing: each request gets one span over its life in this engine, child of the
@@ -35,12 +35,12 @@ from services.common import tracing as tr
 from services.common.metrics import PREFIX, REQUEST_LATENCY_BUCKETS
 from services.common.thread_names import name_native_thread
 from services.common.tracing import Tracing
-from services.engine.executor import Executor
-from services.engine.observer import EngineObserver
+from services.engine.core.observer import EngineObserver
+from services.engine.executor.protocol import Executor
+from services.engine.messages import EngineState
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import SchedulerOutput
 from services.engine.scheduler.scheduler import SchedulerStats
-from services.engine.session_router import EngineState
 
 log = logging.getLogger(__name__)
 

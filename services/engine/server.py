@@ -43,20 +43,20 @@ from services.common.grpc_server import (
 )
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.common.thread_names import name_native_thread
-from services.engine.engine_core import EngineCore
-from services.engine.request import Request, RequestUpdate
-from services.engine.scheduler.kv_events import BlockRemoved, BlockStored, KvEvent
-from services.engine.scheduler.output import PositionLogprobs
-from services.engine.session_router import (
+from services.engine.core.engine_core import EngineCore
+from services.engine.core.session_router import engine_request_id, session_request_id
+from services.engine.executor.protocol import Executor
+from services.engine.messages import (
     EngineState,
     KvSnapshot,
     SessionItem,
     SessionOutputs,
+    UtilityCall,
     UtilityReply,
-    engine_request_id,
-    session_request_id,
 )
-from services.engine.utilities import UtilityCall
+from services.engine.request import Request, RequestUpdate
+from services.engine.scheduler.kv_events import BlockRemoved, BlockStored, KvEvent
+from services.engine.scheduler.output import PositionLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class _SessionState:
 
 
 class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer):
-    def __init__(self, core: EngineCore, runner: Any) -> None:
+    def __init__(self, core: EngineCore, runner: Executor) -> None:
         self.core = core
         self.runner = runner
         # Short and unique for the process's life: they prefix every request id inside.
@@ -290,8 +290,8 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
             vocab_size=info.vocab_size,
             num_kv_blocks=self.runner.num_blocks,
             block_size=self.runner.block_size,
-            dtype=str(getattr(self.runner, "dtype", info.dtype)).removeprefix("torch."),
-            device=str(getattr(self.runner, "device", "")),
+            dtype=self.runner.dtype,
+            device=self.runner.device,
             state=common_pb2.EngineState.ValueType(int(self.core.state)),
             tensor_parallel_size=self.runner.tensor_parallel_size,
         )
@@ -300,7 +300,7 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
 class EngineServer:
     """The gRPC server of one engine: EngineCoreService, health and reflection."""
 
-    def __init__(self, core: EngineCore, runner: Any, host: str, port: int,
+    def __init__(self, core: EngineCore, runner: Executor, host: str, port: int,
                  security: SecurityConfig = PLAINTEXT, interceptors: Sequence[Any] = ()) -> None:
         self.core = core
         self._security = security

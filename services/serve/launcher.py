@@ -62,7 +62,7 @@ from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
-from services.engine.dp_config import DataParallelConfig
+from services.engine.waves.config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig, format_cpu_list
 from services.engine.worker.cpu_threads import threads_set_by_environment, usable_cpus
 from services.frontend.config import FrontendConfig

@@ -21,15 +21,15 @@ from kernels.backend import use_triton
 from services.common.tiny_checkpoint import ensure_tiny_checkpoint
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
-from tests.unit.engine.hf_checkpoints import VOCAB, hf_greedy, make_checkpoint
-from tests.unit.engine.runner_driver import generate, make_runner, random_prompts
-from tests.unit.engine.test_engine_core import (
-    RecordingRunner,
-    run_core,
-    tokens,
-    varied_requests,
+from tests.unit.engine.fakes import RecordingRunner, run_core, tokens, varied_requests
+from tests.unit.engine.hf_checkpoints import (
+    PROMPT_LENGTHS,
+    VOCAB,
+    check_mixed_batch,
+    hf_greedy,
+    make_checkpoint,
 )
-from tests.unit.engine.test_model_vs_hf import PROMPT_LENGTHS, check_mixed_batch
+from tests.unit.engine.runner_driver import generate, make_runner, random_prompts
 
 DEVICE = os.environ.get("CORESTREAM_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.gpu] if DEVICE == "cuda" else []

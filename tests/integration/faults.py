@@ -17,7 +17,7 @@ from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.engine.fault_injection import ENV_VAR as FAULT_INJECT
+from services.engine.executor.fault_injection import ENV_VAR as FAULT_INJECT
 from tests.integration.cluster import Cluster, alive, descendants
 
 SERVICE = "corestream.generate.v1.GenerateService"

@@ -3,7 +3,7 @@ engine (watchdog), SIGTERM drain and the death of `corestream serve` itself, wit
 serve's restarts off (--max-restarts 0; test_serve_healing.py covers them).
 
 Faults come from the test-only CORESTREAM_FAULT_INJECT variable (see
-services/engine/fault_injection.py) and from signals sent to the real processes.
+services/engine/executor/fault_injection.py) and from signals sent to the real processes.
 Every test prints the times it measured (run with -s to see them).
 """
 

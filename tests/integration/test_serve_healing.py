@@ -28,7 +28,7 @@ from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.engine.fault_injection import ENV_VAR as FAULT_INJECT
+from services.engine.executor.fault_injection import ENV_VAR as FAULT_INJECT
 from tests.integration.cluster import REPO, Cluster, alive, descendants, free_port
 from tests.integration.faults import start_stream, wait_all, wait_for
 

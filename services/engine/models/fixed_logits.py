@@ -23,6 +23,7 @@ from torch import nn
 
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
+from services.engine.parallel.tp_group import TPGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,7 @@ class CorestreamFixedLogitsForCausalLM(nn.Module):
         self.logits = nn.Parameter(torch.zeros(config.vocab_size), requires_grad=False)
         # Replicated whole under tensor parallelism too: it has nothing to shard.
         self.local_kv_heads = config.num_key_value_heads
+        self.tp: TPGroup | None = None
 
     def tie_weights(self) -> None:
         pass

@@ -97,7 +97,7 @@ def load_model(
     experts: range | None = getattr(model, "local_experts", None)
     renames: Mapping[str, str] = getattr(cls, "checkpoint_renames", {})
     # The tensor-parallel group the model was built for; None: read every tensor whole.
-    tp = getattr(model, "tp", None)
+    tp = model.tp
     plan = ShardPlan(config, tp.rank, tp.world_size) if tp is not None else None
     state = _read_safetensors(
         folder, dtype, device, lambda name: _model_tensor_name(name, renames, experts), plan

@@ -17,7 +17,7 @@ per forward (`forward_batch`); a dispatch outside one exchanges them itself.
 
 A rank with nothing scheduled still dispatches, with zero tokens: the collectives of a
 layer complete only when every rank joins them, so idle ranks run dummy batches
-(`dummy_batch`) in lockstep with the busy ones.
+(`worker.dummy_batch`) in lockstep with the busy ones.
 """
 
 from __future__ import annotations

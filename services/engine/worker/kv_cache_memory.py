@@ -6,8 +6,9 @@ the weights are loaded (on CPU, of the host's MemAvailable, or of what the proce
 memory cgroup still allows where that is less: a pod's memory limit). A bare integer is
 always bytes, so `1` is one byte and `1.0` is all free memory. `auto` (the default)
 is the smaller of 4 GiB and half the free memory: as much as vLLM's CPU backend is
-usually given, and on a small machine or in a small pod still room for the rest. No
-torch here: the runner supplies the free-memory probe for its device.
+usually given, and on a small machine or in a small pod still room for the rest.
+`KVCacheLayout` turns those bytes into blocks. No torch here: the runner supplies the
+free-memory probe for its device, and allocates the blocks.
 """
 
 from __future__ import annotations
@@ -88,3 +89,42 @@ def available_host_memory(
     available = int(kib) * 1024  # the kernel reports kB (KiB)
     room = cgroup_memory_room(cgroup_root)
     return available if room is None else min(available, room)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    """One rank's KV cache: per layer, keys and values of `num_kv_heads` heads for each
+    token slot of every block."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    """KV heads on this rank (its share under tensor parallelism)."""
+    head_dim: int
+    itemsize: int
+    """Bytes per element of the cache's dtype."""
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer."""
+        per_token = 2 * self.num_kv_heads * self.head_dim * self.itemsize * self.num_layers
+        return per_token * self.block_size
+
+    def block_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's cache: `[2, num_blocks, block_size, kv_heads, head_dim]`."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def num_blocks(self, kv_bytes: int, max_model_len: int, memory: str | int) -> int:
+        """The blocks that `kv_bytes` hold; ValueError when one max_model_len sequence
+        does not fit (`memory`: the --kv-cache-memory that gave the bytes, for the
+        message)."""
+        num_blocks = kv_bytes // self.block_bytes
+        needed = -(-max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"kv_cache_memory {memory!r} ({kv_bytes} bytes) holds "
+                f"{num_blocks} blocks of {self.block_bytes} bytes, but one max_model_len "
+                f"({max_model_len}) sequence needs {needed}: raise "
+                f"kv_cache_memory to at least {needed * self.block_bytes} or lower max_model_len"
+            )
+        return num_blocks

@@ -1,9 +1,10 @@
 """ModelRunner: loads the model, owns the KV cache, and runs one step per call.
 
 A step flattens every scheduled request into one batch (tokens, positions, cache
-slots, block tables) built on the host in one pass, runs a single forward over all
-of them, samples from the last position of each request that asks for a token,
-and brings the sampled ids to the host with the step's only device sync. Requests
+slots, block tables) built on the host in one pass (batch.py), runs a single forward
+over all of them, samples from the last position of each request that asks for a
+token, and brings the sampled ids to the host with the step's only device sync. The
+KV cache gets the blocks that its memory budget holds (kv_cache_memory.py). Requests
 that ask for logprobs (of sampled or of prompt tokens) cost extra work and copies;
 a step where none asks does none of it. On CPU, a decode step whose every row is
 plain greedy skips all of that: the scheduler's numbers go as lists to the C++ decode
@@ -31,8 +32,8 @@ from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import panels_of
 from services.engine.models.loader import load_model, torch_dtype
+from services.engine.models.protocol import CausalLM, GreedyDecoder
 from services.engine.parallel.dp_group import current_dp_group
-from services.engine.parallel.dummy_batch import dummy_forward
 from services.engine.scheduler.output import (
     GrammarMask,
     PositionLogprobs,
@@ -40,20 +41,23 @@ from services.engine.scheduler.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from services.engine.worker.batch import (
+    HostBatch,
+    PromptRows,
+    StepArrays,
+    flatten_batch,
+    greedy_decode_rows,
+)
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_threads
+from services.engine.worker.dummy_batch import dummy_forward
 from services.engine.worker.huge_pages import HugePageReport, collapse_in_background
-from services.engine.worker.kv_cache_memory import available_host_memory
+from services.engine.worker.kv_cache_memory import KVCacheLayout, available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.profiler import Profiler
-from services.engine.worker.sampler import Sampler, TokenMask, plain_greedy
+from services.engine.worker.sampler import Sampler, TokenMask
 
 logger = logging.getLogger(__name__)
-
-
-def cache_slot(block_ids: Sequence[int], position: int, block_size: int) -> int:
-    """The KV-cache slot of the token at `position` of a sequence with these blocks."""
-    return block_ids[position // block_size] * block_size + position % block_size
 
 
 def pick_device(name: str) -> torch.device:
@@ -64,30 +68,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepArrays:
-    """A step's flattened batch on the host: all that a forward reads, on any rank."""
-
-    input_ids: np.ndarray
-    """[T] int64"""
-    positions: np.ndarray
-    """[T] int64"""
-    slot_mapping: np.ndarray
-    """[T] int64"""
-    block_tables: np.ndarray
-    """[B, max_blocks] int32"""
-    seq_lens: np.ndarray
-    """[B] int32"""
-    query_start_loc: np.ndarray
-    """[B + 1] int32"""
-
-    def as_dict(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in self.__slots__}
-
-
 class Followers(Protocol):
     """The other tensor-parallel ranks, which mirror this runner's model calls (see
-    `services.engine.parallel.step_channel`); None at tensor_parallel_size 1."""
+    `services.engine.executor.step_channel`); None at tensor_parallel_size 1."""
 
     def forward(self, arrays: StepArrays) -> None: ...
 
@@ -98,36 +81,16 @@ class Followers(Protocol):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Batch:
+    """A step's batch on the device, with the host batch it came from."""
+
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    arrays: StepArrays
-    sample_rows: list[int]
-    """Row in the flattened batch of each sampled request's last token."""
-    sampled: list[ScheduledRequest]
-    prompt: _PromptRows
+    host: HostBatch
 
-
-@dataclasses.dataclass(slots=True)
-class _PromptRows:
-    """The batch rows whose logprobs of the next prompt token are asked for."""
-
-    rows: list[int] = dataclasses.field(default_factory=list)
-    next_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_top: list[int] = dataclasses.field(default_factory=list)
-    spans: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    """(request id, number of rows), in row order."""
-
-    def add(self, r: ScheduledRequest, first_row: int) -> None:
-        assert r.prompt_logprobs is not None
-        # Position p predicts prompt token p + 1; the prompt's last position predicts
-        # the first sampled token, reported as a generated logprob instead.
-        stop = min(r.start_pos + len(r.token_ids), len(r.prompt_token_ids) - 1)
-        span = range(r.start_pos, stop)
-        self.rows.extend(first_row + p - r.start_pos for p in span)
-        self.next_token_ids.extend(r.prompt_token_ids[p + 1] for p in span)
-        self.num_top.extend(r.prompt_logprobs for _ in span)
-        self.spans.append((r.request_id, len(span)))
+    @property
+    def arrays(self) -> StepArrays:
+        return self.host.arrays
 
 
 class ModelRunner:
@@ -156,7 +119,7 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
         with torch.inference_mode():
-            self.model = load_model(path, self._dtype, self._device, info.max_model_len)
+            self.model: CausalLM = load_model(path, self._dtype, self._device, info.max_model_len)
         self.huge_pages: Future[HugePageReport] | None = None
         if self._on_cpu and config.huge_pages:
             # Plain weights, and the panels of the packed ones (opaque to everything else)
@@ -169,8 +132,9 @@ class ModelRunner:
         # A model that runs a whole greedy decode step from the scheduler's lists (the C++
         # decode op with its head, on CPU); tensor-parallel followers must mirror every
         # forward and logits call, so not with them.
-        self._decode_greedy = (getattr(self.model, "decode_greedy", None)
-                               if followers is None and self._on_cpu else None)
+        self._decode_greedy = (self.model.decode_greedy
+                               if followers is None and self._on_cpu
+                               and isinstance(self.model, GreedyDecoder) else None)
         self._profiler: Profiler | None = None
         logger.info(
             "model runner ready: %s on %s (%s, %d CPU threads), %d KV blocks of %d tokens",
@@ -251,35 +215,23 @@ class ModelRunner:
         return str(self._dtype).removeprefix("torch.")
 
     def _allocate_kv_cache(self, model_config: DecoderConfig) -> list[torch.Tensor]:
-        per_token = (
-            2 * self.model.local_kv_heads * model_config.head_dim
-            * self._dtype.itemsize * model_config.num_hidden_layers
-        )
-        block_bytes = per_token * self.block_size
+        layout = KVCacheLayout(model_config.num_hidden_layers, self.block_size,
+                               self.model.local_kv_heads, model_config.head_dim,
+                               self._dtype.itemsize)
         kv_bytes = self.config.kv_cache_budget.resolve(self._free_memory)
-        tp = getattr(self.model, "tp", None)
+        tp = self.model.tp
         if tp is not None and self._device.type == "cpu":
             # Tensor-parallel ranks on CPU share the host's memory: the budget is the
             # engine's, and each rank holds 1/N of it (on CUDA each rank has a device).
             kv_bytes //= tp.world_size
-        num_blocks = kv_bytes // block_bytes
-        needed = -(-self.model_info.max_model_len // self.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"kv_cache_memory {self.config.kv_cache_memory!r} ({kv_bytes} bytes) holds "
-                f"{num_blocks} blocks of {block_bytes} bytes, but one max_model_len "
-                f"({self.model_info.max_model_len}) sequence needs {needed}: raise "
-                f"kv_cache_memory to at least {needed * block_bytes} or lower max_model_len"
-            )
+        num_blocks = layout.num_blocks(kv_bytes, self.model_info.max_model_len,
+                                       self.config.kv_cache_memory)
         logger.info("KV cache: kv_cache_memory %r = %d bytes = %d blocks of %d tokens",
                     self.config.kv_cache_memory, kv_bytes, num_blocks, self.block_size)
-        shape = (
-            2, num_blocks, self.block_size,
-            self.model.local_kv_heads, model_config.head_dim,
-        )
         # Zeros, not empty: attention multiplies masked-out slots by zero weights, and
         # uninitialized memory may hold NaN, which would survive that product.
-        return [self._zeros(shape) for _ in range(model_config.num_hidden_layers)]
+        return [self._zeros(layout.block_shape(num_blocks))
+                for _ in range(model_config.num_hidden_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self._device.type != "cpu":
@@ -342,28 +294,11 @@ class ModelRunner:
         These cost ~0.2 ms of a ~4.5 ms single-stream step, on the caches the weights
         have just streamed through. None (nothing run) where it does not apply."""
         assert self._decode_greedy is not None
-        block_size = self.block_size
-        max_len = self.model_info.max_model_len
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[Sequence[int]] = []
-        seq_lens: list[int] = []
-        for r in requests:
-            if (len(r.token_ids) != 1 or not r.sample or r.sampling.logprobs is not None
-                    or not plain_greedy(r)):
-                return None
-            position = r.start_pos
-            blocks = r.block_ids
-            if position >= min(len(blocks) * block_size, max_len):
-                return None  # _prepare names the fault
-            input_ids.append(r.token_ids[0])
-            positions.append(position)
-            slots.append(cache_slot(blocks, position, block_size))
-            tables.append(blocks)
-            seq_lens.append(position + 1)
-        tokens = self._decode_greedy(self.kv_caches, input_ids, positions, slots, tables,
-                                     seq_lens)
+        rows = greedy_decode_rows(requests, self.block_size, self.model_info.max_model_len)
+        if rows is None:
+            return None
+        tokens = self._decode_greedy(self.kv_caches, rows.input_ids, rows.positions,
+                                     rows.slot_mapping, rows.block_tables, rows.seq_lens)
         if tokens is None:
             return None
         return RunnerOutput(sampled={r.request_id: t
@@ -374,16 +309,17 @@ class ModelRunner:
         if self._followers is not None:
             self._followers.forward(batch.arrays)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
-        result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, batch.prompt))
-        if not batch.sampled:
+        host = batch.host
+        result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, host.prompt))
+        if not host.sampled:
             return result
-        logits = self.logits_at(hidden, batch.sample_rows)
-        mask = self._token_mask(out.grammar_mask, batch.sampled)
-        token_tensor = self.sampler(logits, batch.sampled, mask)
+        logits = self.logits_at(hidden, host.sample_rows)
+        mask = self._token_mask(out.grammar_mask, host.sampled)
+        token_tensor = self.sampler(logits, host.sampled, mask)
         tokens = token_tensor.tolist()
-        result.logprobs.update(self._sampled_logprobs(logits, token_tensor, batch.sampled))
+        result.logprobs.update(self._sampled_logprobs(logits, token_tensor, host.sampled))
         result.sampled.update(
-            (r.request_id, t) for r, t in zip(batch.sampled, tokens, strict=True)
+            (r.request_id, t) for r, t in zip(host.sampled, tokens, strict=True)
         )
         return result
 
@@ -411,7 +347,7 @@ class ModelRunner:
         return {requests[i].request_id: lp for i, lp in zip(asking, found, strict=True)}
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, prompt: _PromptRows
+        self, hidden: torch.Tensor, prompt: PromptRows
     ) -> dict[str, list[PositionLogprobs]]:
         if not prompt.spans:
             return {}
@@ -456,74 +392,10 @@ class ModelRunner:
         return self._to_device(arrays.input_ids), self._to_device(arrays.positions), meta
 
     def _prepare(self, requests: Sequence[ScheduledRequest]) -> _Batch:
-        # One Python pass over requests for the per-request values; the per-token
-        # positions and cache slots are numpy arithmetic over the whole batch, since a
-        # large batch has thousands of tokens and a Python expression each costs more
-        # than the step's model overhead.
-        block_size = self.block_size
-        num_seqs = len(requests)
-        input_ids: list[int] = []
-        start_pos: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sampled: list[ScheduledRequest] = []
-        single_slots: list[int] = []  # the cache slot of each one-token request
-        prompt = _PromptRows()
-        # Padded with block 0: always a valid index, and masked out by seq_lens.
-        tables = np.zeros((num_seqs, max(len(r.block_ids) for r in requests)), dtype=np.int32)
-        for i, r in enumerate(requests):
-            end = r.start_pos + len(r.token_ids)
-            if end > self.model_info.max_model_len or len(r.block_ids) * block_size < end:
-                raise ValueError(
-                    f"request {r.request_id}: {end} tokens do not fit max_model_len "
-                    f"{self.model_info.max_model_len} or its {len(r.block_ids)} blocks"
-                )
-            if r.prompt_logprobs is not None:
-                prompt.add(r, first_row=len(input_ids))
-            input_ids.extend(r.token_ids)
-            start_pos.append(r.start_pos)
-            query_start_loc.append(len(input_ids))
-            seq_lens.append(end)
-            tables[i, : len(r.block_ids)] = r.block_ids
-            if len(r.token_ids) == 1:
-                single_slots.append(cache_slot(r.block_ids, r.start_pos, block_size))
-            if r.sample:
-                sample_rows.append(len(input_ids) - 1)
-                sampled.append(r)
-        if len(single_slots) == num_seqs:
-            # One token each (decode): the per-token arrays are the per-request values,
-            # and the numpy below would cost more than the rest of the preparation.
-            positions = np.array(start_pos, dtype=np.int64)
-            slot_mapping = np.array(single_slots, dtype=np.int64)
-        else:
-            query_lens = np.diff(query_start_loc)
-            seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-            # A token's position: its row, shifted by where its sequence starts in the
-            # batch and in the cache.
-            shift = np.array(start_pos, dtype=np.int64) - query_start_loc[:-1]
-            positions = np.arange(len(input_ids), dtype=np.int64) + np.repeat(shift, query_lens)
-            blocks = tables[seq_of_token, positions // block_size].astype(np.int64)
-            slot_mapping = blocks * block_size + positions % block_size
-        arrays = StepArrays(
-            input_ids=np.array(input_ids, dtype=np.int64),
-            positions=positions,
-            slot_mapping=slot_mapping,
-            block_tables=tables,
-            seq_lens=np.array(seq_lens, dtype=np.int32),
-            query_start_loc=np.array(query_start_loc, dtype=np.int32),
-        )
-        input_ids_tensor, positions_tensor, meta = self._device_inputs(
-            arrays, seq_lens, query_start_loc)
-        return _Batch(
-            input_ids=input_ids_tensor,
-            positions=positions_tensor,
-            meta=meta,
-            arrays=arrays,
-            sample_rows=sample_rows,
-            sampled=sampled,
-            prompt=prompt,
-        )
+        host = flatten_batch(requests, self.block_size, self.model_info.max_model_len)
+        input_ids, positions, meta = self._device_inputs(host.arrays, host.seq_lens,
+                                                         host.query_start_loc)
+        return _Batch(input_ids, positions, meta, host)
 
     def _to_device(self, values: np.ndarray) -> torch.Tensor:
         # numpy, not torch.tensor, on the host: it turns Python lists into arrays

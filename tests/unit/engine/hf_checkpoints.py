@@ -1,7 +1,8 @@
 """Tiny random checkpoints of every supported family, written by transformers itself.
 
 The reference model is the one that wrote the checkpoint, so a test compares our
-loader and decoder against transformers on identical weights.
+loader and decoder against transformers on identical weights (`check_mixed_batch`
+compares the logits of a mixed batch).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from transformers import (
     Qwen3Config,
     Qwen3MoeConfig,
 )
+
+from services.engine.scheduler.output import ScheduledRequest
+from services.engine.worker.model_runner import ModelRunner
+from tests.unit.engine.runner_driver import GREEDY, all_logits, random_prompts
 
 VOCAB = 256
 
@@ -83,3 +88,46 @@ def hf_logits(model: PreTrainedModel, prompt: list[int]) -> torch.Tensor:
     """float32 logits `[len(prompt), vocab]`."""
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0].float()
+
+
+PROMPT_LENGTHS = {"a": 5, "b": 13, "c": 1, "d": 22}
+
+
+def check_mixed_batch(
+    hf: PreTrainedModel,
+    runner: ModelRunner,
+    atol: float,
+    rtol: float,
+    lengths: dict[str, int] = PROMPT_LENGTHS,
+) -> None:
+    """Step 1: whole prompts a, b, c and the first 9 tokens of d. Step 2: the rest of d
+    (after its cached prefix) alongside one decode of a."""
+    ps = random_prompts(lengths, VOCAB)
+    per_request = runner.model_info.max_model_len // runner.block_size
+    split = 9
+    step1 = [
+        ScheduledRequest(rid, p[:split] if rid == "d" else p, 0,
+                         list(range(i * per_request, (i + 1) * per_request)),
+                         True, GREEDY, p, [])
+        for i, (rid, p) in enumerate(ps.items())
+    ]
+    got1 = all_logits(runner, step1)
+    extra = 77
+    a, d = step1[0], step1[3]
+    step2 = [
+        ScheduledRequest("a", [extra], len(ps["a"]), a.block_ids, True, GREEDY, ps["a"], []),
+        ScheduledRequest("d", ps["d"][split:], split, d.block_ids, True, GREEDY, ps["d"], []),
+    ]
+    got2 = all_logits(runner, step2)
+
+    want = {rid: hf_logits(hf, p) for rid, p in ps.items()}
+    want_a_next = hf_logits(hf, ps["a"] + [extra])[-1]
+    offsets = [0]
+    for r in step1:
+        offsets.append(offsets[-1] + len(r.token_ids))
+    for i, (rid, p) in enumerate(ps.items()):
+        n = split if rid == "d" else len(p)
+        torch.testing.assert_close(got1[offsets[i]:offsets[i + 1]], want[rid][:n],
+                                   atol=atol, rtol=rtol, msg=rid)
+    torch.testing.assert_close(got2[0], want_a_next, atol=atol, rtol=rtol)
+    torch.testing.assert_close(got2[1:], want["d"][split:], atol=atol, rtol=rtol)

@@ -12,12 +12,12 @@ from services.common.metrics import new_registry
 from services.common.observability_config import ObservabilityConfig
 from services.common.sampling import SamplingParams
 from services.common.tracing import Tracing
+from services.engine.messages import EngineState
 from services.engine.metrics import EngineMetrics
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.output import RunnerOutput
 from services.engine.scheduler.scheduler import Scheduler
-from services.engine.session_router import EngineState
 
 LABELS = {"model_name": "tiny", "engine": "3"}
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

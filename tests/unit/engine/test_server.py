@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import queue
 import threading
 
 import grpc
@@ -16,11 +15,12 @@ from prometheus_client import generate_latest
 
 from services.common.metrics import new_registry
 from services.engine.config import EngineConfig
-from services.engine.engine_core import EngineCore
+from services.engine.core.engine_core import EngineCore
 from services.engine.metrics import EngineMetrics
 from services.engine.server import SERVICE_NAME, EngineServer
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
+from tests.unit.engine.fakes import SessionClient
 
 
 @pytest.fixture(scope="module")
@@ -28,49 +28,6 @@ def runner() -> ModelRunner:
     r = ModelRunner(RunnerConfig(kv_cache_memory=8 << 20))
     r.warmup()
     return r
-
-
-class SessionClient:
-    """A Session whose requests are fed from a queue, so the test controls the timing."""
-
-    def __init__(self, channel: grpc.Channel, kv_cache_events: bool = False) -> None:
-        self._requests: queue.Queue[pb.SessionRequest | None] = queue.Queue()
-        stub = engine_core_service_pb2_grpc.EngineCoreServiceStub(channel)
-        self.send(pb.SessionRequest(hello=pb.Hello(frontend_id="test", protocol_version=1,
-                                                   kv_cache_events=kv_cache_events)))
-        self.responses = stub.Session(iter(self._requests.get, None))
-        # The engine opens every Session with its state alone.
-        hello = next(self.responses)
-        assert not hello.outputs and hello.engine_state == common_pb2.ENGINE_STATE_RUNNING
-
-    def send(self, msg: pb.SessionRequest) -> None:
-        self._requests.put(msg)
-
-    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
-        sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        self.send(pb.SessionRequest(add=pb.AddRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling, eos_token_ids=[2])))
-
-    def close(self) -> None:
-        self._requests.put(None)
-
-    def describe_stall(self) -> str:
-        return ""
-
-    def collect(self, ids: set[str]) -> tuple[dict[str, list[pb.RequestOutput]],
-                                              list[pb.SessionResponse]]:
-        outputs: dict[str, list[pb.RequestOutput]] = {}
-        messages = []
-        pending = set(ids)
-        for msg in self.responses:
-            messages.append(msg)
-            for o in msg.outputs:
-                outputs.setdefault(o.request_id, []).append(o)
-                if o.finish_reason:
-                    pending.discard(o.request_id)
-            if not pending:
-                break
-        return outputs, messages
 
 
 def tokens(outputs: list[pb.RequestOutput]) -> list[int]:

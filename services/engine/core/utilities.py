@@ -1,0 +1,146 @@
+"""Utilities: the engine's utility calls (reset_prefix_cache, get_stats, pause,
+resume, profile).
+
+They travel on the input queue like adds, so they run on the loop thread between
+steps, in order with the requests around them; each reply goes back to the calling
+Session. A failing or unknown call is answered with its error and changes nothing
+else. Pausing stops scheduling, not the engine: it stays RUNNING and healthy, and
+new requests queue up until `resume` (modes: abort = abort everything first; wait
+= admit nothing new but let running requests finish; keep = freeze all requests).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.engine.config import EngineConfig
+from services.engine.core.emitter import OutputEmitter
+from services.engine.executor.protocol import Executor
+from services.engine.messages import EngineState, UtilityCall, utility_reply
+from services.engine.request import FinishReason
+from services.engine.scheduler.scheduler import Scheduler
+from services.engine.waves.state import WaveState
+
+if TYPE_CHECKING:
+    from services.engine.core.lifecycle import FinishAll, Lifecycle
+
+logger = logging.getLogger(__name__)
+
+
+class PauseMode(enum.Enum):
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+
+
+class Utilities:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor,
+                 lifecycle: Lifecycle, outputs: OutputEmitter, finish_all: FinishAll,
+                 wave: Callable[[], WaveState | None]) -> None:
+        self._config = config
+        self._scheduler = scheduler
+        self._executor = executor
+        self._lifecycle = lifecycle
+        self._outputs = outputs
+        self._finish_all = finish_all
+        self._wave = wave
+        self.pause_mode: PauseMode | None = None
+        self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            "reset_prefix_cache": self._reset_prefix_cache,
+            "get_stats": self._get_stats,
+            "pause": self._pause,
+            "resume": self.resume,
+            "profile": self._profile,
+        }
+
+    def run(self, call: UtilityCall) -> None:
+        handler = self._handlers.get(call.method)
+        name = self._lifecycle.name
+        if handler is None:
+            known = ", ".join(sorted(self._handlers))
+            reply = utility_reply(
+                call, failure=f"unknown utility method {call.method!r} (known: {known})")
+        else:
+            try:
+                reply = utility_reply(call, result=handler(call.args))
+            except Exception as exc:
+                # A failing utility is the caller's error, never the engine's death.
+                logger.warning("%s: utility %r failed: %s", name, call.method, exc)
+                reply = utility_reply(
+                    call, failure=f"utility {call.method!r} failed on {name}: {exc}")
+        self._outputs.reply(reply)
+
+    def resume(self, args: dict[str, Any] | None = None) -> dict[str, Any]:
+        was = self.pause_mode
+        self.pause_mode = None
+        self._scheduler.admitting = True
+        return {"was_paused": was.value if was else None}
+
+    def _reset_prefix_cache(self, args: dict[str, Any]) -> dict[str, Any]:
+        # As in vLLM: blocks held by running requests may be shared through their
+        # hashes, so the cache is only reset when no request holds any.
+        if self._scheduler.running:
+            raise ValueError(
+                f"{len(self._scheduler.running)} requests are running and hold KV blocks; "
+                "pause (mode abort or wait) until none run, then reset")
+        return {"num_blocks_dropped": self._scheduler.kv_cache.reset_prefix_cache()}
+
+    def _get_stats(self, args: dict[str, Any]) -> dict[str, Any]:
+        kv = self._scheduler.kv_cache
+        stats = self._scheduler.stats()
+        wave = self._wave()
+        return {
+            "engine_index": self._config.engine_index,
+            "state": self._lifecycle.state.name,
+            "paused": self.pause_mode.value if self.pause_mode else None,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "num_blocks": kv.num_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_cached_blocks": kv.pool.num_cached_blocks,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "num_prefix_waits": stats.num_prefix_waits,
+            "step_counter": stats.step_counter,
+            **({"wave": wave.wave, "wave_running": wave.running,
+                "dummy_steps": wave.num_dummy_steps} if wave is not None else {}),
+        }
+
+    def _pause(self, args: dict[str, Any]) -> dict[str, Any]:
+        if self._lifecycle.state is not EngineState.RUNNING:
+            raise ValueError(self._lifecycle.not_running_message())
+        raw = args.get("mode", PauseMode.WAIT.value)
+        try:
+            mode = PauseMode(raw)
+        except ValueError:
+            choices = ", ".join(m.value for m in PauseMode)
+            raise ValueError(f"unknown pause mode {raw!r} (choose {choices})") from None
+        num_aborted = 0
+        if mode is PauseMode.ABORT:
+            aborted = self._finish_all(FinishReason.ABORT, 0, "")
+            num_aborted = len(aborted)
+            self._outputs.emit(aborted)
+        self.pause_mode = mode
+        self._scheduler.admitting = False
+        return {"mode": mode.value, "num_aborted": num_aborted,
+                "num_running": len(self._scheduler.running),
+                "num_waiting": len(self._scheduler.waiting)}
+
+    def _profile(self, args: dict[str, Any]) -> dict[str, Any]:
+        action = args.get("action")
+        if action not in ("start", "stop"):
+            raise ValueError(f"profile action must be 'start' or 'stop', got {action!r}")
+        # Profiling is optional (test doubles, wrappers): ask, do not assume.
+        if not hasattr(self._executor, "start_profile"):
+            raise ValueError(f"the model runner {type(self._executor).__name__} cannot profile")
+        if action == "stop":
+            return self._executor.stop_profile()
+        folder = Path(self._config.profile_dir or Path(tempfile.gettempdir()) /
+                      "corestream-profiles")
+        return self._executor.start_profile(folder, f"engine{self._config.engine_index}")

@@ -1,0 +1,52 @@
+"""The runner's flattened batch: positions and cache slots of every token, whether the
+step is decode-only (one token per request, its own fast path) or mixed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.engine.scheduler.output import ScheduledRequest
+from tests.unit.engine.fixed_logits_checkpoint import VOCAB, write_checkpoint
+from tests.unit.engine.runner_driver import GREEDY, make_runner
+
+BLOCK = 4  # runner_driver's block size
+
+
+def scheduled(rid: str, tokens: list[int], start: int, blocks: list[int]) -> ScheduledRequest:
+    return ScheduledRequest(rid, tokens, start, blocks, True, GREEDY, [1] * start, [])
+
+
+def expected(requests: list[ScheduledRequest]) -> tuple[list[int], list[int]]:
+    """Every token's position and slot, one token at a time."""
+    positions, slots = [], []
+    for r in requests:
+        for offset in range(len(r.token_ids)):
+            pos = r.start_pos + offset
+            positions.append(pos)
+            slots.append(r.block_ids[pos // BLOCK] * BLOCK + pos % BLOCK)
+    return positions, slots
+
+
+@pytest.mark.parametrize("chunks", [
+    # decode only, at and across block boundaries, with scattered block ids
+    [([5], 0, [7]), ([6], 3, [2]), ([7], 4, [9, 3]), ([8], 11, [4, 8, 1])],
+    # a prefill chunk, a decode, a chunk that continues a prompt
+    [([5, 6, 7, 8, 9], 0, [3, 6]), ([6], 7, [1, 5]), ([3, 4, 5], 6, [0, 2, 8])],
+    # one request, one token
+    [([9], 2, [5])],
+])
+def test_positions_and_slots(tmp_path: Path,
+                             chunks: list[tuple[list[int], int, list[int]]]) -> None:
+    runner = make_runner(write_checkpoint(tmp_path / "fixed", np.zeros(VOCAB)))
+    requests = [scheduled(f"r{i}", tokens, start, blocks)
+                for i, (tokens, start, blocks) in enumerate(chunks)]
+    arrays = runner._prepare(requests).arrays
+    positions, slots = expected(requests)
+    assert arrays.positions.tolist() == positions
+    assert arrays.slot_mapping.tolist() == slots
+    assert arrays.positions.dtype == arrays.slot_mapping.dtype == np.int64
+    assert arrays.input_ids.tolist() == [t for r in requests for t in r.token_ids]
+    assert arrays.seq_lens.tolist() == [r.start_pos + len(r.token_ids) for r in requests]
