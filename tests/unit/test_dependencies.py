@@ -189,3 +189,18 @@ def test_cycle_check_finds_a_circle(tmp_path: Path) -> None:
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.d"] == {"pkg.a"}
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+def test_no_test_module_imports_another() -> None:
+    # Shared fakes and helpers live in modules of their own (fakes.py, conftest.py), so
+    # that moving or deleting one test file never breaks another.
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for module in imported_modules(path):
+            if module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_"):
+                bad.append(f"{path.relative_to(ROOT)} imports {module}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level and (node.module or "").startswith(
+                    "test_"):
+                bad.append(f"{path.relative_to(ROOT)} imports .{node.module}")
+    assert bad == []
