@@ -62,6 +62,7 @@ from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
+from services.engine.models.registry import supported, unsupported_message
 from services.engine.waves.config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig, format_cpu_list
 from services.engine.worker.cpu_threads import threads_set_by_environment, usable_cpus
@@ -297,8 +298,7 @@ def busy_ports(serve: ServeConfig, children: list[Child]) -> str | None:
 
 
 def check_checkpoint(model: str) -> None:
-    """Refuse a checkpoint whose config.json names no architecture, before any engine
-    starts (serve is torch-free: an engine names an unsupported one, and exits 2)."""
+    """Refuse a checkpoint that no engine could load, before any engine starts."""
     try:
         config = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -307,6 +307,8 @@ def check_checkpoint(model: str) -> None:
         raise ValueError(
             f"model {model!r}: config.json names no `architectures` (e.g. "
             '["LlamaForCausalLM"]), so no model class can be chosen for it')
+    if supported(list(config["architectures"])) is None:
+        raise ValueError(f"model {model!r}: {unsupported_message(list(config['architectures']))}")
 
 
 def remove_dead_serves_state(temp_dir: Path) -> None:

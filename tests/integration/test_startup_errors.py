@@ -74,19 +74,34 @@ def test_a_path_that_is_no_checkpoint(tmp_path: Path) -> None:
     assert "names no `architectures`" in line
 
 
-def test_an_unknown_architecture_stops_serve_without_restarts(tmp_path: Path) -> None:
-    # Found by the engine (serve is torch-free): it exits 2 with its reason, and serve
-    # stops the cluster at once instead of restarting it.
+def test_an_unknown_architecture_is_refused_before_any_engine_starts(tmp_path: Path) -> None:
     checkpoint = tmp_path / "gpt2"
     shutil.copytree(resolve_model(None), checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())
     (checkpoint / "config.json").write_text(
         json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     done = serve(["--model", str(checkpoint), "--port", str(free_port())])
+    line = one_line_error(done)
+    assert "no supported architecture among ['GPT2LMHeadModel']" in line
+    assert "LlamaForCausalLM" in line  # what is supported
+    assert "starting" not in done.stdout + done.stderr
+
+
+def test_an_engine_that_refuses_the_checkpoint_stops_serve_without_restarts(
+    tmp_path: Path,
+) -> None:
+    # Found by the engine alone, as it builds the model (serve is torch-free): it exits 2
+    # with its reason, and serve stops the cluster at once instead of restarting it.
+    checkpoint = tmp_path / "odd-rope"
+    shutil.copytree(resolve_model(None), checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(
+        json.dumps({**config, "rope_scaling": {"rope_type": "weird", "factor": 2.0}}))
+    done = serve(["--model", str(checkpoint), "--port", str(free_port())])
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
     assert "Traceback" not in output, output
-    assert "no supported architecture among ['GPT2LMHeadModel']" in output
+    assert "rope_type 'weird' is not supported" in output
     assert "engine-0 cannot start with these flags or this checkpoint" in output
     assert output.count("starting engine-0") == 1, output
     assert "restart" not in output.replace("no restart would cure", ""), output

@@ -61,6 +61,7 @@ def violations(
         ("kernels", ("kernels",), ("transformers",)),
         ("services/serve", ("services.common", "services.serve", "services.engine.config",
                             "services.engine.waves.config", "services.engine.worker.config",
+                            "services.engine.models.registry",
                             "services.engine.worker.cpu_threads", "services.coordinator.config",
                             "services.frontend.config", "corestream"),
          ("torch", "transformers", "triton")),

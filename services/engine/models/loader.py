@@ -2,8 +2,8 @@
 
 The model is constructed on the meta device and its parameters are replaced by the
 checkpoint tensors (`assign=True`), so weights are never allocated twice. The
-architecture named in config.json picks the class through `MODEL_REGISTRY`, which
-names modules rather than importing them, so a new family is one line plus a module.
+architecture named in config.json picks the class through `registry.MODEL_REGISTRY`,
+which names modules rather than importing them, so a new family is one line plus a module.
 The class also reads the config (`config_from_hf`), since families spell the same
 switches differently, and names the projections it runs fused (`packed_projections`):
 their checkpoint tensors are concatenated as they are read, each part freed once packed.
@@ -33,6 +33,7 @@ from kernels import cpu_isa
 from kernels.cpu_linear import why_no_onednn
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import lay_out_for_cpu
+from services.engine.models.registry import MODEL_REGISTRY, supported, unsupported_message
 from services.engine.models.tp_sharding import ShardPlan
 
 if TYPE_CHECKING:
@@ -40,19 +41,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Architecture in config.json -> "module:class".
-MODEL_REGISTRY: dict[str, str] = {
-    "LlamaForCausalLM": "services.engine.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "services.engine.models.mistral:MistralForCausalLM",
-    "Qwen2ForCausalLM": "services.engine.models.qwen2:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "services.engine.models.qwen3:Qwen3ForCausalLM",
-    "MixtralForCausalLM": "services.engine.models.mixtral:MixtralForCausalLM",
-    "Qwen2MoeForCausalLM": "services.engine.models.qwen2_moe:Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM": "services.engine.models.qwen3_moe:Qwen3MoeForCausalLM",
-    "CorestreamFixedLogitsForCausalLM": (
-        "services.engine.models.fixed_logits:CorestreamFixedLogitsForCausalLM"
-    ),
-}
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -69,13 +57,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
-    for arch in architectures:
-        if arch in MODEL_REGISTRY:
-            module_name, class_name = MODEL_REGISTRY[arch].split(":")
-            return getattr(importlib.import_module(module_name), class_name)
-    raise ValueError(
-        f"no supported architecture among {architectures}; supported: {sorted(MODEL_REGISTRY)}"
-    )
+    arch = supported(architectures)
+    if arch is None:
+        raise ValueError(unsupported_message(architectures))
+    module_name, class_name = MODEL_REGISTRY[arch].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 def load_model(

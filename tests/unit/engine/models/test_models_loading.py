@@ -15,7 +15,8 @@ from kernels import cpu_linear
 from kernels.cpu_extension import load as load_cpu_kernels
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import Linear
-from services.engine.models.loader import MODEL_REGISTRY, model_class
+from services.engine.models.loader import model_class
+from services.engine.models.registry import MODEL_REGISTRY
 from services.engine.models.rotary_embedding import inverse_frequencies
 from tests.unit.engine.hf_checkpoints import make_checkpoint
 from tests.unit.engine.runner_driver import make_runner
