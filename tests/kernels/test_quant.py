@@ -273,7 +273,7 @@ def test_smollm2_projections(cpu_ops: Any, smollm2_weights: dict[str, QuantizedW
     kinds = {weight.ggml_type for weight in smollm2_weights.values()}
     assert kinds == {GGMLType.Q4_1, GGMLType.Q8_0}
     generator = torch.Generator().manual_seed(2)
-    for name, weight in smollm2_weights.items():
+    for weight in smollm2_weights.values():
         w = dequantize(weight).double()
         for rows in (1, 4, 33):
             x = torch.randn(rows, weight.in_features, generator=generator)
