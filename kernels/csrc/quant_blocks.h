@@ -231,7 +231,7 @@ inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_
 // An activation block of 32 values for Q4_0, Q4_1 and Q8_0 weights: x ~= d q.
 struct Q8Block {
   float d;
-  int32_t sum;  // of q
+  float d_sum;  // d sum(q): the block's x summed, for the weights' offsets
   int8_t q[32];
 };
 
@@ -261,7 +261,7 @@ inline void quantize_row(const float* x, int64_t k, Q8Block* out) {
     block.d = quantize_values(x + 32 * b, 32, block.q);
     int32_t sum = 0;
     for (int l = 0; l < 32; ++l) sum += block.q[l];
-    block.sum = sum;
+    block.d_sum = block.d * static_cast<float>(sum);
   }
 }
 

@@ -75,12 +75,9 @@ void gemv(const QuantMatrix& w, const at::Tensor& x, at::Tensor& out) {
   at::Tensor sums = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(),
                                                                       out.options().dtype(at::kFloat));
   float* sums_data = sums.mutable_data_ptr<float>();
-  const int64_t step = rows_per_item(w.rows);
-  corestream_cpu::run_items((w.rows + step - 1) / step, [&](int64_t i) {
-    const int64_t begin = i * step;
-    corestream_cpu::quant::quant_gemv_rows(w, activations, begin,
-                                           std::min(w.rows, begin + step), sums_data, w.rows);
-  });
+  const auto [num_items, item] = corestream_cpu::quant::quant_gemv_items(
+      w, activations, sums_data, w.rows, rows_per_item(w.rows));
+  corestream_cpu::run_items(num_items, item);
   if (!sums.is_same(out)) out.copy_(sums);
 }
 

@@ -27,9 +27,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "quant_blocks.h"
+#include "work_items.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define CORESTREAM_QUANT_AVX2 1
@@ -132,7 +134,7 @@ struct DotQ4 {
       for (int l = 0; l < 16; ++l) sums += (qs[l] & 15) * a.q[l] + (qs[l] >> 4) * a.q[l + 16];
 #endif
       add_scaled(acc[r], d * a.d, sums);
-      offset[r] += (kMin ? m : -8.0f * d) * a.d * static_cast<float>(a.sum);
+      offset[r] += (kMin ? m : -8.0f * d) * a.d_sum;
     }
   }
 };
@@ -438,6 +440,21 @@ inline void quant_gemv_rows(const QuantMatrix& w, const QuantActivations& x, int
       detail::float_gemv_rows(w, x, n_begin, n_end, out, out_stride);
       break;
   }
+}
+
+// The GEMV of w by x (quantized for it) into out [x.rows(), w.rows] (row stride
+// out_stride) as work items for run_items or a StagePlan stage: (number of items, item i
+// computing outputs [i rows_per_item, (i + 1) rows_per_item)). w, x and out must outlive
+// the items.
+inline std::pair<int64_t, Item> quant_gemv_items(const QuantMatrix& w, const QuantActivations& x,
+                                                 float* out, int64_t out_stride,
+                                                 int64_t rows_per_item) {
+  const int64_t count = (w.rows + rows_per_item - 1) / rows_per_item;
+  return {count, [&w, &x, out, out_stride, rows_per_item](int64_t i) {
+            const int64_t begin = i * rows_per_item;
+            quant_gemv_rows(w, x, begin, std::min(w.rows, begin + rows_per_item), out,
+                            out_stride);
+          }};
 }
 
 }  // namespace corestream_cpu::quant
