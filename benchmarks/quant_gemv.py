@@ -12,6 +12,10 @@ the weight, enough copies to overflow the caches, as a model's layers do in a de
 The K-quants take rows of multiples of 256 values: SmolLM2's 576-wide inputs are n/a
 (llama.cpp's Q4_K_M files store those tensors in other types).
 
+`--prefill 64,512` adds many-row calls (dequantized tiles, csrc/quant_cpu.cpp) against
+dequantizing the whole weight per call (the C++ dequantization, then F.linear) and against
+float32 `linear`.
+
 `--llama` adds llama.cpp's own GEMV (ggml_mul_mat through libggml, the AVX2 build in
 benchmarks/.cache/llama.cpp-build-avx2 if present) on the same blocks.
 """
@@ -24,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,6 +128,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=50, help="calls timed per case")
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--no-float", action="store_true", help="skip float32/bf16 linear")
+    parser.add_argument("--prefill", default="", help="row counts of many-row calls")
     parser.add_argument("--llama", action="store_true", help="add llama.cpp's GEMV")
     parser.add_argument("--llama-build", type=Path, default=None,
                         help="llama.cpp's build folder (default: benchmarks/.cache/"
@@ -179,6 +185,29 @@ def main() -> None:
                     line += f" {theirs * 1e3:9.3f} {theirs / seconds:7.2f}"
                 print(line, flush=True)
             del weights
+    if args.prefill:
+        prefill([int(r) for r in args.prefill.split(",")], args.types.split(","), ops)
+
+
+def prefill(rows_list: list[int], types: list[str], ops: Any) -> None:
+    """Many rows: tiles against the whole weight dequantized per call, and float32."""
+    print(f"\n{'type':5} {'shape':22} {'rows':>4} {'tiles ms':>9} {'deq+mm ms':>9} "
+          f"{'f32 ms':>8} {'x deq+mm':>8} {'x f32':>6}")
+    for type_name in types:
+        kind = GGMLType[type_name]
+        for shape_name, out_features, in_features in SHAPES:
+            if in_features % BLOCK_FORMATS[kind][0] or out_features > 8192:
+                continue
+            weight = random_weight(kind, out_features, in_features)
+            for rows in rows_list:
+                x = torch.randn(rows, in_features)
+                tiles = median_seconds(lambda w=weight, x=x: quant_linear(x, w), 5)
+                whole = median_seconds(lambda w=weight, x=x: torch.nn.functional.linear(
+                    x, ops.quant_dequantize(w.blocks, int(w.ggml_type), *w.shape)), 5)
+                f32 = float_linear_seconds(torch.float32, out_features, in_features, rows, 5)
+                print(f"{type_name:5} {shape_name:22} {rows:4} {tiles * 1e3:9.2f} "
+                      f"{whole * 1e3:9.2f} {f32 * 1e3:8.2f} {whole / tiles:8.2f} "
+                      f"{f32 / tiles:6.2f}", flush=True)
 
 
 if __name__ == "__main__":
