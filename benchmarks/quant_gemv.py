@@ -12,9 +12,9 @@ the weight, enough copies to overflow the caches, as a model's layers do in a de
 The K-quants take rows of multiples of 256 values: SmolLM2's 576-wide inputs are n/a
 (llama.cpp's Q4_K_M files store those tensors in other types).
 
-`--prefill 64,512` adds many-row calls (dequantized tiles, csrc/quant_cpu.cpp) against
-dequantizing the whole weight per call (the C++ dequantization, then F.linear) and against
-float32 `linear`.
+`--prefill 64,512` adds many-row calls (csrc/quant_cpu.cpp) against dequantizing the
+weight per call in Python (the C++ dequantization, then F.linear) and against float32
+`linear`.
 
 `--llama` adds llama.cpp's own GEMV (ggml_mul_mat through libggml, the AVX2 build in
 benchmarks/.cache/llama.cpp-build-avx2 if present) on the same blocks.
@@ -190,8 +190,8 @@ def main() -> None:
 
 
 def prefill(rows_list: list[int], types: list[str], ops: Any) -> None:
-    """Many rows: tiles against the whole weight dequantized per call, and float32."""
-    print(f"\n{'type':5} {'shape':22} {'rows':>4} {'tiles ms':>9} {'deq+mm ms':>9} "
+    """Many rows: the op against the weight dequantized per call in Python, and float32."""
+    print(f"\n{'type':5} {'shape':22} {'rows':>4} {'op ms':>9} {'deq+mm ms':>9} "
           f"{'f32 ms':>8} {'x deq+mm':>8} {'x f32':>6}")
     for type_name in types:
         kind = GGMLType[type_name]

@@ -8,8 +8,8 @@ multiplies activations by it without ever making a float copy of the whole weigh
 - a few rows (decode): the C++ op quantizes the activation rows to 8-bit blocks once per
   call and takes integer dot products with each weight row's blocks, as llama.cpp does
   (csrc/quant_dot.h): a pass over the packed weight at memory bandwidth;
-- many rows (prefill): it dequantizes a tile of weight rows at a time into a buffer the
-  caches hold, and multiplies by it (csrc/quant_cpu.cpp).
+- many rows (prefill): it dequantizes the weight for that call only (one layer's, freed
+  at its end) and multiplies by it (csrc/quant_cpu.cpp).
 
 Where the extension is not built (no compiler, CORESTREAM_KERNELS=torch) it runs the
 torch reference instead: `dequantize`, then `F.linear`, one weight at a time.

@@ -5,10 +5,9 @@
 //   and the output rows are split into items of a few weight rows that threads take one
 //   at a time (work_items.h), each a pass over those rows' blocks with integer dot
 //   products (quant_dot.h). The weight streams from memory once per call.
-// - More rows (prefill): the weight is dequantized a tile of output rows at a time into a
-//   float32 buffer that stays in the caches (about kTileBytes), which at::mm multiplies x
-//   by; only the tile and the output exist in float32, never the whole weight. x is not
-//   quantized on this path, so it is exact to float32 rounding.
+// - More rows (prefill): the weight is dequantized to float32 for the call (a layer's
+//   weight, freed at its end: never the whole model's) and at::mm multiplies x by it. x is
+//   not quantized on this path, so it is exact to float32 rounding.
 //
 // x float32 or bfloat16 [..., K]; the output has x's dtype, rounded once from float32.
 
@@ -35,11 +34,12 @@ using corestream_cpu::quant::GgmlType;
 using corestream_cpu::quant::QuantActivations;
 using corestream_cpu::quant::QuantMatrix;
 
-// The most rows of x that go to the GEMV; beyond, a tile of dequantized weight is
-// multiplied by every row at once (benchmarks/quant_gemv.py measures the crossover).
-constexpr int64_t kMaxGemvRows = 16;
-// A dequantized tile's size: within L2 beside x's and the output's rows.
-constexpr int64_t kTileBytes = int64_t{1} << 20;
+// The most rows of x that go to the GEMV; beyond, the dequantized weight is multiplied by
+// every row at once. The GEMV's cost grows with the rows (about 0.25 ms per row for a 4096 x
+// 4096 Q4 weight on 2 Zen 4 cores), the other's is dequantization plus at::mm's GEMM; the
+// crossover was not measurable on the busy machine this was written on
+// (benchmarks/quant_gemv.py --prefill measures it).
+constexpr int64_t kMaxGemvRows = 32;
 
 QuantMatrix checked_matrix(const at::Tensor& blocks, int64_t ggml_type, int64_t out_features,
                            int64_t in_features) {
@@ -81,29 +81,22 @@ void gemv(const QuantMatrix& w, const at::Tensor& x, at::Tensor& out) {
   if (!sums.is_same(out)) out.copy_(sums);
 }
 
-// x [M, K] float32 times tiles of w dequantized, into out [M, N] float32.
-void tiled_mm(const QuantMatrix& w, const at::Tensor& x, at::Tensor& out) {
-  const int64_t tile_rows =
-      std::clamp<int64_t>(kTileBytes / (4 * w.cols) / 16 * 16, 16, std::max<int64_t>(16, w.rows));
-  at::Tensor tile = at::empty({tile_rows, w.cols}, x.options());
-  at::Tensor tile_out = at::empty({x.size(0), tile_rows}, x.options());
-  for (int64_t n0 = 0; n0 < w.rows; n0 += tile_rows) {
-    const int64_t rows = std::min(tile_rows, w.rows - n0);
-    float* tile_data = tile.mutable_data_ptr<float>();
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        corestream_cpu::quant::dequantize_row(w.type, w.blocks + (n0 + n) * w.row_bytes,
-                                              tile_data + n * w.cols, w.cols);
-      }
-    });
-    at::Tensor part = tile_out.narrow(1, 0, rows);
-    if (rows == tile_rows) {
-      at::mm_out(tile_out, x, tile.t());
-    } else {
-      part.copy_(at::mm(x, tile.narrow(0, 0, rows).t()));
+// x [M, K] float32 times w dequantized, into out [M, N] float32. The float32 copy lives
+// for this call only (one layer's weight, never the model's).
+// NOTE: tiles of a few hundred rows (dequantized, then at::mm per tile, either with
+// at::mm's threads between parallel dequantizations or single-threaded inside one region)
+// ran 5-50x slower than this on 2 busy cores: many small GEMMs alternating with parallel
+// regions. A tiled path needs a GEMM micro-kernel of our own (see the report of #37).
+void dequantized_mm(const QuantMatrix& w, const at::Tensor& x, at::Tensor& out) {
+  at::Tensor weight = at::empty({w.rows, w.cols}, x.options());
+  float* data = weight.mutable_data_ptr<float>();
+  at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      corestream_cpu::quant::dequantize_row(w.type, w.blocks + n * w.row_bytes,
+                                            data + n * w.cols, w.cols);
     }
-    out.narrow(1, n0, rows).copy_(part);
-  }
+  });
+  at::mm_out(out, x, weight.t());
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type,
@@ -125,10 +118,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t g
       gemv<c10::BFloat16>(w, rows, out);
     }
   } else if (x.scalar_type() == at::kFloat) {
-    tiled_mm(w, rows, out);
+    dequantized_mm(w, rows, out);
   } else {
     at::Tensor wide = at::empty(out.sizes(), out.options().dtype(at::kFloat));
-    tiled_mm(w, rows.to(at::kFloat), wide);
+    dequantized_mm(w, rows.to(at::kFloat), wide);
     out.copy_(wide);
   }
   return out.view(shape);
