@@ -1,0 +1,280 @@
+// GGUF's weight blocks (kernels/quant.py describes them for Python) and the 8-bit blocks
+// the activations are quantized to for the integer dot products (quant_dot.h).
+//
+// Weight blocks, by byte offset (values per block / bytes per block):
+//   Q8_0 (32/34):   d f16 | 32 int8 q                               x = d q
+//   Q4_0 (32/18):   d f16 | 16 bytes: value j < 16 the low nibble of byte j, value
+//                   j >= 16 the high nibble of byte j - 16         x = d (q - 8)
+//   Q4_1 (32/20):   d f16 | m f16 | nibbles as Q4_0                x = d q + m
+//   Q4_K (256/144): d f16 | dmin f16 | 12 bytes of 8 six-bit scales and mins | 128 bytes:
+//                   per 64 values 32 bytes, low nibbles the first 32, high the next;
+//                   sub-block s of 32 values: x = d sc[s] q - dmin m[s]
+//   Q5_K (256/176): as Q4_K with 32 bytes qh before the nibbles: value 32 s + l has
+//                   its fifth bit in bit s of qh[l]
+//   Q6_K (256/210): ql 128 | qh 64 | 16 int8 scales | d f16; per 128 values (half h),
+//                   value 32 t + l has low bits from ql[64 h + 32 (t & 1) + l] (nibble
+//                   t / 2) and high bits (qh[32 h + l] >> 2 t) & 3; x = d sc[i / 16] (q - 32)
+//   F32, F16, BF16: one value per element.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace corestream_cpu::quant {
+
+// GGML's type numbers, as GGUF files store them.
+enum class GgmlType : int {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+};
+
+constexpr int64_t kQK = 256;  // values per K-quant block
+
+struct Format {
+  int64_t values;  // per block
+  int64_t bytes;   // per block
+};
+
+// The block format of `type`; {0, 0} for a type not served here.
+inline Format format_of(GgmlType type) {
+  switch (type) {
+    case GgmlType::F32: return {1, 4};
+    case GgmlType::F16: return {1, 2};
+    case GgmlType::BF16: return {1, 2};
+    case GgmlType::Q8_0: return {32, 34};
+    case GgmlType::Q4_0: return {32, 18};
+    case GgmlType::Q4_1: return {32, 20};
+    case GgmlType::Q4_K: return {kQK, 144};
+    case GgmlType::Q5_K: return {kQK, 176};
+    case GgmlType::Q6_K: return {kQK, 210};
+  }
+  return {0, 0};
+}
+
+inline bool is_k_quant(GgmlType type) {
+  return type == GgmlType::Q4_K || type == GgmlType::Q5_K || type == GgmlType::Q6_K;
+}
+
+inline bool is_float(GgmlType type) {
+  return type == GgmlType::F32 || type == GgmlType::F16 || type == GgmlType::BF16;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+#if defined(__F16C__) || defined(__AVX2__)
+  return _cvtsh_ss(bits);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+#endif
+}
+
+inline float bf16_at(const uint8_t* p) {
+  uint16_t half;
+  std::memcpy(&half, p, sizeof(half));
+  const uint32_t bits = uint32_t{half} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Q4_K's and Q5_K's twelve scale bytes as eight six-bit scales and eight mins.
+inline void k_scales(const uint8_t* b, uint8_t (&sc)[8], uint8_t (&mins)[8]) {
+  for (int s = 0; s < 4; ++s) {
+    sc[s] = b[s] & 63;
+    mins[s] = b[s + 4] & 63;
+    sc[s + 4] = (b[s + 8] & 0x0F) | ((b[s] >> 6) << 4);
+    mins[s + 4] = (b[s + 8] >> 4) | ((b[s + 4] >> 6) << 4);
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// y[i] = scale q[i] + offset for 16 bytes q (unsigned, or signed if kSigned).
+template <bool kSigned>
+inline void affine16(__m128i q, float scale, float offset, float* y) {
+  const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+  const __m128i high = _mm_srli_si128(q, 8);
+  const __m256i lo32 = kSigned ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q);
+  const __m256i hi32 = kSigned ? _mm256_cvtepi8_epi32(high) : _mm256_cvtepu8_epi32(high);
+  _mm256_storeu_ps(y, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(lo32), o));
+  _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(hi32), o));
+}
+#endif
+
+// y[i] = scale q[i] + offset for n values q (bytes: unsigned, or signed if kSigned).
+template <bool kSigned>
+inline void affine(const uint8_t* q, int n, float scale, float offset, float* y) {
+#if defined(__AVX2__) && defined(__FMA__)
+  for (int i = 0; i < n; i += 16) {
+    affine16<kSigned>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)), scale, offset,
+                      y + i);
+  }
+#else
+  for (int i = 0; i < n; ++i) {
+    const int v = kSigned ? static_cast<int>(static_cast<int8_t>(q[i])) : q[i];
+    y[i] = scale * static_cast<float>(v) + offset;
+  }
+#endif
+}
+
+// A row of `k` values (whole blocks) as floats. d * sc and dmin * m are rounded to float
+// first, as ggml does, but the rest is one FMA per value, so this agrees with
+// kernels/quant.py's `dequantize` to a rounding, not bit for bit.
+inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_t k) {
+  const Format f = format_of(type);
+  const int64_t blocks = k / f.values;
+  uint8_t values[kQK];  // one block's q, unpacked to a byte each
+  switch (type) {
+    case GgmlType::F32:
+      std::memcpy(out, row, static_cast<size_t>(k) * sizeof(float));
+      return;
+    case GgmlType::F16: {
+      int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+      for (; i + 8 <= k; i += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i));
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+      }
+#endif
+      for (; i < k; ++i) out[i] = half_at(row + 2 * i);
+      return;
+    }
+    case GgmlType::BF16: {
+      for (int64_t i = 0; i < k; ++i) out[i] = bf16_at(row + 2 * i);
+      return;
+    }
+    case GgmlType::Q8_0:
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* p = row + 34 * b;
+        affine<true>(p + 2, 32, half_at(p), 0.0f, out + 32 * b);
+      }
+      return;
+    case GgmlType::Q4_0:
+    case GgmlType::Q4_1: {
+      const bool q4_1 = type == GgmlType::Q4_1;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* p = row + f.bytes * b;
+        const float d = half_at(p);
+        const float m = q4_1 ? half_at(p + 2) : -8.0f * d;
+        const uint8_t* qs = p + (q4_1 ? 4 : 2);
+        for (int l = 0; l < 16; ++l) {
+          values[l] = qs[l] & 15;
+          values[l + 16] = qs[l] >> 4;
+        }
+        affine<false>(values, 32, d, m, out + 32 * b);
+      }
+      return;
+    }
+    case GgmlType::Q4_K:
+    case GgmlType::Q5_K: {
+      const bool q5 = type == GgmlType::Q5_K;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* p = row + f.bytes * b;
+        const float d = half_at(p), dmin = half_at(p + 2);
+        uint8_t sc[8], mins[8];
+        k_scales(p + 4, sc, mins);
+        const uint8_t* qh = p + 16;
+        const uint8_t* qs = p + (q5 ? 48 : 16);
+        for (int j = 0; j < 4; ++j) {
+          for (int l = 0; l < 32; ++l) {
+            values[64 * j + l] = qs[32 * j + l] & 15;
+            values[64 * j + 32 + l] = qs[32 * j + l] >> 4;
+          }
+        }
+        if (q5) {
+          for (int s = 0; s < 8; ++s) {
+            for (int l = 0; l < 32; ++l) values[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
+          }
+        }
+        for (int s = 0; s < 8; ++s) {
+          affine<false>(values + 32 * s, 32, d * sc[s], -(dmin * mins[s]),
+                        out + kQK * b + 32 * s);
+        }
+      }
+      return;
+    }
+    case GgmlType::Q6_K:
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* p = row + 210 * b;
+        const float d = half_at(p + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* ql = p + 64 * h;
+          const uint8_t* qh = p + 128 + 32 * h;
+          for (int l = 0; l < 32; ++l) {
+            const int base = 128 * h + l;
+            values[base] = static_cast<uint8_t>((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+            values[base + 32] =
+                static_cast<uint8_t>((ql[32 + l] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            values[base + 64] = static_cast<uint8_t>((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            values[base + 96] =
+                static_cast<uint8_t>((ql[32 + l] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          }
+        }
+        for (int i = 0; i < 16; ++i) {
+          affine<true>(values + 16 * i, 16, d * static_cast<float>(sc[i]), 0.0f,
+                       out + kQK * b + 16 * i);
+        }
+      }
+      return;
+  }
+}
+
+// An activation block of 32 values for Q4_0, Q4_1 and Q8_0 weights: x ~= d q.
+struct Q8Block {
+  float d;
+  float d_sum;  // d sum(q): the block's x summed, for the weights' offsets
+  int8_t q[32];
+};
+
+// An activation block of 256 values for the K-quants: x ~= d q.
+struct Q8KBlock {
+  float d;
+  int16_t sums[16];  // of q, per 16 values
+  int8_t q[kQK];
+};
+
+// q = round(x / d) with d = max|x| / 127, so |q| <= 127 (the dot products' sign trick
+// needs q != -128). n values; out's q has n slots.
+inline float quantize_values(const float* x, int64_t n, int8_t* q) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.0f;
+  const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    q[i] = static_cast<int8_t>(std::lrint(x[i] * inverse));
+  }
+  return d;
+}
+
+inline void quantize_row(const float* x, int64_t k, Q8Block* out) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    Q8Block& block = out[b];
+    block.d = quantize_values(x + 32 * b, 32, block.q);
+    int32_t sum = 0;
+    for (int l = 0; l < 32; ++l) sum += block.q[l];
+    block.d_sum = block.d * static_cast<float>(sum);
+  }
+}
+
+inline void quantize_row(const float* x, int64_t k, Q8KBlock* out) {
+  for (int64_t b = 0; b < k / kQK; ++b) {
+    Q8KBlock& block = out[b];
+    block.d = quantize_values(x + kQK * b, kQK, block.q);
+    for (int i = 0; i < 16; ++i) {
+      int sum = 0;
+      for (int l = 0; l < 16; ++l) sum += block.q[16 * i + l];
+      block.sums[i] = static_cast<int16_t>(sum);
+    }
+  }
+}
+
+}  // namespace corestream_cpu::quant

