@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
 from kernels import cpu_isa
+from tests.gguf_models import require_smollm2_gguf
 
 # CORESTREAM_CPU_ISA=avx2 (the forced suite of `make test`) caps oneDNN and ATen too; they
 # read their caps once, so before any test module imports torch.
@@ -47,3 +49,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF file; tests needing it skip without it."""
+    return require_smollm2_gguf()

@@ -21,6 +21,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from services.common.gguf_checkpoint import ensure_gguf_view, gguf_file_of
+
 # Bump the suffix whenever the bytes written below change, so stale caches are ignored.
 TINY_CHECKPOINT_NAME = "tiny-llama-v2"
 CACHE_DIR_ENV = "CORESTREAM_CACHE_DIR"
@@ -128,13 +130,17 @@ class CheckpointNotFound(FileNotFoundError, ValueError):
 
 def resolve_model(model: str | None) -> Path:
     """The checkpoint folder for a `--model` value; empty means the tiny checkpoint. A
-    Hugging Face hub id (`ORG/NAME`) that is no folder here is looked up in this machine's
-    Hugging Face cache: corestream reads local checkpoints only and never downloads."""
+    GGUF file (or a folder holding one and no config.json) resolves to its view in the
+    cache (services/common/gguf_checkpoint.py). A Hugging Face hub id (`ORG/NAME`) that is
+    no folder here is looked up in this machine's Hugging Face cache: corestream reads
+    local checkpoints only and never downloads."""
     if not model:
         return ensure_tiny_checkpoint()
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
+    if (gguf_file := gguf_file_of(path)) is not None:
+        return ensure_gguf_view(gguf_file, default_cache_dir())
     if path.is_dir():
         raise CheckpointNotFound(
             f"model {model!r} is not a checkpoint folder (no config.json in {path}); "
@@ -151,7 +157,8 @@ def resolve_model(model: str | None) -> Path:
             "--model with its folder or the same id")
     raise CheckpointNotFound(
         f"model {model!r}: no such folder; pass a local Hugging Face checkpoint folder "
-        "(with config.json), or leave --model empty for the built-in tiny checkpoint")
+        "(with config.json) or GGUF file, or leave --model empty for the built-in tiny "
+        "checkpoint")
 
 
 def looks_like_hub_id(model: str) -> bool:

@@ -14,6 +14,9 @@ others are never read.
 A model sharded over a tensor-parallel group (its `tp`, from `current_tp_group`) reads
 only this rank's slice of each tensor (`tp_sharding.ShardPlan`, through safetensors'
 `get_slice`), before the packing above, so a rank never holds the whole model.
+A GGUF view (config.json names its file, `GGUF_FILE_KEY`) reads the tensors from that file
+instead (`gguf_weights.read_gguf`), under the same names, so all of the above applies;
+for now they are dequantized at load, and a rank slices each whole dequantized tensor.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from safetensors import safe_open
 
 from kernels import cpu_isa
 from kernels.cpu_linear import why_no_onednn
+from services.common.gguf_checkpoint import GGUF_FILE_KEY
 from services.engine.models.decoder_config import DecoderConfig
+from services.engine.models.gguf_weights import read_gguf
 from services.engine.models.linear import lay_out_for_cpu
 from services.engine.models.registry import MODEL_REGISTRY, supported, unsupported_message
 from services.engine.models.tp_sharding import ShardPlan
@@ -85,9 +90,14 @@ def load_model(
     # The tensor-parallel group the model was built for; None: read every tensor whole.
     tp = model.tp
     plan = ShardPlan(config, tp.rank, tp.world_size) if tp is not None else None
-    state = _read_safetensors(
-        folder, dtype, device, lambda name: _model_tensor_name(name, renames, experts), plan
-    )
+    def model_name(name: str) -> str | None:
+        return _model_tensor_name(name, renames, experts)
+
+    if gguf_file := hf_config.get(GGUF_FILE_KEY):
+        state = read_gguf(Path(gguf_file), hf_config["model_type"], dtype, device, model_name,
+                          plan)
+    else:
+        state = _read_safetensors(folder, dtype, device, model_name, plan)
     if experts is not None:
         pack_experts(state, getattr(cls, "packed_experts", {}), experts)
     # The fixed-logits stand-in has no projections, hence no packing to declare.

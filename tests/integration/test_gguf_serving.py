@@ -1,0 +1,78 @@
+"""`corestream serve --model <file.gguf>` on the real SmolLM2-135M-Instruct Q4_1: the
+view's tokenizer and chat template reach the frontend, the engine reads the file's
+weights, and a greedy answer to a factual question is right through ChatService and
+through the OpenAI door. The engine's resident memory is logged: with the interim
+dequantized float32 weights it is several times the file's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from corestream.common.v1 import common_pb2
+from corestream.generate.v1 import chat_service_pb2 as chat_pb2
+from corestream.generate.v1 import chat_service_pb2_grpc as chat_grpc
+
+from tests.integration.cluster import Cluster, free_port
+
+pytestmark = pytest.mark.timeout(400)
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[Cluster, int]]:
+    http_port = free_port()
+    cache = tmp_path_factory.mktemp("cache")
+    c = Cluster(["--model", str(smollm2_gguf), "--engines", "1", "--max-model-len", "512",
+                 "--kv-cache-memory", "64MiB",
+                 "--http-port", str(http_port)], startup_timeout=300,
+                env={"CORESTREAM_CACHE_DIR": str(cache)})
+    yield c, http_port
+    c.stop()
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise LookupError(f"no VmRSS for {pid}")
+
+
+def test_chat_service_answers(cluster: tuple[Cluster, int]) -> None:
+    with grpc.insecure_channel(cluster[0].address) as channel:
+        chat = chat_grpc.ChatServiceStub(channel)
+        response = chat.Chat(chat_pb2.ChatRequest(
+            messages=[chat_pb2.ChatMessage(role="user", content=QUESTION)],
+            sampling=common_pb2.SamplingParams(temperature=0, max_tokens=24)), timeout=120)
+    [choice] = response.choices
+    assert "Paris" in choice.content, choice
+    assert choice.finish_reason == chat_pb2.CHAT_FINISH_REASON_STOP
+
+
+def test_openai_chat_completions_answer(cluster: tuple[Cluster, int]) -> None:
+    _, http_port = cluster
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused",
+                       max_retries=0, timeout=120) as client:
+        [model] = client.models.list().data
+        completion = client.chat.completions.create(
+            model=model.id, messages=[{"role": "user", "content": QUESTION}],
+            temperature=0, max_tokens=24)
+    [choice] = completion.choices
+    assert "Paris" in (choice.message.content or ""), choice
+    assert choice.finish_reason == "stop"
+
+
+def test_engine_memory_holds_dequantized_weights(cluster: tuple[Cluster, int],
+                                                 smollm2_gguf: Path) -> None:
+    # NOTE (interim): 135M parameters in float32 are 540 MB; the quantized layers will
+    # keep the file's blocks instead (98 MB). This bounds the interim, it is no goal.
+    engine_rss = rss_mib(cluster[0].engine_pid(0))
+    file_mib = smollm2_gguf.stat().st_size / 2**20
+    print(f"engine RSS {engine_rss:.0f} MiB serving a {file_mib:.0f} MiB GGUF file")
+    assert engine_rss < 3072, f"engine RSS {engine_rss:.0f} MiB"
