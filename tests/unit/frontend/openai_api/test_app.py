@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 from corestream.common.v1 import common_pb2
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
 from services.common.tiny_checkpoint import TINY_CHAT_TEMPLATE
 from services.frontend.chat.template import ChatTemplates
@@ -315,6 +317,81 @@ def test_chat_stream_roles_deltas_tool_call_and_usage() -> None:
         assert sdk_chunks[-1].choices[0].finish_reason == "tool_calls"
 
     _serve(body, "Let me check.\n" + CALL_TEXT)
+
+
+@pytest.mark.timeout(30)
+def test_streamed_tool_calls_take_openais_delta_shape() -> None:
+    """The real SSE stream, read by the openai package's own accumulator (what its
+    `.stream()` helper runs): two calls after some content."""
+
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL.name, "messages": USER, "tools": [WEATHER_TOOL],
+                "stream": True})
+        assert response.status_code == 200
+        chunks = [ChatCompletionChunk.model_validate_json(event)
+                  for event in _sse_events(response.text)[:-1]]
+        state: ChatCompletionStreamState[None] = ChatCompletionStreamState(
+            input_tools=[WEATHER_TOOL])  # type: ignore[list-item]
+        events = [event for chunk in chunks for event in state.handle_chunk(chunk)]
+        seen: set[int] = set()
+        for chunk in chunks:
+            deltas = chunk.choices[0].delta.tool_calls or []
+            # One entry per call per chunk; a call's first carries its id and name.
+            assert len({d.index for d in deltas}) == len(deltas)
+            for delta in deltas:
+                assert delta.function is not None
+                if delta.index not in seen:
+                    assert delta.id and delta.type == "function" and delta.function.name
+                else:
+                    assert delta.id is None and delta.function.name is None
+                seen.add(delta.index)
+        assert seen == {0, 1}
+        done = [(e.name, e.arguments) for e in events
+                if e.type == "tool_calls.function.arguments.done"]
+        assert done == [("get_weather", '{"city":"Paris"}')] * 2
+        final = state.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls"
+        assert final.message.content == "Let me check."
+        calls = final.message.tool_calls or []
+        assert [(c.index, c.function.name) for c in calls] == [  # type: ignore[attr-defined]
+            (0, "get_weather"), (1, "get_weather")]
+        assert all(c.id for c in calls) and calls[0].id != calls[1].id
+        assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}] * 2
+
+    _serve(body, f"Let me check.\n{CALL_TEXT}\n{CALL_TEXT}")
+
+
+@pytest.mark.timeout(30)
+def test_a_forced_call_cut_by_max_tokens_leaves_no_markup_in_content() -> None:
+    two_calls = f"{CALL_TEXT}\n{CALL_TEXT}"
+    max_tokens = len(_script(two_calls, eos=False)) - 3
+
+    async def body(env: Env) -> None:
+        client = env.client()
+        for tool_choice in ("required", "auto"):
+            response = await client.chat.completions.create(
+                model=MODEL.name, messages=USER, tools=[WEATHER_TOOL],
+                tool_choice=tool_choice, max_tokens=max_tokens)  # type: ignore[arg-type]
+            choice = response.choices[0]
+            assert choice.finish_reason == "length"
+            assert choice.message.content is None
+            assert [c.function.name for c in choice.message.tool_calls or []] == [
+                "get_weather"]
+            stream = await client.chat.completions.create(
+                model=MODEL.name, messages=USER, tools=[WEATHER_TOOL],
+                tool_choice=tool_choice, max_tokens=max_tokens,  # type: ignore[arg-type]
+                stream=True)
+            state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+            async for chunk in stream:
+                state.handle_chunk(chunk)
+            # The snapshot: the final parse refuses a "length" answer.
+            final = state.current_completion_snapshot.choices[0]
+            assert final.finish_reason == "length" and not final.message.content
+            assert len(final.message.tool_calls or []) == 1
+
+    _serve(body, two_calls)
 
 
 @pytest.mark.timeout(30)
