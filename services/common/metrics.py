@@ -21,6 +21,7 @@ from prometheus_client import (
     start_http_server,
 )
 from prometheus_client.core import InfoMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from services.common.observability_config import ObservabilityConfig
@@ -76,6 +77,13 @@ def config_labels(config: Any) -> dict[str, str]:
             value = ",".join(map(str, value))
         labels[f.name] = str(value)
     return labels
+
+
+def exposition(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
+    """(body, content type) of a scrape of `registry`: the Prometheus text format, or
+    OpenMetrics when the `Accept` header asks for it, as the metrics port answers."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(registry), content_type
 
 
 class MetricsServer:

@@ -169,7 +169,7 @@ class FrontendServer:
         settings = HttpSettings(model_names=names, max_model_len=self._model.max_model_len,
                                 max_body_bytes=config.max_message_bytes, api_keys=keys)
         return OpenAIApi(settings, self._pipeline, self._answering,
-                         lambda: self.balancer.ready)
+                         lambda: self.balancer.ready, self.observability.registry)
 
     async def _wait_until_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -5,6 +5,7 @@ request protos the gRPC API takes and run them on the same request path (pipelin
 and, for chat, chat/answering.py: validation, limits, routing, telemetry, abort), in
 process: no loopback gRPC call.
 Errors come back in OpenAI's shape with the HTTP status matching the gRPC code.
+`/health` and `/metrics` (the frontend's Prometheus registry) sit beside the API.
 
 Starlette serves it under uvicorn, on the frontend's own event loop. A client that
 disconnects cancels its request's task, which aborts the request in the engine.
@@ -29,11 +30,13 @@ import grpc
 import pydantic
 import uvicorn
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.common.metrics import exposition
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend.chat.answering import ChatAnswering
 from services.frontend.collect import collect_chat, collect_generate
@@ -80,17 +83,20 @@ class HttpSettings:
 
 class OpenAIApi:
     def __init__(self, settings: HttpSettings, pipeline: Pipeline,
-                 chat: ChatAnswering, is_ready: Callable[[], bool]) -> None:
+                 chat: ChatAnswering, is_ready: Callable[[], bool],
+                 registry: CollectorRegistry) -> None:
         self._settings = settings
         self._pipeline = pipeline
         self._chat = chat
         self._is_ready = is_ready
+        self._registry = registry
         self._created = int(time.time())
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
         ])
 
     @property
@@ -100,6 +106,14 @@ class OpenAIApi:
     async def health(self, request: Request) -> Response:
         ready = self._is_ready() and not self._pipeline.draining
         return Response(status_code=200 if ready else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        """The frontend's own registry, as its --metrics-port serves it. No API key, like
+        /health: the metrics port asks for none either, and scrapers carry none."""
+        # Collecting reads every collector (the process's /proc among them): off the loop.
+        body, content_type = await asyncio.to_thread(
+            exposition, self._registry, request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
 
     async def models(self, request: Request) -> Response:
         try:

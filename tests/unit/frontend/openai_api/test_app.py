@@ -21,6 +21,9 @@ from corestream.common.v1 import common_pb2
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
+from services.common.observability import Observability
+from services.common.observability_config import ObservabilityConfig
+from services.common.ports import free_port
 from services.common.tiny_checkpoint import TINY_CHAT_TEMPLATE
 from services.frontend.chat.template import ChatTemplates
 from services.frontend.config import FrontendConfig
@@ -65,7 +68,8 @@ def _script(text: str, eos: bool = True) -> list[int]:
 
 def _serve(body: Body, answer: str = ANSWER, *, eos: bool = True,
            engine: FakeEngine | None = None, engines: tuple[str, ...] | None = None,
-           templates: ChatTemplates | None = None, **config: Any) -> FakeEngine:
+           templates: ChatTemplates | None = None,
+           observability: Observability | None = None, **config: Any) -> FakeEngine:
     engine = engine or FakeEngine(_script(answer, eos), step_s=0.001)
     if templates is None:
         templates = ChatTemplates(default=TINY_CHAT_TEMPLATE, special_tokens=SPECIAL)
@@ -74,7 +78,7 @@ def _serve(body: Body, answer: str = ANSWER, *, eos: bool = True,
         engine_server, address = await start_fake_engine(engine)
         frontend = FrontendServer(
             FrontendConfig(port=0, http_port=0, engines=engines or (address,), **config),
-            TOKENIZER, MODEL, chat_templates=templates)
+            TOKENIZER, MODEL, chat_templates=templates, observability=observability)
         await frontend.start()
         try:
             if engines is None:
@@ -535,6 +539,44 @@ def test_api_keys_guard_the_api_but_not_health(tmp_path: Path) -> None:
         assert response.choices[0].text == ANSWER
 
     _serve(body, api_key_file=str(keys))
+
+
+def _families(text: str) -> set[str]:
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+@pytest.mark.timeout(30)
+def test_metrics_on_the_http_port_are_the_metrics_ports_without_a_key(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY}\n", encoding="utf-8")
+    observability = Observability("frontend", ObservabilityConfig(metrics_port=free_port()),
+                                  "127.0.0.1")
+
+    async def body(env: Env) -> None:
+        metrics_port = env.frontend.observability.start_metrics()
+        try:
+            client = env.client()
+            await client.completions.create(model=MODEL.name, prompt="hello", max_tokens=2)
+            async with env.http() as http:
+                # No key, as on the metrics port and /health.
+                response = await http.get("/metrics")
+                on_port = await http.get(f"http://127.0.0.1:{metrics_port}/metrics")
+                openmetrics = await http.get(
+                    "/metrics", headers={"Accept": "application/openmetrics-text"})
+                assert (await http.post("/metrics")).status_code == 405
+        finally:
+            env.frontend.observability.shutdown()
+        assert response.status_code == on_port.status_code == 200
+        assert response.headers["content-type"] == on_port.headers["content-type"]
+        assert response.headers["content-type"].startswith("text/plain")
+        assert _families(response.text) == _families(on_port.text)
+        assert 'corestream:request_success_total{' in response.text
+        assert "corestream:config_info{" in response.text  # the frontend's own config
+        assert "process_cpu_seconds_total" in response.text
+        assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+        assert openmetrics.text.endswith("# EOF\n")
+
+    _serve(body, api_key_file=str(keys), observability=observability)
 
 
 @pytest.mark.timeout(30)
