@@ -688,7 +688,8 @@ def test_x_request_id_is_used_and_echoed_and_a_running_duplicate_is_409() -> Non
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello"}, headers={"X-Request-Id": "x" * 10000})
             _assert_error(response, 400, "request_id")
-            assert "x-request-id" not in response.headers
+            # Not echoed: a new id names the refusal.
+            assert len(response.headers["x-request-id"]) == 32
 
             # Refused before the id was settled (the body, the model): echoed all the same.
             for path, body_json in (("/v1/completions", {"model": MODEL.name}),
@@ -700,6 +701,78 @@ def test_x_request_id_is_used_and_echoed_and_a_running_duplicate_is_409() -> Non
                 assert response.headers["x-request-id"] == "early"
 
     _serve(body, engine=engine)
+
+
+def _request_id_header(response: httpx.Response, sent: str | None) -> None:
+    request_id = response.headers.get("x-request-id")
+    assert request_id == sent if sent else request_id, response.headers
+
+
+@pytest.mark.timeout(30)
+def test_every_error_names_openai_params_with_a_snake_case_code_and_a_request_id() -> None:
+    """One naming scheme at the HTTP door: `param` and the message name the body's
+    field (never the proto's `sampling.`), `code` is lower snake case, and the
+    response carries X-Request-Id: the client's, or a new one."""
+    chat = {"model": MODEL.name, "messages": USER}
+    completion = {"model": MODEL.name, "prompt": "hello"}
+    cases: list[tuple[str, str, Any, int, str | None, str]] = [
+        # (method, path, body, status, param, code)
+        ("POST", "/v1/chat/completions", {**chat, "temperature": -1}, 400, "temperature",
+         "invalid_argument"),
+        ("POST", "/v1/completions", {**completion, "top_k": -5}, 400, "top_k",
+         "invalid_argument"),
+        ("POST", "/v1/completions", {**completion, "min_tokens": 20, "max_tokens": 10}, 400,
+         "min_tokens", "invalid_argument"),
+        ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 30}, 400,
+         "top_logprobs", "invalid_argument"),
+        ("POST", "/v1/completions", {**completion, "max_tokens": 4095}, 400, "max_tokens",
+         "prompt_too_long"),
+        ("POST", "/v1/chat/completions", {**chat, "max_completion_tokens": 4095}, 400,
+         "max_completion_tokens", "prompt_too_long"),
+        ("POST", "/v1/completions", {**completion, "prompt": "hello " * 5000}, 400,
+         "prompt", "prompt_too_long"),
+        ("POST", "/v1/chat/completions",
+         {**chat, "messages": [{"role": "user", "content": "hello " * 5000}]}, 400,
+         "messages", "prompt_too_long"),
+        ("POST", "/v1/completions", {**completion, "prompt": [5, 99999]}, 400, "prompt",
+         "invalid_argument"),
+        ("POST", "/v1/chat/completions",
+         {**chat, "tools": [WEATHER_TOOL],
+          "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+         "tool_choice.function.name", "invalid_argument"),
+        ("POST", "/v1/chat/completions", {**chat, "model": "gpt-nope"}, 404, "model",
+         "model_not_found"),
+        ("POST", "/v1/completions", b"{not json", 400, "body", "invalid_argument"),
+        ("GET", "/v1/completions", None, 405, None, "method_not_allowed"),
+        ("POST", "/v1/models", None, 405, None, "method_not_allowed"),
+        ("GET", "/v1/nothing-here", None, 404, None, "not_found"),
+        ("POST", "/v2/chat/completions", chat, 404, None, "not_found"),
+    ]
+
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            for method, path, data, status, param, code in cases:
+                for sent in (None, "client-id-7"):
+                    headers = {"X-Request-Id": sent} if sent else {}
+                    if isinstance(data, bytes):
+                        response = await http.request(method, path, content=data,
+                                                      headers=headers)
+                    else:
+                        response = await http.request(method, path, json=data,
+                                                      headers=headers)
+                    error = _assert_error(response, status, param)
+                    case = (method, path, error)
+                    assert error["code"] == code, case
+                    assert "sampling." not in error["message"], case
+                    assert "token_ids" not in error["message"], case
+                    if param is not None:
+                        assert param in error["message"], case
+                    _request_id_header(response, sent)
+            response = await http.get("/v1/completions")
+            assert response.headers["allow"] == "POST"
+        assert env.engine.adds == []
+
+    _serve(body)
 
 
 # --- disconnects --------------------------------------------------------------------
