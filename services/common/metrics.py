@@ -25,6 +25,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from services.common.observability_config import ObservabilityConfig
+from services.common.ports import unavailable
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,11 @@ class MetricsServer:
         if not config.metrics_port:
             return 0
         host = config.metrics_host or default_host
-        self._httpd, _ = start_http_server(config.metrics_port, addr=host,
-                                           registry=self.registry)
+        try:
+            self._httpd, _ = start_http_server(config.metrics_port, addr=host,
+                                               registry=self.registry)
+        except OSError as exc:
+            raise unavailable(host, config.metrics_port, "--metrics-port", exc) from None
         self.port = int(self._httpd.server_port)
         log.info("metrics on http://%s:%d/metrics", host, self.port)
         return self.port

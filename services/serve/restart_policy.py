@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.common import config
+
 INITIAL_BACKOFF_S = 0.5
 
 
@@ -41,10 +43,8 @@ class RestartPolicy:
                              f"<= max ({self.backoff_max_s})")
 
 
-CONFIG_ERROR_EXIT = 2
-"""The exit code of a process that refused its configuration (a flag's value, the
-checkpoint, a busy port): `corestream` exits so after printing why, as argparse does
-for a bad flag. Never restarted."""
+CONFIG_ERROR_EXIT = config.CONFIG_ERROR_EXIT
+"""See services.common.config: the services exit so themselves, below serve."""
 
 
 def describe_exit(returncode: int) -> str:

@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common.metrics import exposition
+from services.common.ports import unavailable
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend.chat.answering import ChatAnswering
 from services.frontend.collect import collect_chat, collect_generate
@@ -416,7 +417,11 @@ class HttpServer:
                  security: SecurityConfig = PLAINTEXT) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise unavailable(host, port, "--http-port", exc) from None
         self.port = int(self._sock.getsockname()[1])
         self.scheme = "https" if security.tls else "http"
         tls: dict[str, Any] = {}
