@@ -20,8 +20,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common import config
-
 INITIAL_BACKOFF_S = 0.5
 
 
@@ -41,10 +39,6 @@ class RestartPolicy:
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError(f"backoff must satisfy 0 < initial ({self.backoff_initial_s}) "
                              f"<= max ({self.backoff_max_s})")
-
-
-CONFIG_ERROR_EXIT = config.CONFIG_ERROR_EXIT
-"""See services.common.config: the services exit so themselves, below serve."""
 
 
 def describe_exit(returncode: int) -> str:
