@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from kernels.cpu_isa import apply_to_libraries
 from services.cli.admin import add_arguments as add_admin_arguments
 from services.cli.admin import run as run_admin
-from services.common.config import add_arguments
+from services.common.config import CONFIG_ERROR_EXIT, add_arguments
 from services.common.observability_config import ObservabilityConfig
 from services.common.parent_death import die_with_parent_from_env
+from services.common.ports import PortUnavailable
 from services.common.security_config import SecurityConfig
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
@@ -97,10 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_admin(args)
         module = importlib.import_module(SERVICES[args.command][1])
         return int(module.run(args))
-    except ValueError as e:
-        # Config validation: name the field and the limit, no traceback.
+    except (ValueError, PortUnavailable) as e:
+        # Config validation or a busy port: name the field, the limit or the port's
+        # holder, no traceback.
         print(f"corestream {args.command}: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR_EXIT
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+CONFIG_ERROR_EXIT = 2
+"""The exit code of a process that refused its configuration (a flag's value, the
+checkpoint, a busy port): `corestream` exits so after printing why, as argparse does
+for a bad flag. Never restarted."""
+
 
 def doc(help: str, **kwargs: Any) -> Any:
     """A dataclass field with help text (shown by --help)."""

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.ports import port_in_use, unavailable
 from services.common.security_config import SecurityConfig
 from services.common.thread_names import name_native_thread
 
@@ -211,16 +212,25 @@ def channel_credentials(security: SecurityConfig) -> grpc.ChannelCredentials:
         root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
-def bind(server: grpc.Server | grpc.aio.Server, address: str, security: SecurityConfig) -> int:
+def bind(server: grpc.Server | grpc.aio.Server, address: str, security: SecurityConfig,
+         flag: str = "--port") -> int:
     """Listen on `address` with TLS when `security` has a certificate; returns the bound
-    port. Raises OSError when the address cannot be bound."""
-    if security.tls:
-        port = server.add_secure_port(address, server_credentials(security))
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot listen on {address}")
-    return port
+    port. PortUnavailable (naming the holder and `flag`) when it cannot be bound."""
+    host, _, port_text = address.rpartition(":")
+    host, port = host.strip("[]"), int(port_text)
+    # Asked first: gRPC's own refusal is a RuntimeError after a C-level log line.
+    if port and port_in_use(host, port):
+        raise unavailable(host, port, flag)
+    try:
+        if security.tls:
+            bound = server.add_secure_port(address, server_credentials(security))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise unavailable(host, port, flag)
+    return bound
 
 
 def _dials_tls(security: SecurityConfig) -> bool:
@@ -259,7 +269,8 @@ def start_health_port(health_: Health, security: SecurityConfig) -> grpc.Server 
                                    initializer=name_native_thread),
         options=server_options(_HEALTH_MAX_MESSAGE_BYTES))
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
-    bind(server, host_port(security.health_host, security.health_port), SecurityConfig())
+    bind(server, host_port(security.health_host, security.health_port), SecurityConfig(),
+         "--health-port")
     server.start()
     return server
 
@@ -272,6 +283,7 @@ async def start_aio_health_port(
         return None
     server = grpc.aio.server(options=server_options(_HEALTH_MAX_MESSAGE_BYTES))
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
-    bind(server, host_port(security.health_host, security.health_port), SecurityConfig())
+    bind(server, host_port(security.health_host, security.health_port), SecurityConfig(),
+         "--health-port")
     await server.start()
     return server

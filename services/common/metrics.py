@@ -21,9 +21,11 @@ from prometheus_client import (
     start_http_server,
 )
 from prometheus_client.core import InfoMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from services.common.observability_config import ObservabilityConfig
+from services.common.ports import unavailable
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,13 @@ def config_labels(config: Any) -> dict[str, str]:
     return labels
 
 
+def exposition(registry: CollectorRegistry, accept: str = "") -> tuple[bytes, str]:
+    """(body, content type) of a scrape of `registry`: the Prometheus text format, or
+    OpenMetrics when the `Accept` header asks for it, as the metrics port answers."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(registry), content_type
+
+
 class MetricsServer:
     """The process's /metrics endpoint (Prometheus text) on its own HTTP port."""
 
@@ -91,8 +100,11 @@ class MetricsServer:
         if not config.metrics_port:
             return 0
         host = config.metrics_host or default_host
-        self._httpd, _ = start_http_server(config.metrics_port, addr=host,
-                                           registry=self.registry)
+        try:
+            self._httpd, _ = start_http_server(config.metrics_port, addr=host,
+                                               registry=self.registry)
+        except OSError as exc:
+            raise unavailable(host, config.metrics_port, "--metrics-port", exc) from None
         self.port = int(self._httpd.server_port)
         log.info("metrics on http://%s:%d/metrics", host, self.port)
         return self.port

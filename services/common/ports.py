@@ -8,6 +8,22 @@ import socket
 from pathlib import Path
 
 
+class PortUnavailable(OSError):
+    """A port this process was told to listen on cannot be bound. The message is one
+    line for the operator: the port, its holder where /proc shows it, and the flag
+    that chooses another (the command exits with CONFIG_ERROR_EXIT on it)."""
+
+
+def unavailable(host: str, port: int, flag: str, error: OSError | None = None,
+                ) -> PortUnavailable:
+    """The PortUnavailable of `host:port`, which `flag` set."""
+    reason = port_in_use(host, port)
+    if reason is None:
+        detail = f": {error.strerror or error}" if error is not None else ""
+        reason = f"cannot listen on {host}:{port}{detail}"
+    return PortUnavailable(f"{reason}; pass {flag} to listen on another")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now (another process may still take it before it is bound)."""
     with socket.socket() as s:

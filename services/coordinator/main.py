@@ -51,11 +51,8 @@ def run(args: argparse.Namespace) -> int:
     servicer = CoordinatorServicer(config, registry)
     pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME], security.reflection)
-    try:
-        port = bind(server, host_port(config.host, config.port), security)
-    except OSError as exc:
-        log.error("%s", exc)
-        return 1
+    # A busy port is PortUnavailable, one line from `corestream` and exit code 2.
+    port = bind(server, host_port(config.host, config.port), security)
     server.start()
     observability.start_metrics()
     health_server = start_health_port(health, security)

@@ -14,6 +14,7 @@ from services.common.logs import setup_logging
 from services.common.model_info import ModelInfo, load_model_info
 from services.common.observability import Observability
 from services.common.observability_config import ObservabilityConfig
+from services.common.ports import PortUnavailable
 from services.common.security_config import SecurityConfig
 from services.common.tiny_checkpoint import resolve_model
 from services.frontend.chat.answering import load_templates
@@ -78,7 +79,11 @@ async def _serve(config: FrontendConfig, security: SecurityConfig, tokenizer: Te
         loop.add_signal_handler(sig, stop.set)
     server = FrontendServer(config, tokenizer, model, security, observability, templates)
     port = await server.start()
-    observability.start_metrics()
+    try:
+        observability.start_metrics()
+    except PortUnavailable:
+        await server.stop(0)  # stopped on this loop, not left to the loop's close
+        raise
     log.info("frontend listening on %s:%d", config.host, port)
     if server.http_port >= 0:
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", server.http_scheme, config.host,

@@ -118,15 +118,18 @@ class FrontendServer:
             server, [generate_service.SERVICE_NAME, chat_service.SERVICE_NAME,
                      admin.SERVICE_NAME],
             self._security.reflection)
+        # Both ports are bound before either serves: a busy one (PortUnavailable) stops
+        # the start with nothing running.
         address = host_port(self._config.host, self._config.port)
         self.port = bind(server, address, self._security)
-        await server.start()
-        self._server = server
         if self._config.http_port >= 0:
             # The HTTP API serves no admin calls: any key the gRPC API takes is good there.
             http_api = self._http_api(frozenset(api_keys + admin_keys))
             self._http = HttpServer(http_api, self._config.host, self._config.http_port,
                                     self._security)
+        await server.start()
+        self._server = server
+        if self._http is not None:
             await self._http.start()
             self.http_port = self._http.port
             self.http_scheme = self._http.scheme
@@ -169,7 +172,7 @@ class FrontendServer:
         settings = HttpSettings(model_names=names, max_model_len=self._model.max_model_len,
                                 max_body_bytes=config.max_message_bytes, api_keys=keys)
         return OpenAIApi(settings, self._pipeline, self._answering,
-                         lambda: self.balancer.ready)
+                         lambda: self.balancer.ready, self.observability.registry)
 
     async def _wait_until_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -51,7 +51,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from services.common.auth import load_keys
-from services.common.config import from_args, to_argv
+from services.common.config import CONFIG_ERROR_EXIT, from_args, to_argv
 from services.common.grpc_server import make_channel
 from services.common.logs import setup_logging
 from services.common.metrics import ConfigInfo, MetricsServer, new_registry
@@ -69,7 +69,7 @@ from services.engine.worker.cpu_threads import threads_set_by_environment, usabl
 from services.frontend.config import FrontendConfig
 from services.serve.config import SERVE_OWNED, ServeConfig
 from services.serve.metrics import ClusterMetrics, scrape
-from services.serve.restart_policy import CONFIG_ERROR_EXIT, RestartPolicy
+from services.serve.restart_policy import RestartPolicy
 from services.serve.supervision import GROUP_STOP_S, Child, Part, Supervision
 
 log = logging.getLogger("services.serve")

@@ -41,12 +41,6 @@ class RestartPolicy:
                              f"<= max ({self.backoff_max_s})")
 
 
-CONFIG_ERROR_EXIT = 2
-"""The exit code of a process that refused its configuration (a flag's value, the
-checkpoint, a busy port): `corestream` exits so after printing why, as argparse does
-for a bad flag. Never restarted."""
-
-
 def describe_exit(returncode: int) -> str:
     """An exit status as a person reads it: `code 1`, `code -9 (SIGKILL)`."""
     if returncode >= 0:

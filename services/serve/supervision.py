@@ -20,11 +20,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
 
+from services.common.config import CONFIG_ERROR_EXIT
 from services.common.metrics import PREFIX
 from services.common.parent_death import child_env
 from services.common.restart_status import PartStatus, write_status
 from services.serve.restart_policy import (
-    CONFIG_ERROR_EXIT,
     RestartPolicy,
     RestartTracker,
     describe_exit,

@@ -25,6 +25,7 @@ from corestream.generate.v1 import chat_service_pb2 as chat_pb2
 from corestream.generate.v1 import chat_service_pb2_grpc as chat_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.integration.cluster import Cluster, free_port, frozen
 
@@ -233,6 +234,52 @@ def test_required_tool_choice_gives_one_valid_call(client: openai.OpenAI, seed: 
     # Same seed: the stream assembles to the same call (its id is the server's own).
     assert (calls[0]["name"], calls[0]["arguments"]) == (call.function.name,
                                                          call.function.arguments)
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("max_tokens", [30, 200])
+def test_required_parallel_calls_leave_no_markup_and_stream_in_openais_shape(
+    client: openai.OpenAI, max_tokens: int
+) -> None:
+    """`required` with parallel calls at their default, greedy: whole and streamed
+    (through the openai package's own accumulator) give the same complete calls, and
+    a call cut by max_tokens is neither a call nor content."""
+    args: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+                            "tool_choice": "required", "max_tokens": max_tokens,
+                            "temperature": 0}
+    [choice] = client.chat.completions.create(**args).choices
+    assert choice.finish_reason in ("tool_calls", "length")
+    assert not choice.message.content, choice.message.content
+    calls = choice.message.tool_calls or []
+    for call in calls:
+        _check_call(call, set(SCHEMAS))
+    if choice.finish_reason == "tool_calls":
+        assert calls
+
+    state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            indices = [d.index for d in c.delta.tool_calls or ()]
+            assert len(set(indices)) == len(indices), c.delta  # one entry per call
+        state.handle_chunk(chunk)
+    # The snapshot: the final parse refuses a "length" answer.
+    [streamed] = state.current_completion_snapshot.choices
+    assert streamed.finish_reason == choice.finish_reason
+    assert not streamed.message.content
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []
+            ] == [(c.function.name, c.function.arguments) for c in calls]
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_named_function_is_called_exactly_once(client: openai.OpenAI) -> None:
+    for seed in (3, 4):
+        [choice] = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, seed=seed,
+            temperature=1,
+            tool_choice={"type": "function", "function": {"name": "get_time"}}).choices
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        [call] = choice.message.tool_calls or []
+        _check_call(call, {"get_time"})
 
 
 @pytest.mark.timeout(TIMEOUT_S)

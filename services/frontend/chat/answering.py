@@ -16,7 +16,11 @@ only the stop token that ended the answer is cut off.
 
 `tool_choice` required or a named function and `response_format` become an output
 constraint (see constraints.py), so the answer has the promised form even
-from a model that would not write it by itself.
+from a model that would not write it by itself. A named function is called exactly
+once; `required` makes one call or, unless `parallel_tool_calls` is false, a list
+that the model may end after any call. An answer that max_tokens cuts inside a call
+keeps the calls before it, drops the cut one (it is not content) and finishes with
+"length".
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from corestream.common.v1 import common_pb2
 from corestream.generate.v1 import chat_service_pb2 as chat_pb2
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 
@@ -150,7 +155,8 @@ class ChatAnswering:
         delta = parser.feed(text) if text else AnswerDelta()
         if not chunk.finish_reason:
             return delta, chat_pb2.CHAT_FINISH_REASON_UNSPECIFIED
-        return delta + parser.finish(), parser.finish_reason(chunk.finish_reason)
+        cut = chunk.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        return delta + parser.finish(cut), parser.finish_reason(chunk.finish_reason)
 
     async def _prepare(self, request_id: str, request: ChatRequestLike,
                        telemetry: RequestTelemetry) -> tuple[PreparedRequest, _Answers]:
@@ -191,7 +197,8 @@ class ChatAnswering:
                     raise invalid_argument(field_name, f"{field_name}: {exc}") from None
         answers = _Answers(
             make_parser=functools.partial(
-                _answer_parser, reasoning_parser, starts_in_reasoning, tool_parser),
+                _answer_parser, reasoning_parser, starts_in_reasoning, tool_parser,
+                _max_calls(request)),
             keeps_special_tokens=bool(tool_parser or reasoning_parser),
             stop_token_ids=frozenset((*self._eos_token_ids, *sampling.stop_token_ids)))
         prepared = PreparedRequest(
@@ -288,10 +295,11 @@ class ChatAnswering:
                 "tool_choice requires a tool call, but no tool-call format is known for this "
                 "model's chat template; start the frontend with --tool-call-parser "
                 "(hermes, llama3_json or mistral)", reason="NO_TOOL_CALL_FORMAT")
-        parallel = (request.parallel_tool_calls
-                    if request.HasField("parallel_tool_calls") else True)
         try:
-            return tool_call_constraint(tool_parser, functions, parallel=parallel,
+            # A named function is called exactly once, as OpenAI's forced function is;
+            # `required` makes one or more calls unless parallel calls are turned off.
+            return tool_call_constraint(tool_parser, functions,
+                                        parallel=_max_calls(request) is None,
                                         special_tokens=self._special_tokens)
         except ValueError as exc:
             raise invalid_argument("tools", str(exc)) from None
@@ -325,11 +333,22 @@ def _picked_parser(template: str) -> str | None:
     return pick_tool_parser(template)
 
 
+def _max_calls(request: ChatRequestLike) -> int | None:
+    """At most one call under `parallel_tool_calls: false` or a named function (the
+    grammar already makes one there; the parser holds a model in `auto` to it too)."""
+    if request.tool_choice.WhichOneof("choice") == "function":
+        return 1
+    if request.HasField("parallel_tool_calls") and not request.parallel_tool_calls:
+        return 1
+    return None
+
+
 def _answer_parser(reasoning: str | None, starts_in_reasoning: bool,
-                   tools: str | None) -> AnswerParser:
+                   tools: str | None, max_calls: int | None) -> AnswerParser:
     return AnswerParser(
         make_reasoning_parser(reasoning, starts_in_reasoning) if reasoning else None,
         make_tool_parser(tools) if tools else None,
+        max_calls,
     )
 
 

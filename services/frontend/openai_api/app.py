@@ -5,6 +5,7 @@ request protos the gRPC API takes and run them on the same request path (pipelin
 and, for chat, chat/answering.py: validation, limits, routing, telemetry, abort), in
 process: no loopback gRPC call.
 Errors come back in OpenAI's shape with the HTTP status matching the gRPC code.
+`/health` and `/metrics` (the frontend's Prometheus registry) sit beside the API.
 
 Starlette serves it under uvicorn, on the frontend's own event loop. A client that
 disconnects cancels its request's task, which aborts the request in the engine.
@@ -16,12 +17,10 @@ import asyncio
 import contextlib
 import hmac
 import json
-import math
 import socket
 import ssl
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,11 +28,16 @@ import grpc
 import pydantic
 import uvicorn
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.common.metrics import exposition
+from services.common.ports import unavailable
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend.chat.answering import ChatAnswering
 from services.frontend.collect import collect_chat, collect_generate
@@ -41,30 +45,27 @@ from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.generate.validation import check_request_id
 from services.frontend.grpc_calls import MAX_REQUEST_ID_CHARS
 from services.frontend.openai_api import responses
+from services.frontend.openai_api.http_errors import (
+    RequestIds,
+    error_body,
+    error_response,
+    http_exception,
+    internal_error,
+)
 from services.frontend.openai_api.schemas import (
+    CHAT_NAMES,
+    COMPLETION_NAMES,
     ChatCompletionBody,
     CompletionBody,
+    chat_names,
     chat_request,
+    completion_names,
     completion_requests,
 )
 from services.frontend.pipeline import Pipeline
 
 T = TypeVar("T")
 
-# gRPC codes as HTTP statuses and OpenAI error types.
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-}
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -80,18 +81,25 @@ class HttpSettings:
 
 class OpenAIApi:
     def __init__(self, settings: HttpSettings, pipeline: Pipeline,
-                 chat: ChatAnswering, is_ready: Callable[[], bool]) -> None:
+                 chat: ChatAnswering, is_ready: Callable[[], bool],
+                 registry: CollectorRegistry) -> None:
         self._settings = settings
         self._pipeline = pipeline
         self._chat = chat
         self._is_ready = is_ready
+        self._registry = registry
         self._created = int(time.time())
-        self.app = Starlette(routes=[
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/health", self.health, methods=["GET"]),
-        ])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+            ],
+            middleware=[Middleware(RequestIds)],
+            exception_handlers={HTTPException: http_exception, Exception: internal_error},
+        )
 
     @property
     def model(self) -> str:
@@ -101,22 +109,32 @@ class OpenAIApi:
         ready = self._is_ready() and not self._pipeline.draining
         return Response(status_code=200 if ready else 503)
 
+    async def metrics(self, request: Request) -> Response:
+        """The frontend's own registry, as its --metrics-port serves it. No API key, like
+        /health: the metrics port asks for none either, and scrapers carry none."""
+        # Collecting reads every collector (the process's /proc among them): off the loop.
+        body, content_type = await asyncio.to_thread(
+            exposition, self._registry, request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
+
     async def models(self, request: Request) -> Response:
         try:
             self._authenticate(request)
         except RequestError as e:
-            return error_response(e, _header_request_id(request))
+            return error_response(e)
         return JSONResponse(responses.models_list(self.model, self._created,
                                                   self._settings.max_model_len))
 
     async def completions(self, request: Request) -> Response:
+        names: Mapping[str, str] = COMPLETION_NAMES
         try:
             self._authenticate(request)
             body = await self._body(request, CompletionBody)
+            names = completion_names(body)
             request_id = _request_id(request, body.request_id)
             protos = completion_requests(body)
         except RequestError as e:
-            return error_response(e, _header_request_id(request))
+            return error_response(e, names=names)
         metadata = _metadata(request)
         n = max(1, body.n or 1)
         streams = []
@@ -131,7 +149,7 @@ class OpenAIApi:
         if body.stream:
             events = self._completion_events(_merged(streams), rid, created, logprobs,
                                              body.include_usage, body.return_token_ids)
-            return await _sse(request, events, request_id)
+            return await _sse(request, events, request_id, names)
 
         async def whole() -> dict[str, Any]:
             choices = []
@@ -150,7 +168,7 @@ class OpenAIApi:
                 # Every prompt has the same constraint: its warnings once.
                 warnings=results[0].warnings if results else ())
 
-        return await _whole(request, whole(), request_id)
+        return await _whole(request, whole(), request_id, names)
 
     async def _completion_events(
         self, chunks: AsyncIterator[tuple[int, generate_pb2.GenerateStreamResponse]],
@@ -172,13 +190,15 @@ class OpenAIApi:
                                         created=created, object="text_completion")
 
     async def chat_completions(self, request: Request) -> Response:
+        names: Mapping[str, str] = CHAT_NAMES
         try:
             self._authenticate(request)
             body = await self._body(request, ChatCompletionBody)
+            names = chat_names(body)
             request_id = _request_id(request, body.request_id)
             proto = chat_request(body)
         except RequestError as e:
-            return error_response(e, _header_request_id(request))
+            return error_response(e, names=names)
         proto.request_id = request_id
         answer = self._chat.answer(request_id, proto, _metadata(request))
         created = int(time.time())
@@ -186,14 +206,14 @@ class OpenAIApi:
         logprobs = bool(body.logprobs)
         if body.stream:
             events = self._chat_events(answer, rid, created, body.include_usage)
-            return await _sse(request, events, request_id)
+            return await _sse(request, events, request_id, names)
 
         async def whole() -> dict[str, Any]:
             result = await collect_chat(request_id, answer)
             return responses.chat_response(result, id=rid, model=self.model, created=created,
                                            logprobs=logprobs)
 
-        return await _whole(request, whole(), request_id)
+        return await _whole(request, whole(), request_id, names)
 
     async def _chat_events(self, answer: AsyncIterator[Any], rid: str, created: int,
                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
@@ -245,7 +265,7 @@ class OpenAIApi:
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
                 f"the model {body.model!r} does not exist; this server serves {self.model!r}",
-                field="model", reason="model_not_found")
+                field="model", reason="MODEL_NOT_FOUND")
         return body
 
 
@@ -262,19 +282,12 @@ def _validation_error(exc: pydantic.ValidationError) -> RequestError:
 
 
 def _request_id(request: Request, body_id: str | None) -> str:
-    request_id = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    """The body's request_id, else the client's X-Request-Id, else the id `RequestIds`
+    made; a bad one the client gave is refused."""
+    request_id = (body_id or request.headers.get("x-request-id")
+                  or request.scope["state"]["request_id"])
     check_request_id(request_id, MAX_REQUEST_ID_CHARS)
     return request_id
-
-
-def _header_request_id(request: Request) -> str | None:
-    """The client's X-Request-Id, to echo on a request refused before its id was settled
-    (auth, body, model), when it is a valid id."""
-    request_id = request.headers.get("x-request-id")
-    try:
-        return _request_id(request, None) if request_id else None
-    except RequestError:
-        return None
 
 
 def _metadata(request: Request) -> dict[str, str]:
@@ -282,30 +295,14 @@ def _metadata(request: Request) -> dict[str, str]:
     return dict(request.headers)
 
 
-def _error(error: RequestError) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and OpenAI error body of a failure."""
-    status, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
-    param = error.field.removeprefix("sampling.") or None
-    code = error.reason or error.code.name.lower()
-    return status, responses.error_body(error.message, kind, param, code)
-
-
-def error_response(error: RequestError, request_id: str | None = None) -> JSONResponse:
-    status, body = _error(error)
-    headers = {"X-Request-Id": request_id} if request_id else {}
-    if error.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 async def _sse(request: Request, events: AsyncIterator[dict[str, Any]],
-               request_id: str) -> Response:
+               request_id: str, names: Mapping[str, str]) -> Response:
     """Server-sent events, after the first event: a request that fails before its first
     token (validation, routing) gets its HTTP status, not a stream with an error."""
     try:
         first = await anext(events, None)
     except RequestError as e:
-        return error_response(e, request_id)
+        return error_response(e, request_id, names)
 
     async def body() -> AsyncIterator[str]:
         try:
@@ -315,7 +312,7 @@ async def _sse(request: Request, events: AsyncIterator[dict[str, Any]],
                 yield _event(event)
         except RequestError as e:
             # Too late for a status: the error goes in the stream, as OpenAI's does.
-            yield _event(_error(e)[1])
+            yield _event(error_body(e, names)[1])
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"
@@ -329,7 +326,7 @@ def _event(data: dict[str, Any]) -> str:
 
 
 async def _whole(request: Request, work: Awaitable[dict[str, Any]],
-                 request_id: str) -> Response:
+                 request_id: str, names: Mapping[str, str]) -> Response:
     """The JSON of `work`, cancelled (and the request aborted) if the client leaves."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -345,7 +342,7 @@ async def _whole(request: Request, work: Awaitable[dict[str, Any]],
     try:
         return JSONResponse(task.result(), headers={"X-Request-Id": request_id})
     except RequestError as e:
-        return error_response(e, request_id)
+        return error_response(e, request_id, names)
 
 
 async def _disconnected(request: Request) -> None:
@@ -420,7 +417,11 @@ class HttpServer:
                  security: SecurityConfig = PLAINTEXT) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise unavailable(host, port, "--http-port", exc) from None
         self.port = int(self._sock.getsockname()[1])
         self.scheme = "https" if security.tls else "http"
         tls: dict[str, Any] = {}

@@ -12,13 +12,15 @@ Checking is split in two:
   the OpenAI body's own field name.
 
 Value ranges that the server checks anyway (temperature >= 0, n <= 16, ...) are not
-checked here: the servicer names them as `sampling.<field>`.
+checked here: the request path names them as `sampling.<field>`, and the HTTP edge
+(http_errors.py) renames that with `completion_names` / `chat_names` to the body's.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from corestream.common.v1 import common_pb2
@@ -26,7 +28,7 @@ from corestream.generate.v1 import chat_service_pb2 as chat_pb2
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.frontend.errors import invalid_argument
+from services.frontend.errors import RequestError, invalid_argument
 
 # The widths of the proto fields these values land in.
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
@@ -197,6 +199,35 @@ class ChatCompletionBody(_SamplingBody):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
+
+
+# How the request path's field names read in each door's body, where they differ
+# beyond `sampling.<name>` -> `<name>` (http_errors.openai_field).
+COMPLETION_NAMES: Mapping[str, str] = {"text": "prompt"}
+CHAT_NAMES: Mapping[str, str] = {
+    "prompt": "messages",  # the prompt is the rendered conversation
+    "sampling.logprobs": "top_logprobs",
+}
+
+
+def completion_names(body: CompletionBody) -> dict[str, str]:
+    """COMPLETION_NAMES and the body's own: the field its constraint came from."""
+    names = dict(COMPLETION_NAMES)
+    try:
+        found = _constraints(body)
+    except RequestError:
+        found = []  # refused, naming the body's field
+    for field, kind, _ in found:
+        names[f"sampling.{kind}"] = field
+    return names
+
+
+def chat_names(body: ChatCompletionBody) -> dict[str, str]:
+    """CHAT_NAMES and the body's own: which of the two max_tokens it gave."""
+    names = dict(CHAT_NAMES)
+    if body.max_completion_tokens is not None:
+        names["sampling.max_tokens"] = "max_completion_tokens"
+    return names
 
 
 def completion_requests(body: CompletionBody) -> list[generate_pb2.GenerateStreamRequest]:

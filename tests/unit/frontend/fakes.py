@@ -4,7 +4,8 @@
   request emits the script's tokens one per step until max_tokens, an EOS id or a
   stop token id; the servicer records hellos, adds and aborts. Logprobs, when asked,
   are made up: token i of a request has logprob -i and rank i + 1, and its
-  alternatives are the next ids.
+  alternatives are the next ids. Requests run side by side on their own timers,
+  unless `lockstep` makes them take turns token by token, as a batch does.
 - The tiny byte-level BPE tokenizer and model of the `tokenizer` and `model_info`
   fixtures (conftest.py), and `serve_generate`: a FrontendServer in process against a
   FakeEngine, for GenerateService tests.
@@ -40,9 +41,16 @@ from services.frontend.tokenizer import TextTokenizer
 
 
 class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
-    def __init__(self, script: list[int], step_s: float = 0.005) -> None:
+    def __init__(self, script: list[int], step_s: float = 0.005, lockstep: int = 0) -> None:
         self.script = script
         self.step_s = step_s
+        self.lockstep = lockstep
+        """When set, no request sends its token i + 1 before this many requests have
+        sent their token i: outputs interleave by construction, not by the timers (a
+        sibling added after its first sample's first token, on a loaded machine, may
+        otherwise start only after that sample is done)."""
+        self._sent_per_position: dict[int, int] = {}
+        self._turn = asyncio.Condition()
         self.hellos: list[engine_pb2.Hello] = []
         self.adds: list[engine_pb2.AddRequest] = []
         self.aborts: list[str] = []
@@ -116,6 +124,10 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
             await asyncio.sleep(self.step_s)
             while self.frozen:
                 await asyncio.sleep(0.05)
+            if self.lockstep and i:
+                async with self._turn:
+                    await self._turn.wait_for(
+                        lambda i=i: self._sent_per_position.get(i - 1, 0) >= self.lockstep)
             output = engine_pb2.RequestOutput(
                 request_id=add.request_id, new_token_ids=[token_id], num_cached_tokens=2
             )
@@ -145,6 +157,10 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
                     outputs=[output], engine_state=common_pb2.ENGINE_STATE_RUNNING
                 )
             )
+            if self.lockstep:
+                async with self._turn:
+                    self._sent_per_position[i] = self._sent_per_position.get(i, 0) + 1
+                    self._turn.notify_all()
             if output.finish_reason:
                 return
 

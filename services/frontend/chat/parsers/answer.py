@@ -40,13 +40,18 @@ class AnswerDelta:
 
 
 class AnswerParser:
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
+                 max_calls: int | None = None) -> None:
+        """`max_calls`: the calls to report at most (1 under `parallel_tool_calls:
+        false`); a model that writes more has the rest dropped, not made content."""
         self._reasoning = reasoning
         self._tools = tools
+        self._max_calls = max_calls
 
     @property
     def calls(self) -> list[ToolCall]:
-        return self._tools.calls if self._tools is not None else []
+        calls = self._tools.calls if self._tools is not None else []
+        return calls[: self._max_calls]
 
     def feed(self, text: str) -> AnswerDelta:
         if self._reasoning is None:
@@ -54,11 +59,13 @@ class AnswerParser:
         split = self._reasoning.feed(text)
         return _join(split.reasoning, self._content(split.content, final=False))
 
-    def finish(self) -> AnswerDelta:
+    def finish(self, cut: bool = False) -> AnswerDelta:
+        """The rest of the answer; `cut`: max_tokens ended it, and a tool call it cut
+        off is dropped rather than shown as content (see tools.py)."""
         if self._reasoning is None:
-            return self._content("", final=True)
+            return self._content("", final=True, cut=cut)
         split = self._reasoning.finish()
-        return _join(split.reasoning, self._content(split.content, final=True))
+        return _join(split.reasoning, self._content(split.content, final=True, cut=cut))
 
     def finish_reason(self, engine_reason: int) -> int:
         """The chat finish reason of a sample the engine ended with `engine_reason`."""
@@ -72,19 +79,22 @@ class AnswerParser:
             return chat_pb2.CHAT_FINISH_REASON_TOOL_CALLS
         return chat_pb2.CHAT_FINISH_REASON_STOP
 
-    def _content(self, text: str, final: bool) -> AnswerDelta:
+    def _content(self, text: str, final: bool, cut: bool = False) -> AnswerDelta:
         if self._tools is None:
             return AnswerDelta(content=text)
         delta = AnswerDelta()
         if text:
-            delta += _from_tools(self._tools.feed(text))
+            delta += _from_tools(self._tools.feed(text), self._max_calls)
         if final:
-            delta += _from_tools(self._tools.finish())
+            delta += _from_tools(self._tools.finish(cut), self._max_calls)
         return delta
 
 
-def _from_tools(parsed: ParsedDelta) -> AnswerDelta:
-    return AnswerDelta(content=parsed.content, tool_calls=parsed.tool_calls)
+def _from_tools(parsed: ParsedDelta, max_calls: int | None) -> AnswerDelta:
+    calls = parsed.tool_calls
+    if max_calls is not None:
+        calls = tuple(call for call in calls if call.index < max_calls)
+    return AnswerDelta(content=parsed.content, tool_calls=calls)
 
 
 def _join(reasoning: str, rest: AnswerDelta) -> AnswerDelta:

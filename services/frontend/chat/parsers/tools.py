@@ -4,11 +4,13 @@ Each format is a small state machine over the raw text (special-token markers
 included) that reads the same whether it gets the whole answer or deltas cut
 anywhere, even inside a marker: `parse_whole` is `feed` then `finish`.
 
-Streaming contract: a call is emitted when it is complete and well-formed, as two
-`ToolCallDelta`s: one with its index, id and name (arguments ""), then one with
-all of its arguments. Nothing of a call is emitted earlier, so a call that turns
-out malformed (bad JSON, no closing tag, cut by max_tokens) has emitted nothing:
-its opening marker becomes content and the text after it is read again as content.
+Streaming contract: a call is emitted when it is complete and well-formed, as one
+`ToolCallDelta` with its index, id, name and all of its arguments (the shape of
+OpenAI's first delta of a call; there is never a second). Nothing of a call is
+emitted earlier, so a call that turns out malformed (bad JSON, no closing tag where
+the model ended) has emitted nothing: its opening marker becomes content and the
+text after it is read again as content. A call cut off by max_tokens
+(`finish(cut=True)`) is no content: it is dropped, and the calls before it stand.
 Content that could still be the start of a call's opening (a partial marker, and
 the whitespace before it) is held back until the next delta decides it.
 
@@ -44,7 +46,7 @@ class ToolCallDelta:
     index: int
     """The call's position among this answer's calls."""
     id: str | None
-    """Set, with `name`, on a call's first delta only."""
+    """Set, with `name`, on a call's first delta only (the parsers here send one)."""
     name: str | None
     arguments: str
     """A fragment; a call's fragments concatenate to its `ToolCall.arguments`."""
@@ -166,6 +168,7 @@ class ToolParser:
         self._calls: list[ToolCall] = []
         self._content: list[str] = []
         self._deltas: list[ToolCallDelta] = []
+        self._cut = False
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -176,8 +179,10 @@ class ToolParser:
         self._buffer += delta
         return self._advance(final=False)
 
-    def finish(self) -> ParsedDelta:
-        """The answer has ended: an unfinished call is content, held text is released."""
+    def finish(self, cut: bool = False) -> ParsedDelta:
+        """The answer has ended: held text is released, and an unfinished call is
+        content, or with `cut` (max_tokens ended the answer) dropped."""
+        self._cut = cut
         return self._advance(final=True)
 
     def parse_whole(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -208,8 +213,7 @@ class ToolParser:
         index = len(self._calls)
         call = ToolCall(call_id or self._new_id(), name, arguments)
         self._calls.append(call)
-        self._deltas.append(ToolCallDelta(index, call.id, name, ""))
-        self._deltas.append(ToolCallDelta(index, None, None, arguments))
+        self._deltas.append(ToolCallDelta(index, call.id, name, arguments))
 
     def _accept(self, end: int) -> None:
         """The call ending at `_buffer[end]` was emitted: drop its text."""
@@ -218,20 +222,32 @@ class ToolParser:
         self._phase = _Phase.BETWEEN
 
     def _reject(self) -> None:
-        """The call being read is malformed or cut off: its opening is content, and the
-        text after it is read again as content."""
+        """The call being read is malformed: its opening is content, and the text after
+        it is read again as content."""
         self._emit_content(self._raw)
         self._raw = ""
+        self._phase = _Phase.CONTENT
+
+    def _unfinished(self) -> None:
+        """The answer ended inside the call being read: malformed if the model ended it,
+        dropped (with all that follows its opening) if max_tokens cut it."""
+        if not self._cut:
+            self._reject()
+            return
+        self._raw = self._buffer = ""
         self._phase = _Phase.CONTENT
 
     def _scan_content(self, marker: str, final: bool) -> bool:
         """Emit content up to `marker`; True once the marker is found (it moves to `_raw`)."""
         start = self._buffer.find(marker)
         if start < 0:
-            held = 0 if final else _held_before_marker(self._buffer, marker)
-            cut = len(self._buffer) - held
-            self._emit_content(self._buffer[:cut])
-            self._buffer = self._buffer[cut:]
+            held = _held_before_marker(self._buffer, marker)
+            if final and not (self._cut and marker_prefix_length(self._buffer, marker)):
+                held = 0
+            end = len(self._buffer) - held
+            self._emit_content(self._buffer[:end])
+            # At the end, what is still held is a marker cut by max_tokens: dropped.
+            self._buffer = "" if final else self._buffer[end:]
             return False
         before = self._buffer[:start]
         text = before.rstrip()
@@ -254,7 +270,7 @@ class ToolParser:
         start = len(self._buffer) - len(self._buffer[at:].lstrip())
         if start == len(self._buffer):
             if final:
-                self._reject()
+                self._unfinished()
             return final
         if self._buffer[start] in openers:
             self._json_end = _JsonEnd(start)
@@ -268,7 +284,7 @@ class ToolParser:
         end = self._json_end.scan(self._buffer)
         if end is None:
             if final:
-                self._reject()
+                self._unfinished()
             return final
         calls = self._decode(self._buffer[self._json_end.start : end])
         if calls is None:
@@ -301,7 +317,7 @@ class HermesToolParser(ToolParser):
             end = self._buffer.find(self.END)
             if end < 0:
                 if final:
-                    self._reject()
+                    self._unfinished()
                 return final
             fields = _call_fields(_loads(self._buffer[:end]), ("arguments", "parameters"))
             if fields is None:
@@ -376,9 +392,12 @@ class MistralToolParser(ToolParser):
                 marker_prefix_length(self._buffer, self.CALL_ID),
             )
             head = self._buffer[: len(self._buffer) - partial]
-            if not final and _NAME_SECTION_PREFIX.fullmatch(head):
+            if not _NAME_SECTION_PREFIX.fullmatch(head):
+                self._reject()
+            elif final:
+                self._unfinished()
+            else:
                 return False
-            self._reject()
             return True
         section = _NAME_SECTION.fullmatch(self._buffer[:at])
         if section is None:
@@ -440,6 +459,9 @@ class Llama3JsonToolParser(ToolParser):
                 self._phase = _Phase.OPENING
             elif not final and self.PYTHON_TAG.startswith(body):
                 return False  # "", or a prefix of the tag: the next delta decides
+            elif self._cut and body and self.PYTHON_TAG.startswith(body):
+                self._buffer = ""  # max_tokens cut the tag: a call's start, dropped
+                return False
             else:
                 self._phase = _Phase.CONTENT
             return True

@@ -236,6 +236,30 @@ def test_only_calls_in_the_format_are_accepted(formats: dict[str, Format], name:
     assert swapped != call and not accepts(fmt, one, swapped)
 
 
+@pytest.mark.parametrize("name", ["hermes-tokens", "hermes-text", "llama3_json", "mistral"])
+def test_a_list_of_calls_may_end_after_every_call(formats: dict[str, Format], name: str) -> None:
+    """The model ends a `required` list when it likes: after each complete call (and
+    the format's closing, for mistral's list) EOS is allowed, and so is the next call."""
+    fmt = formats[name]
+    tok = fmt.llg()
+    grammar = llguidance_grammar(constraint_for(fmt, FUNCTIONS, parallel=True))
+    eos = fmt.tokenizer.token_to_id(EOS)
+    calls = [("ping.v2", {}), ("book_room", _ARGS), ("ping.v2", {})]
+    for count in (1, 2, 3):
+        matcher = compile_matcher(grammar, tok)
+        text = fmt.render(calls[:count])
+        for token in fmt.tokenizer.encode(text, add_special_tokens=False).ids:
+            assert matcher.consume_token(token), matcher.get_error()
+        allowed = np.flatnonzero(np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8))
+        assert matcher.is_accepting() and eos in allowed, text
+    one = llguidance_grammar(constraint_for(fmt, FUNCTIONS, parallel=False))
+    matcher = compile_matcher(one, tok)
+    for token in fmt.tokenizer.encode(fmt.render(calls[:1]), add_special_tokens=False).ids:
+        assert matcher.consume_token(token)
+    allowed = np.flatnonzero(np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8))
+    assert [int(t) for t in allowed] == [eos] or matcher.is_stopped()
+
+
 def test_a_named_function_is_the_only_one_allowed(formats: dict[str, Format]) -> None:
     fmt = formats["hermes-text"]
     grammar = llguidance_grammar(constraint_for(fmt, (BOOKING,), parallel=False))

@@ -117,10 +117,11 @@ def test_stream_splits_content_and_a_tool_call() -> None:
     async def body(stub: chat_grpc.ChatServiceStub) -> None:
         responses = await _stream(stub, messages=QUESTION, tools=[WEATHER, TIME])
         assert _joined(responses, "content") == "Let me check."
-        deltas = [d for r in responses for d in r.tool_calls]
-        assert [(d.index, d.name) for d in deltas if d.name] == [(0, "get_weather")]
-        assert deltas[0].id and not deltas[0].arguments
-        assert json.loads("".join(d.arguments for d in deltas)) == {"city": "Paris"}
+        # The whole call in one delta: OpenAI's first delta of a call (id, name and
+        # arguments), and no second.
+        [delta] = [d for r in responses for d in r.tool_calls]
+        assert (delta.index, delta.name) == (0, "get_weather") and delta.id
+        assert json.loads(delta.arguments) == {"city": "Paris"}
         assert responses[-1].finish_reason == chat_pb2.CHAT_FINISH_REASON_TOOL_CALLS
         assert responses[-1].usage.completion_tokens > 0
         assert "</s>" not in _joined(responses, "content")
@@ -162,15 +163,44 @@ def test_unary_chat_returns_whole_tool_calls() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_a_call_cut_by_max_tokens_ends_as_content_with_length() -> None:
+def test_a_call_cut_by_max_tokens_is_dropped_and_the_calls_before_it_kept() -> None:
+    two_calls = f"{CALL_TEXT}\n{CALL_TEXT}"
+    whole = len(TOKENIZER.encode(two_calls, add_special_tokens=False))
+    one = len(TOKENIZER.encode(CALL_TEXT, add_special_tokens=False))
+
+    async def body(stub: chat_grpc.ChatServiceStub) -> None:
+        # Cut inside the first call, just after the second's marker, inside the second.
+        for max_tokens, calls in ((6, 0), (one + 2, 1), (whole - 3, 1)):
+            sampling = common_pb2.SamplingParams(max_tokens=max_tokens)
+            responses = await _stream(stub, messages=QUESTION, tools=[WEATHER],
+                                      sampling=sampling)
+            assert len([d for r in responses for d in r.tool_calls]) == calls
+            assert _joined(responses, "content") == ""
+            assert responses[-1].finish_reason == chat_pb2.CHAT_FINISH_REASON_LENGTH
+            response = await stub.Chat(chat_pb2.ChatRequest(messages=QUESTION, tools=[WEATHER],
+                                                            sampling=sampling))
+            [choice] = response.choices
+            assert (choice.content, len(choice.tool_calls)) == ("", calls)
+            assert choice.finish_reason == chat_pb2.CHAT_FINISH_REASON_LENGTH
+
+    _serve(two_calls, body)
+
+
+@pytest.mark.timeout(30)
+def test_parallel_tool_calls_false_reports_only_the_first_call() -> None:
     async def body(stub: chat_grpc.ChatServiceStub) -> None:
         responses = await _stream(stub, messages=QUESTION, tools=[WEATHER],
-                                  sampling=common_pb2.SamplingParams(max_tokens=6))
-        assert not [d for r in responses for d in r.tool_calls]
-        assert _joined(responses, "content").startswith("<tool_call>")
-        assert responses[-1].finish_reason == chat_pb2.CHAT_FINISH_REASON_LENGTH
+                                  parallel_tool_calls=False)
+        assert [d.index for r in responses for d in r.tool_calls] == [0]
+        assert _joined(responses, "content") == ""
+        response = await stub.Chat(chat_pb2.ChatRequest(messages=QUESTION, tools=[WEATHER],
+                                                        parallel_tool_calls=False))
+        assert len(response.choices[0].tool_calls) == 1
+        assert response.choices[0].finish_reason == chat_pb2.CHAT_FINISH_REASON_TOOL_CALLS
+        both = await stub.Chat(chat_pb2.ChatRequest(messages=QUESTION, tools=[WEATHER]))
+        assert len(both.choices[0].tool_calls) == 2
 
-    _serve(CALL_TEXT, body)
+    _serve(f"{CALL_TEXT}\n{CALL_TEXT}", body)
 
 
 @pytest.mark.timeout(30)
@@ -195,10 +225,17 @@ def test_required_and_named_tool_choice_send_a_grammar_to_the_engine() -> None:
             messages=QUESTION, tools=[WEATHER, TIME],
             tool_choice=chat_pb2.ToolChoice(function="get_time")))
 
+        await stub.Chat(chat_pb2.ChatRequest(messages=QUESTION, tools=[WEATHER, TIME],
+                                             tool_choice=required, parallel_tool_calls=False))
+
     engine = _serve(CALL_TEXT, body)
-    both, named = (add.sampling.grammar for add in engine.adds)
+    both, named, single = (add.sampling.grammar for add in engine.adds)
     assert "get_weather" in both and "get_time" in both
     assert "get_time" in named and "get_weather" not in named
+    # `required` takes a list of calls by default; a named function (whatever
+    # parallel_tool_calls says) and parallel_tool_calls=false take exactly one.
+    assert "call)*" in both
+    assert "call)*" not in named and "call)*" not in single
 
 
 @pytest.mark.timeout(30)

@@ -19,7 +19,10 @@ from tests.unit.frontend.fakes import FakeEngine, script, serve_generate
 def test_stream_interleaves_samples_and_sums_usage(
     tokenizer: TextTokenizer, model_info: ModelInfo
 ) -> None:
-    engine = FakeEngine(script(tokenizer))
+    # In lockstep: the frontend adds the siblings only once sample 0's first token is
+    # back, and on timers alone a loaded machine let sample 0 send its next tokens
+    # before the siblings started (then the first three chunks were all sample 0's).
+    engine = FakeEngine(script(tokenizer), lockstep=3)
 
     async def body(stub: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
         sampling = common_pb2.SamplingParams(n=3, seed=10, max_tokens=4, prompt_logprobs=1)
@@ -29,7 +32,9 @@ def test_stream_interleaves_samples_and_sums_usage(
             mine = [c for c in chunks if c.index == index]
             assert [t for c in mine for t in c.token_ids] == engine.script[:4]
             assert [bool(c.finish_reason) for c in mine] == [False] * (len(mine) - 1) + [True]
-        assert {c.index for c in chunks[:3]} != {0}  # interleaved, not one after another
+        # Interleaved, not one after another: every sample's first token comes before
+        # any sample's second.
+        assert sorted(c.index for c in chunks[:3]) == [0, 1, 2]
         assert all(not c.HasField("usage") for c in chunks[:-1])
         prompt = tokenizer.encode("hello")
         assert chunks[-1].usage == common_pb2.Usage(

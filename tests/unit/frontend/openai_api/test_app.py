@@ -18,7 +18,12 @@ import httpx
 import openai
 import pytest
 from corestream.common.v1 import common_pb2
+from openai.lib.streaming.chat import ChatCompletionStreamState
+from openai.types.chat import ChatCompletionChunk
 
+from services.common.observability import Observability
+from services.common.observability_config import ObservabilityConfig
+from services.common.ports import free_port
 from services.common.tiny_checkpoint import TINY_CHAT_TEMPLATE
 from services.frontend.chat.template import ChatTemplates
 from services.frontend.config import FrontendConfig
@@ -63,7 +68,8 @@ def _script(text: str, eos: bool = True) -> list[int]:
 
 def _serve(body: Body, answer: str = ANSWER, *, eos: bool = True,
            engine: FakeEngine | None = None, engines: tuple[str, ...] | None = None,
-           templates: ChatTemplates | None = None, **config: Any) -> FakeEngine:
+           templates: ChatTemplates | None = None,
+           observability: Observability | None = None, **config: Any) -> FakeEngine:
     engine = engine or FakeEngine(_script(answer, eos), step_s=0.001)
     if templates is None:
         templates = ChatTemplates(default=TINY_CHAT_TEMPLATE, special_tokens=SPECIAL)
@@ -72,7 +78,7 @@ def _serve(body: Body, answer: str = ANSWER, *, eos: bool = True,
         engine_server, address = await start_fake_engine(engine)
         frontend = FrontendServer(
             FrontendConfig(port=0, http_port=0, engines=engines or (address,), **config),
-            TOKENIZER, MODEL, chat_templates=templates)
+            TOKENIZER, MODEL, chat_templates=templates, observability=observability)
         await frontend.start()
         try:
             if engines is None:
@@ -318,6 +324,81 @@ def test_chat_stream_roles_deltas_tool_call_and_usage() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_streamed_tool_calls_take_openais_delta_shape() -> None:
+    """The real SSE stream, read by the openai package's own accumulator (what its
+    `.stream()` helper runs): two calls after some content."""
+
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            response = await http.post("/v1/chat/completions", json={
+                "model": MODEL.name, "messages": USER, "tools": [WEATHER_TOOL],
+                "stream": True})
+        assert response.status_code == 200
+        chunks = [ChatCompletionChunk.model_validate_json(event)
+                  for event in _sse_events(response.text)[:-1]]
+        state: ChatCompletionStreamState[None] = ChatCompletionStreamState(
+            input_tools=[WEATHER_TOOL])  # type: ignore[list-item]
+        events = [event for chunk in chunks for event in state.handle_chunk(chunk)]
+        seen: set[int] = set()
+        for chunk in chunks:
+            deltas = chunk.choices[0].delta.tool_calls or []
+            # One entry per call per chunk; a call's first carries its id and name.
+            assert len({d.index for d in deltas}) == len(deltas)
+            for delta in deltas:
+                assert delta.function is not None
+                if delta.index not in seen:
+                    assert delta.id and delta.type == "function" and delta.function.name
+                else:
+                    assert delta.id is None and delta.function.name is None
+                seen.add(delta.index)
+        assert seen == {0, 1}
+        done = [(e.name, e.arguments) for e in events
+                if e.type == "tool_calls.function.arguments.done"]
+        assert done == [("get_weather", '{"city":"Paris"}')] * 2
+        final = state.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls"
+        assert final.message.content == "Let me check."
+        calls = final.message.tool_calls or []
+        assert [(c.index, c.function.name) for c in calls] == [  # type: ignore[attr-defined]
+            (0, "get_weather"), (1, "get_weather")]
+        assert all(c.id for c in calls) and calls[0].id != calls[1].id
+        assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}] * 2
+
+    _serve(body, f"Let me check.\n{CALL_TEXT}\n{CALL_TEXT}")
+
+
+@pytest.mark.timeout(30)
+def test_a_forced_call_cut_by_max_tokens_leaves_no_markup_in_content() -> None:
+    two_calls = f"{CALL_TEXT}\n{CALL_TEXT}"
+    max_tokens = len(_script(two_calls, eos=False)) - 3
+
+    async def body(env: Env) -> None:
+        client = env.client()
+        for tool_choice in ("required", "auto"):
+            response = await client.chat.completions.create(
+                model=MODEL.name, messages=USER, tools=[WEATHER_TOOL],
+                tool_choice=tool_choice, max_tokens=max_tokens)  # type: ignore[arg-type]
+            choice = response.choices[0]
+            assert choice.finish_reason == "length"
+            assert choice.message.content is None
+            assert [c.function.name for c in choice.message.tool_calls or []] == [
+                "get_weather"]
+            stream = await client.chat.completions.create(
+                model=MODEL.name, messages=USER, tools=[WEATHER_TOOL],
+                tool_choice=tool_choice, max_tokens=max_tokens,  # type: ignore[arg-type]
+                stream=True)
+            state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+            async for chunk in stream:
+                state.handle_chunk(chunk)
+            # The snapshot: the final parse refuses a "length" answer.
+            final = state.current_completion_snapshot.choices[0]
+            assert final.finish_reason == "length" and not final.message.content
+            assert len(final.message.tool_calls or []) == 1
+
+    _serve(body, two_calls)
+
+
+@pytest.mark.timeout(30)
 def test_chat_extra_body_reaches_the_engine() -> None:
     template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
 
@@ -460,6 +541,44 @@ def test_api_keys_guard_the_api_but_not_health(tmp_path: Path) -> None:
     _serve(body, api_key_file=str(keys))
 
 
+def _families(text: str) -> set[str]:
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+@pytest.mark.timeout(30)
+def test_metrics_on_the_http_port_are_the_metrics_ports_without_a_key(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY}\n", encoding="utf-8")
+    observability = Observability("frontend", ObservabilityConfig(metrics_port=free_port()),
+                                  "127.0.0.1")
+
+    async def body(env: Env) -> None:
+        metrics_port = env.frontend.observability.start_metrics()
+        try:
+            client = env.client()
+            await client.completions.create(model=MODEL.name, prompt="hello", max_tokens=2)
+            async with env.http() as http:
+                # No key, as on the metrics port and /health.
+                response = await http.get("/metrics")
+                on_port = await http.get(f"http://127.0.0.1:{metrics_port}/metrics")
+                openmetrics = await http.get(
+                    "/metrics", headers={"Accept": "application/openmetrics-text"})
+                assert (await http.post("/metrics")).status_code == 405
+        finally:
+            env.frontend.observability.shutdown()
+        assert response.status_code == on_port.status_code == 200
+        assert response.headers["content-type"] == on_port.headers["content-type"]
+        assert response.headers["content-type"].startswith("text/plain")
+        assert _families(response.text) == _families(on_port.text)
+        assert 'corestream:request_success_total{' in response.text
+        assert "corestream:config_info{" in response.text  # the frontend's own config
+        assert "process_cpu_seconds_total" in response.text
+        assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+        assert openmetrics.text.endswith("# EOF\n")
+
+    _serve(body, api_key_file=str(keys), observability=observability)
+
+
 @pytest.mark.timeout(30)
 def test_engine_overload_is_429_with_retry_after() -> None:
     engine = FakeEngine(_script(ANSWER), step_s=0.001)
@@ -569,7 +688,8 @@ def test_x_request_id_is_used_and_echoed_and_a_running_duplicate_is_409() -> Non
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello"}, headers={"X-Request-Id": "x" * 10000})
             _assert_error(response, 400, "request_id")
-            assert "x-request-id" not in response.headers
+            # Not echoed: a new id names the refusal.
+            assert len(response.headers["x-request-id"]) == 32
 
             # Refused before the id was settled (the body, the model): echoed all the same.
             for path, body_json in (("/v1/completions", {"model": MODEL.name}),
@@ -581,6 +701,78 @@ def test_x_request_id_is_used_and_echoed_and_a_running_duplicate_is_409() -> Non
                 assert response.headers["x-request-id"] == "early"
 
     _serve(body, engine=engine)
+
+
+def _request_id_header(response: httpx.Response, sent: str | None) -> None:
+    request_id = response.headers.get("x-request-id")
+    assert request_id == sent if sent else request_id, response.headers
+
+
+@pytest.mark.timeout(30)
+def test_every_error_names_openai_params_with_a_snake_case_code_and_a_request_id() -> None:
+    """One naming scheme at the HTTP door: `param` and the message name the body's
+    field (never the proto's `sampling.`), `code` is lower snake case, and the
+    response carries X-Request-Id: the client's, or a new one."""
+    chat = {"model": MODEL.name, "messages": USER}
+    completion = {"model": MODEL.name, "prompt": "hello"}
+    cases: list[tuple[str, str, Any, int, str | None, str]] = [
+        # (method, path, body, status, param, code)
+        ("POST", "/v1/chat/completions", {**chat, "temperature": -1}, 400, "temperature",
+         "invalid_argument"),
+        ("POST", "/v1/completions", {**completion, "top_k": -5}, 400, "top_k",
+         "invalid_argument"),
+        ("POST", "/v1/completions", {**completion, "min_tokens": 20, "max_tokens": 10}, 400,
+         "min_tokens", "invalid_argument"),
+        ("POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 30}, 400,
+         "top_logprobs", "invalid_argument"),
+        ("POST", "/v1/completions", {**completion, "max_tokens": 4095}, 400, "max_tokens",
+         "prompt_too_long"),
+        ("POST", "/v1/chat/completions", {**chat, "max_completion_tokens": 4095}, 400,
+         "max_completion_tokens", "prompt_too_long"),
+        ("POST", "/v1/completions", {**completion, "prompt": "hello " * 5000}, 400,
+         "prompt", "prompt_too_long"),
+        ("POST", "/v1/chat/completions",
+         {**chat, "messages": [{"role": "user", "content": "hello " * 5000}]}, 400,
+         "messages", "prompt_too_long"),
+        ("POST", "/v1/completions", {**completion, "prompt": [5, 99999]}, 400, "prompt",
+         "invalid_argument"),
+        ("POST", "/v1/chat/completions",
+         {**chat, "tools": [WEATHER_TOOL],
+          "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+         "tool_choice.function.name", "invalid_argument"),
+        ("POST", "/v1/chat/completions", {**chat, "model": "gpt-nope"}, 404, "model",
+         "model_not_found"),
+        ("POST", "/v1/completions", b"{not json", 400, "body", "invalid_argument"),
+        ("GET", "/v1/completions", None, 405, None, "method_not_allowed"),
+        ("POST", "/v1/models", None, 405, None, "method_not_allowed"),
+        ("GET", "/v1/nothing-here", None, 404, None, "not_found"),
+        ("POST", "/v2/chat/completions", chat, 404, None, "not_found"),
+    ]
+
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            for method, path, data, status, param, code in cases:
+                for sent in (None, "client-id-7"):
+                    headers = {"X-Request-Id": sent} if sent else {}
+                    if isinstance(data, bytes):
+                        response = await http.request(method, path, content=data,
+                                                      headers=headers)
+                    else:
+                        response = await http.request(method, path, json=data,
+                                                      headers=headers)
+                    error = _assert_error(response, status, param)
+                    case = (method, path, error)
+                    assert error["code"] == code, case
+                    assert "sampling." not in error["message"], case
+                    assert "token_ids" not in error["message"], case
+                    if param is not None:
+                        assert param in error["message"], case
+                    _request_id_header(response, sent)
+            response = await http.get("/v1/completions")
+            assert response.headers["allow"] == "POST"
+        assert env.engine.adds == []
+
+    _serve(body)
 
 
 # --- disconnects --------------------------------------------------------------------

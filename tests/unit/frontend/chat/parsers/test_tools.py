@@ -299,16 +299,12 @@ CASES = HERMES_CASES + LLAMA3_CASES + MISTRAL_CASES
 
 
 def _assemble(deltas: list[ToolCallDelta]) -> list[ToolCall]:
-    """The calls a client rebuilds from the deltas, checking their order and shape."""
+    """The calls a client rebuilds from the deltas, checking their shape: each call
+    is one delta, with its index, id, name and arguments (OpenAI's first delta)."""
     calls: list[ToolCall] = []
     for delta in deltas:
-        if delta.id is not None:
-            assert delta.index == len(calls) and delta.name and delta.arguments == ""
-            calls.append(ToolCall(delta.id, delta.name, ""))
-        else:
-            assert calls and delta.index == len(calls) - 1 and delta.name is None
-            last = calls[-1]
-            calls[-1] = ToolCall(last.id, last.name, last.arguments + delta.arguments)
+        assert delta.index == len(calls) and delta.id and delta.name, delta
+        calls.append(ToolCall(delta.id, delta.name, delta.arguments))
     return calls
 
 
@@ -341,10 +337,7 @@ def test_call_is_emitted_only_when_complete() -> None:
     out = parser.feed("_call>")
     assert out.content == ""
     call_id = parser.calls[0].id
-    assert out.tool_calls == (
-        ToolCallDelta(0, call_id, "f", ""),
-        ToolCallDelta(0, None, None, '{"x":1}'),
-    )
+    assert out.tool_calls == (ToolCallDelta(0, call_id, "f", '{"x":1}'),)
     assert parser.finish() == ParsedDelta()
 
 
@@ -355,6 +348,41 @@ def test_truncated_call_emits_no_delta_and_ends_as_content() -> None:
         assert parser.feed(char) == ParsedDelta()
     assert parser.finish() == ParsedDelta(text)
     assert parser.calls == []
+
+
+CUT = {
+    "hermes": ('Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n',
+               ['<tool_call>\n{"name": "g", "arguments": {"x": 1}}\n</tool',
+                "<tool_call>\n{\"na", "<tool_call>", "<tool_c", "<"]),
+    "llama3_json": ('{"name": "f", "parameters": {}}; ',
+                    ['{"name": "g", "parameters": {"x": ', "{", '{"name"']),
+    "mistral": ('Sure. [TOOL_CALLS]f[ARGS]{}',
+                ["[TOOL_CALLS]g[ARGS]{", "[TOOL_CALLS]get_", "[TOOL_CALLS]", "[TOOL_C"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT))
+def test_a_call_cut_by_max_tokens_is_dropped_and_the_calls_before_it_stand(name: str) -> None:
+    complete, cuts = CUT[name]
+    for cut in cuts:
+        for chunks in chunkings(complete + cut):
+            parser = make_tool_parser(name)
+            outs = [parser.feed(chunk) for chunk in chunks] + [parser.finish(cut=True)]
+            content = "".join(out.content for out in outs)
+            assert content.strip() in ("", "Sure."), (cut, chunks)
+            assert [c.name for c in _assemble([d for o in outs for d in o.tool_calls])] == ["f"]
+    # The model's own end inside a call: malformed, its text is content.
+    content, calls = make_tool_parser(name).parse_whole(complete + cuts[0])
+    assert cuts[0].strip() in content and [c.name for c in calls] == ["f"]
+
+
+def test_content_cut_by_max_tokens_is_kept() -> None:
+    parser = HermesToolParser()
+    assert parser.feed("It is sunny ") == ParsedDelta("It is sunny")
+    assert parser.finish(cut=True) == ParsedDelta(" ")
+    llama = Llama3JsonToolParser()
+    assert llama.feed("Hi") == ParsedDelta("Hi")
+    assert llama.finish(cut=True) == ParsedDelta()
 
 
 def test_partial_marker_is_held_then_released_as_content() -> None:
