@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common.cache_folder import ensure_folder
 from services.common.gguf_tokenizer import build_tokenizer, tokenizer_config
 
 if TYPE_CHECKING:
@@ -107,22 +105,8 @@ def view_dir(file: Path, cache_dir: Path) -> Path:
 
 def ensure_gguf_view(file: Path, cache_dir: Path) -> Path:
     """The view folder of GGUF `file`, writing it first if it does not exist yet."""
-    target = view_dir(file, cache_dir)
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write_gguf_view(file.resolve(), staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            # Another process renamed its view first; it holds the same files.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return ensure_folder(view_dir(file, cache_dir),
+                         lambda folder: write_gguf_view(file.resolve(), folder))
 
 
 def write_gguf_view(file: Path, folder: Path) -> None:

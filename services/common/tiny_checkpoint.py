@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from services.common.cache_folder import ensure_folder
 from services.common.gguf_checkpoint import ensure_gguf_view, gguf_file_of
 
 # Bump the suffix whenever the bytes written below change, so stale caches are ignored.
@@ -105,22 +104,7 @@ def default_cache_dir() -> Path:
 def ensure_tiny_checkpoint(cache_dir: Path | None = None) -> Path:
     """The tiny checkpoint's folder, writing it first if it does not exist yet."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / TINY_CHECKPOINT_NAME
-    if (target / "config.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_CHECKPOINT_NAME}-", dir=root))
-    try:
-        write_tiny_checkpoint(staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            # Another process renamed its copy first; theirs has the same bytes.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return ensure_folder(root / TINY_CHECKPOINT_NAME, write_tiny_checkpoint)
 
 
 class CheckpointNotFound(FileNotFoundError, ValueError):
