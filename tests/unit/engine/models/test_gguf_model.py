@@ -19,12 +19,11 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from services.common.gguf_checkpoint import ensure_gguf_view
 from kernels.quant import dequantize
+from services.common.gguf_checkpoint import ensure_gguf_view
 from services.engine.models.gguf_weights import read_gguf
 from services.engine.models.linear import QuantizedEmbedding, QuantizedLinear
-from services.engine.scheduler.output import SchedulerOutput
-from services.engine.scheduler.output import ScheduledRequest
+from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
 from tests.unit.engine.runner_driver import GREEDY, all_logits, generate
