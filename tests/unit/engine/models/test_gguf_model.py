@@ -12,6 +12,7 @@ while prefill (which dequantizes each layer for the call) matches their logits c
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,17 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from kernels.quant import dequantize
+from kernels.quant import QuantizedWeight, dequantize, quantize_q4_1, quantize_q8_0
 from services.common.gguf_checkpoint import ensure_gguf_view
+from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.gguf_weights import read_gguf
-from services.engine.models.linear import QuantizedEmbedding, QuantizedLinear
+from services.engine.models.linear import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    has_quantized_layers,
+)
+from services.engine.models.loader import DEQUANTIZE_ENV, load_model, pack_projections
+from services.engine.models.tp_sharding import ShardPlan
 from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
@@ -193,3 +201,37 @@ def test_prefill_logits_match_transformers(runner: ModelRunner, hf_model: Any,
     with torch.inference_mode():
         theirs = torch.cat([hf_model(torch.tensor([p])).logits[0] for p in prompts.values()])
     torch.testing.assert_close(ours, theirs, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_tensor_parallel_refuses_quantized_weights(view: Path, smollm2_gguf: Path) -> None:
+    config = DecoderConfig.from_hf(json.loads((view / "config.json").read_text()))
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        read_gguf(smollm2_gguf, "llama", torch.float32, torch.device("cpu"),
+                  plan=ShardPlan(config, 0, 3), keep_quantized=lambda name: True)
+
+
+def test_packing_concatenates_blocks_of_one_type_and_dequantizes_mixed_ones() -> None:
+    torch.manual_seed(0)
+    q, k = torch.randn(64, 64), torch.randn(32, 64)
+    same = {"l.q_proj.weight": quantize_q4_1(q), "l.k_proj.weight": quantize_q4_1(k)}
+    pack_projections(same, {"qk_proj": ("q_proj", "k_proj")})
+    fused = same["l.qk_proj.weight"]
+    assert isinstance(fused, QuantizedWeight) and fused.shape == (96, 64)
+    assert torch.equal(dequantize(fused),
+                       torch.cat([dequantize(quantize_q4_1(q)), dequantize(quantize_q4_1(k))]))
+    mixed = {"l.q_proj.weight": quantize_q4_1(q), "l.k_proj.weight": quantize_q8_0(k)}
+    pack_projections(mixed, {"qk_proj": ("q_proj", "k_proj")}, torch.bfloat16)
+    dense = mixed["l.qk_proj.weight"]
+    assert isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16
+    assert torch.equal(dense, torch.cat([dequantize(quantize_q4_1(q)),
+                                         dequantize(quantize_q8_0(k))]).bfloat16())
+
+
+def test_switch_dequantizes_as_before(view: Path, hf_model: Any,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEQUANTIZE_ENV, "1")
+    model = load_model(view, torch.float32, torch.device("cpu"), 128)
+    assert not has_quantized_layers(model)
+    assert not isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert torch.equal(model.model.embed_tokens.weight,
+                       hf_model.state_dict()["model.embed_tokens.weight"])
