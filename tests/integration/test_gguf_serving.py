@@ -21,6 +21,10 @@ from tests.integration.cluster import Cluster, free_port
 pytestmark = pytest.mark.timeout(400)
 
 QUESTION = "What is the capital of France?"
+# NOTE: another question at the second door: a repeat of the first would hit the prefix
+# cache, and a prefill of a few rows quantizes activations to 8 bits in every layer, where
+# SmolLM2's first token for QUESTION is a 0.08-logit coin toss ("The" or "L'Étoile").
+OTHER_QUESTION = "What is the capital of Germany?"
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +58,16 @@ def test_chat_service_answers(cluster: tuple[Cluster, int]) -> None:
     assert choice.finish_reason == chat_pb2.CHAT_FINISH_REASON_STOP
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "quantized layers: the second request hits the prefix cache, so its few-row prefill "
-    "quantizes activations to 8 bits in every layer, and SmolLM2's first-token logits for "
-    "'The' and 'L' are 0.08 apart: it may answer \"L'Étoile, ...\" (open, see issue #37)"))
 def test_openai_chat_completions_answer(cluster: tuple[Cluster, int]) -> None:
     _, http_port = cluster
     with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused",
                        max_retries=0, timeout=120) as client:
         [model] = client.models.list().data
         completion = client.chat.completions.create(
-            model=model.id, messages=[{"role": "user", "content": QUESTION}],
+            model=model.id, messages=[{"role": "user", "content": OTHER_QUESTION}],
             temperature=0, max_tokens=24)
     [choice] = completion.choices
-    assert "Paris" in (choice.message.content or ""), choice
+    assert "Berlin" in (choice.message.content or ""), choice
     assert choice.finish_reason == "stop"
 
 
