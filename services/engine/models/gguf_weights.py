@@ -9,16 +9,17 @@ did to the layout: for the llama architecture it interleaved the two halves of e
 and k head's rows (its RoPE rotates adjacent pairs, ours rotates halves). Rows are whole
 quantization blocks, so that permutation runs on the raw blocks.
 
-NOTE (interim): `read_gguf` dequantizes every tensor at load (`gguf.quants.dequantize` to
-float32, then the serving dtype), so a model holds several times its file in memory
-(SmolLM2-135M Q4_1: a 94 MiB file, 513 MiB of float32 parameters).
-The quantized linear layers will take `GGUFTensor.blocks` with its `qtype` instead of
-`dequantize()`; nothing before that point needs to change.
+A linear weight of a block type (`QUANTIZED_TYPES`) stays as the file stores it:
+`read_gguf` hands it over as a `QuantizedWeight` over the file's bytes (memory-mapped, or
+the permuted copy), which `linear.QuantizedLinear` multiplies by as it is; every other
+tensor (norms, F32/F16 ones, stacked experts) is dequantized into the serving dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,12 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from kernels.quant import GGMLType, QuantizedWeight
 from services.engine.models.tp_sharding import ShardPlan
+
+QUANTIZED_TYPES = frozenset(GGMLType[name] for name in (
+    "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"))
+"""The block types a linear layer serves as stored (`kernels.quant.quant_linear`)."""
 
 # blk.<i>.<part> -> the layer's module, as Hugging Face names it.
 _LAYER_PARTS: dict[str, str] = {
@@ -81,6 +87,19 @@ class GGUFTensor:
         view of the file's read-only memory map, so those are copied."""
         values = dequantize(self.blocks, self.qtype).reshape(self.shape)
         return values if values.flags.writeable else values.copy()
+
+    @property
+    def is_quantized_matrix(self) -> bool:
+        """A 2-D weight of a block type: a linear layer can take it as it is stored."""
+        return len(self.shape) == 2 and int(self.qtype) in QUANTIZED_TYPES
+
+    def quantized_weight(self) -> QuantizedWeight:
+        """The blocks as a `QuantizedWeight`, over the file's bytes (no copy): a memory-map
+        is read-only, which torch warns about, but nothing writes to weights."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            data = torch.from_numpy(self.blocks)
+        return QuantizedWeight.from_file(data, int(self.qtype), self.shape)
 
 
 def gguf_tensors(reader: GGUFReader, model_type: str) -> Iterator[tuple[str, GGUFTensor]]:
@@ -153,15 +172,27 @@ def read_gguf(
     device: torch.device,
     model_name: Callable[[str], str | None] = lambda name: name,
     plan: ShardPlan | None = None,
-) -> dict[str, torch.Tensor]:
-    """The model's tensors from GGUF `file`, dequantized into `dtype` on `device` (the
-    interim path, see the module's note); as `loader._read_safetensors`, `model_name`
-    renames or skips (None) each, and `plan` keeps this tensor-parallel rank's slice."""
+    keep_quantized: Callable[[str], bool] = lambda name: False,
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The model's tensors from GGUF `file`; as `loader._read_safetensors`, `model_name`
+    renames or skips (None) each, and `plan` keeps this tensor-parallel rank's slice.
+    A 2-D tensor of a block type whose (model's) name `keep_quantized` accepts comes as a
+    `QuantizedWeight` on `device`; the others are dequantized into `dtype`."""
     reader = GGUFReader(file)
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor | QuantizedWeight] = {}
     for name, tensor in gguf_tensors(reader, model_type):
         ours = model_name(name)
         if ours is None:
+            continue
+        if tensor.is_quantized_matrix and keep_quantized(ours):
+            if plan is not None:
+                raise ValueError("tensor parallelism over a GGUF file's quantized weights "
+                                 "is not supported yet: serve it with "
+                                 "--tensor-parallel-size 1")
+            weight = tensor.quantized_weight()
+            if device.type != "cpu":
+                weight = dataclasses.replace(weight, blocks=weight.blocks.to(device))
+            state[ours] = weight
             continue
         values = torch.from_numpy(tensor.dequantize())
         if plan is not None:

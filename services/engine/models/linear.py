@@ -2,6 +2,8 @@
 
 `lay_out_for_cpu` gives every such weight of a loaded model its CPU layout once (see
 kernels/cpu_linear.py for why); until then, and on CUDA, a layer is `nn.Linear`.
+A GGUF checkpoint's layers of a block type are `QuantizedLinear` instead (its embedding
+table `QuantizedEmbedding`): they hold the file's blocks and never a float copy of them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,17 @@ import torch
 from torch import nn
 
 from kernels.cpu_linear import cpu_layout, layout_name, linear, own_panels
+from kernels.quant import (
+    QuantizedWeight,
+    dequantize,
+    dequantize_blocks,
+    quant_linear,
+    quantize_q8_0,
+)
+
+QUANTIZED_ACTIVATION_ROWS = 32
+"""Up to this many rows `quant_linear` quantizes the activations to 8 bits
+(kMaxGemvRows in kernels/csrc/quant_cpu.cpp); more rows multiply float32 ones."""
 
 
 class Linear(nn.Linear):
@@ -21,6 +34,58 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.panels)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is a GGUF file's quantized blocks (`quant_linear`)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None,
+                 residual_pass: bool = False) -> None:
+        """`residual_pass`: at few rows, also multiply by what the 8-bit quantization of
+        the activations left out (for the LM head: SmolLM2's top two logits can be 0.08
+        apart, and one pass errs by about that much; two err by 0.002)."""
+        super().__init__()
+        self.weight = weight
+        self.residual_pass = residual_pass
+        # The same bytes as a buffer: counted and listed with the model's tensors.
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = quant_linear(x, self.weight)
+        if self.residual_pass and x.numel() <= QUANTIZED_ACTIVATION_ROWS * x.shape[-1]:
+            # The residual of the same rounding as the kernel's (ggml's Q8_0): its own
+            # quantization error is 1/254 of that left in one pass.
+            flat = x.reshape(-1, x.shape[-1]).float()
+            residual = flat - dequantize(quantize_q8_0(flat))
+            y = y + quant_linear(residual.to(x.dtype), self.weight).view_as(y)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.weight.ggml_type.name}, bias={self.bias is not None}"
+                + (", residual_pass=True" if self.residual_pass else ""))
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding table kept as quantized rows: a lookup dequantizes the rows it
+    reads, into `dtype` (bit for bit the dequantized table's rows)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = weight
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.blocks[input_ids]
+        return dequantize_blocks(rows, self.weight.ggml_type).to(self.dtype)
+
+
+def has_quantized_layers(model: nn.Module) -> bool:
+    """Whether any linear layer of `model` holds quantized blocks (`QuantizedLinear`)."""
+    return any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
 def lay_out_for_cpu(model: nn.Module) -> Counter[str]:

@@ -32,6 +32,7 @@ makes some 70 such calls, which shows in a single-stream decode step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -46,7 +47,7 @@ from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import rotate_and_store_kv
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
-from services.engine.models.linear import Linear
+from services.engine.models.linear import Linear, has_quantized_layers
 from services.engine.models.rotary_embedding import RotaryEmbedding
 from services.engine.models.tp_layers import (
     VocabParallelEmbedding,
@@ -57,6 +58,8 @@ from services.engine.models.tp_layers import (
     split_evenly,
 )
 from services.engine.parallel.tp_group import TPGroup, current_tp_group
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -282,13 +285,27 @@ class LlamaModel(nn.Module):
             bound = self._decode = (backend, head, self._bind_decode_model(head))
         return bound[2]
 
+    def _decode_weights(self) -> list[torch.Tensor]:
+        """The C++ decode op's `weights`, or [] where it cannot take the layers: quantized
+        ones (it multiplies float weights only; `QuantizedLinear` runs `quant_linear` per
+        projection) or ones not plain Llama-family."""
+        if has_quantized_layers(self):
+            logger.info("decode steps: per-layer Python path (quantized linear layers "
+                        "run quant_linear; the one-call C++ decode op takes float weights)")
+            return []
+        tensors = [layer.decode_tensors() for layer in self.layers]
+        usable = [t for t in tensors if t is not None]
+        if len(usable) < len(tensors):
+            logger.info("decode steps: per-layer Python path (not all layers are plain "
+                        "Llama-family ones)")
+            return []
+        return flat_weights(usable)
+
     def _bind_decode_model(self, head: Linear | None) -> DecodeModel | None:
         if self._flat_weights is None:
             # Gathered on first use, once the loader has put the checkpoint's tensors in
             # place (and laid them out); nothing replaces them after that.
-            tensors = [layer.decode_tensors() for layer in self.layers]
-            usable = [t for t in tensors if t is not None]
-            self._flat_weights = flat_weights(usable) if len(usable) == len(tensors) else []
+            self._flat_weights = self._decode_weights()
         if not self._flat_weights:
             return None
         attn = self.layers[0].self_attn
@@ -296,7 +313,8 @@ class LlamaModel(nn.Module):
         op = cpu_decode_model(embedding, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         if op is None:
             return None
-        head_tensors = [] if head is None or head.panels is None else [
+        # A quantized head (`QuantizedLinear`) has no panels: the caller runs it.
+        head_tensors = [] if getattr(head, "panels", None) is None else [
             head.weight, head.panels, ABSENT if head.bias is None else head.bias]
         return DecodeModel(
             op, embedding, self.rotary_emb.table(embedding.device), self._flat_weights,

@@ -16,7 +16,11 @@ only this rank's slice of each tensor (`tp_sharding.ShardPlan`, through safetens
 `get_slice`), before the packing above, so a rank never holds the whole model.
 A GGUF view (config.json names its file, `GGUF_FILE_KEY`) reads the tensors from that file
 instead (`gguf_weights.read_gguf`), under the same names, so all of the above applies;
-for now they are dequantized at load, and a rank slices each whole dequantized tensor.
+its linear weights of a block type stay quantized (`place_quantized`: `QuantizedLinear`
+layers over the file's blocks, a `QuantizedEmbedding` table, and a tied head over the
+table's blocks) unless CORESTREAM_GGUF_DEQUANTIZE=1 asks for the float layers of old;
+fused projections concatenate the parts' blocks where they share a type (a group of mixed
+types is dequantized). Quantized weights are not sharded: tensor parallelism refuses them.
 """
 
 from __future__ import annotations
@@ -24,20 +28,29 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kernels import cpu_isa
 from kernels.cpu_linear import why_no_onednn
+from kernels.quant import QuantizedWeight, dequantize
 from services.common.gguf_checkpoint import GGUF_FILE_KEY
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.gguf_weights import read_gguf
-from services.engine.models.linear import lay_out_for_cpu
+from services.engine.models.linear import (
+    Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    lay_out_for_cpu,
+)
 from services.engine.models.registry import MODEL_REGISTRY, supported, unsupported_message
 from services.engine.models.tp_sharding import ShardPlan
 
@@ -93,15 +106,18 @@ def load_model(
     def model_name(name: str) -> str | None:
         return _model_tensor_name(name, renames, experts)
 
+    state: dict[str, torch.Tensor | QuantizedWeight]
     if gguf_file := hf_config.get(GGUF_FILE_KEY):
+        quantized = os.environ.get(DEQUANTIZE_ENV, "") in ("", "0")
         state = read_gguf(Path(gguf_file), hf_config["model_type"], dtype, device, model_name,
-                          plan)
+                          plan, keep_quantized=lambda name: quantized and _linear_weight(name))
     else:
-        state = _read_safetensors(folder, dtype, device, model_name, plan)
+        state = dict(_read_safetensors(folder, dtype, device, model_name, plan))
     if experts is not None:
-        pack_experts(state, getattr(cls, "packed_experts", {}), experts)
+        pack_experts(state, getattr(cls, "packed_experts", {}), experts)  # type: ignore[arg-type]
     # The fixed-logits stand-in has no projections, hence no packing to declare.
-    pack_projections(state, getattr(cls, "packed_projections", {}))
+    pack_projections(state, getattr(cls, "packed_projections", {}), dtype)
+    kinds = place_quantized(model, state, dtype)
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = set(result.missing_keys)
     if config.tie_word_embeddings:
@@ -111,7 +127,16 @@ def load_model(
             f"checkpoint {folder} does not fit {cls.__name__}: "
             f"missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}"
         )
-    model.tie_weights()
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if config.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
+        # The head multiplies by the table's own blocks (SmolLM2: its biggest matrix).
+        model.lm_head = QuantizedLinear(embedding.weight, None, residual_pass=True)
+        kinds[f"tied head {embedding.weight.ggml_type.name}"] += 1
+    else:
+        model.tie_weights()
+    if kinds:
+        logger.info("quantized layers kept as the file's blocks: %s",
+                    ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()))
     if device.type == "cpu":
         layouts = lay_out_for_cpu(model)
         why = why_no_onednn(dtype)
@@ -140,8 +165,48 @@ def note_attention_window(config: DecoderConfig, max_model_len: int) -> None:
         )
 
 
+DEQUANTIZE_ENV = "CORESTREAM_GGUF_DEQUANTIZE"
+"""Set to 1: a GGUF file's weights are dequantized at load into float layers (as before
+the quantized layers; for comparisons)."""
+
+
+def _linear_weight(name: str) -> bool:
+    """Whether checkpoint tensor `name` may be kept quantized: a module's weight, not one
+    expert's (experts are stacked into one float tensor per layer)."""
+    return name.endswith(".weight") and _EXPERT_TENSOR.match(name) is None
+
+
+def place_quantized(
+    model: nn.Module, state: dict[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype
+) -> Counter[str]:
+    """Take every `QuantizedWeight` out of `state` into the module it belongs to: a plain
+    `Linear` becomes a `QuantizedLinear` (its bias, if any, still loads from `state`), an
+    `nn.Embedding` a `QuantizedEmbedding` looking up into `dtype`; any other module gets
+    the weight dequantized into `dtype`. Returns how many layers of which type."""
+    kinds: Counter[str] = Counter()
+    for name in [n for n, v in state.items() if isinstance(v, QuantizedWeight)]:
+        weight = state.pop(name)
+        assert isinstance(weight, QuantizedWeight)
+        module_name = name.removesuffix(".weight")
+        module = model.get_submodule(module_name)
+        if type(module) is Linear:
+            # The head picks tokens: its activations get a second, residual pass.
+            replacement: nn.Module = QuantizedLinear(weight, module.bias,
+                                                     residual_pass=name == "lm_head.weight")
+        elif type(module) is nn.Embedding:
+            replacement = QuantizedEmbedding(weight, dtype)
+        else:
+            state[name] = dequantize(weight).to(dtype)
+            continue
+        parent, _, attr = module_name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, replacement)
+        kinds[weight.ggml_type.name] += 1
+    return kinds
+
+
 def pack_projections(
-    state: dict[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
+    state: dict[str, torch.Tensor | QuantizedWeight], packed: Mapping[str, Sequence[str]],
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Replace, in `state`, each complete group of `packed` parts by their concatenation.
 
@@ -149,6 +214,9 @@ def pack_projections(
     (q_proj, k_proj, v_proj): `*.q_proj.weight`, `*.k_proj.weight` and `*.v_proj.weight`
     become `*.qkv_proj.weight` (biases likewise). An incomplete group is left as it is,
     so that loading names the missing tensors.
+    Quantized parts (`QuantizedWeight`, same columns) of one type concatenate their rows of
+    blocks, which is exact; parts of mixed types (or mixed with float ones) are
+    dequantized into `dtype` first.
     """
     for fused, parts in packed.items():
         marker = f".{parts[0]}."
@@ -157,7 +225,22 @@ def pack_projections(
             names = [f"{prefix}.{part}.{suffix}" for part in parts]
             if all(n in state for n in names):
                 # pop, so that each part is freed as soon as its group is packed.
-                state[f"{prefix}.{fused}.{suffix}"] = torch.cat([state.pop(n) for n in names])
+                state[f"{prefix}.{fused}.{suffix}"] = _concat([state.pop(n) for n in names],
+                                                               dtype)
+
+
+def _concat(parts: list[torch.Tensor | QuantizedWeight], dtype: torch.dtype | None
+            ) -> torch.Tensor | QuantizedWeight:
+    """The rows of `parts` in order (see `pack_projections`)."""
+    first = parts[0]
+    if isinstance(first, QuantizedWeight) and all(
+            isinstance(p, QuantizedWeight) and p.ggml_type == first.ggml_type for p in parts):
+        weights = [p for p in parts if isinstance(p, QuantizedWeight)]
+        return QuantizedWeight(torch.cat([w.blocks for w in weights]), first.ggml_type,
+                               first.in_features, sum(w.out_features for w in weights))
+    tensors = [dequantize(p).to(dtype or torch.float32) if isinstance(p, QuantizedWeight)
+               else p for p in parts]
+    return torch.cat(tensors)
 
 
 # A checkpoint tensor of one expert: `<prefix>.experts.<id>.<projection>.weight`.
