@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from corestream.common.v1 import common_pb2
@@ -177,15 +178,14 @@ def plan(
     engine = from_args(EngineConfig, args, exclude=SERVE_OWNED)
     observability = to_argv(from_args(ObservabilityConfig, args, exclude=SERVE_OWNED))
 
-    def metrics_port(offset: int) -> list[str]:
-        # Private ports: serve's own endpoint reads them all (services/serve/metrics.py).
-        del offset
+    def private_metrics() -> list[str]:
+        # Each child's own port; serve's endpoint reads them all (services/serve/metrics.py).
         return (["--metrics-port", str(free_port()), "--metrics-host", HOST]
                 if serve.metrics_port else [])
 
     children = [
         Child("coordinator", ["coordinator", *to_argv(coordinator),
-                              *to_argv(security["coordinator"]), *observability, *metrics_port(0),
+                              *to_argv(security["coordinator"]), *observability, *private_metrics(),
                               "--host", HOST, "--port", str(coordinator_port)]),
     ]
     # MoE models split their experts over the ranks (dense ones ignore these flags).
@@ -196,13 +196,13 @@ def plan(
     for index, placed in enumerate(place_engines(runner, serve.engines)):
         children.append(Child(f"engine-{index}", [
             "engine", *to_argv(engine), *to_argv(placed), *dp, *to_argv(security["engine"]),
-            *observability, *metrics_port(2 + index), "--model", model,
+            *observability, *private_metrics(), "--model", model,
             "--host", HOST, "--port", "0", "--engine-index", str(index),
             "--coordinator", coordinator_addr,
         ]))
     children.append(Child("frontend", [
         "frontend", *to_argv(frontend), *to_argv(security["frontend"]), *observability,
-        *metrics_port(1), "--model", model,
+        *private_metrics(), "--model", model,
         "--host", serve.host, "--port", str(serve.port), "--coordinator", coordinator_addr,
     ]))
     return serve, children, coordinator_addr, security["client"]
@@ -226,10 +226,9 @@ def place_engines(runner: RunnerConfig, engines: int) -> list[RunnerConfig]:
             for e in range(engines)]
 
 
-def splits_experts(model: str) -> bool:
-    """Whether the checkpoint is an MoE model, whose experts the engines split (read
-    from config.json: serve stays torch-free)."""
-    config = json.loads((Path(model) / "config.json").read_text())
+def splits_experts(config: dict[str, Any]) -> bool:
+    """Whether the checkpoint (its config.json: serve stays torch-free) is an MoE model,
+    whose experts the engines split."""
     return max(config.get("num_local_experts", 0), config.get("num_experts", 0)) > 1
 
 
@@ -271,11 +270,8 @@ def serve_metrics_registry(serve: ServeConfig, children: list[Child]
     endpoint = CollectorRegistry()
     endpoint.register(ClusterMetrics(sources))
     server = MetricsServer(endpoint)
-    try:
-        server.start(ObservabilityConfig(metrics_port=serve.metrics_port), serve.host)
-    except OSError as e:
-        raise ValueError(f"cannot serve metrics on {serve.host}:{serve.metrics_port}: {e}; "
-                         "pass --metrics-port") from e
+    # A busy port raises PortUnavailable, which names it and the flag.
+    server.start(ObservabilityConfig(metrics_port=serve.metrics_port), serve.host)
     return own, server
 
 
@@ -297,8 +293,9 @@ def busy_ports(serve: ServeConfig, children: list[Child]) -> str | None:
     return None
 
 
-def check_checkpoint(model: str) -> None:
-    """Refuse a checkpoint that no engine could load, before any engine starts."""
+def checkpoint_config(model: str) -> dict[str, Any]:
+    """The checkpoint's config.json; refused (ValueError) when no engine could load the
+    checkpoint, before any engine starts."""
     try:
         config = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError) as e:
@@ -309,6 +306,7 @@ def check_checkpoint(model: str) -> None:
             '["LlamaForCausalLM"]), so no model class can be chosen for it')
     if supported(list(config["architectures"])) is None:
         raise ValueError(f"model {model!r}: {unsupported_message(list(config['architectures']))}")
+    return config
 
 
 def remove_dead_serves_state(temp_dir: Path) -> None:
@@ -352,17 +350,18 @@ def run(args: argparse.Namespace) -> int:
     stop = ShutdownSignal.install()
     # Write the built-in checkpoint once here, not racily in every child.
     model = str(resolve_model(args.model or None))
-    check_checkpoint(model)
+    config = checkpoint_config(model)
     temp_dir = Path(tempfile.gettempdir())
     remove_dead_serves_state(temp_dir)
     state_dir = Path(tempfile.mkdtemp(prefix=f"{STATE_PREFIX}{os.getpid()}-", dir=temp_dir))
     try:
-        return _run(args, model, state_dir, stop)
+        return _run(args, model, config, state_dir, stop)
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
-def _run(args: argparse.Namespace, model: str, state_dir: Path, stop: ShutdownSignal) -> int:
+def _run(args: argparse.Namespace, model: str, config: dict[str, Any], state_dir: Path,
+         stop: ShutdownSignal) -> int:
     status_file = state_dir / "restarts.json"
     serve, children, coordinator_addr, client = plan(args, model, str(status_file))
     if reason := busy_ports(serve, children):
@@ -371,7 +370,7 @@ def _run(args: argparse.Namespace, model: str, state_dir: Path, stop: ShutdownSi
     coordinator, *engines, frontend = children
     registry, metrics_server = serve_metrics_registry(serve, children)
     policy = RestartPolicy(serve.max_restarts, serve.restart_window_s, serve.restart_backoff_max_s)
-    supervision = Supervision(parts(children, serve.engines > 1 and splits_experts(model)),
+    supervision = Supervision(parts(children, serve.engines > 1 and splits_experts(config)),
                               policy, status_file, registry)
     coordinator_part, *engine_parts, frontend_part = supervision.parts
     deadline = time.monotonic() + serve.startup_timeout_s
