@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,13 +16,9 @@ from typing import Any
 
 from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 
+from services.common.ports import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def descendants(pid: int) -> set[int]:
