@@ -6,8 +6,9 @@ they lie in it (one row of blocks per output feature) and their GGML type. `quan
 multiplies activations by it without ever making a float copy of the whole weight:
 
 - a few rows (decode): the C++ op quantizes the activation rows to 8-bit blocks once per
-  call and takes integer dot products with each weight row's blocks, as llama.cpp does
-  (csrc/quant_dot.h): a pass over the packed weight at memory bandwidth;
+  call, in two passes (the values, then their rounding residual: about 15 bits, where
+  llama.cpp's one pass keeps 8), and takes integer dot products with each weight row's
+  blocks (csrc/quant_dot.h): a pass over the packed weight at memory bandwidth;
 - many rows (prefill): it dequantizes the weight for that call only (one layer's, freed
   at its end) and multiplies by it (csrc/quant_cpu.cpp).
 
@@ -191,8 +192,8 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 
 def quant_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """`x @ dequantize(weight).T` for x `[..., in_features]` float32 or bfloat16, in x's
-    dtype; the C++ op where it is built, with activations quantized to 8 bits for the
-    integer types at few rows (relative error about 1e-3 of the output's norm)."""
+    dtype; the C++ op where it is built, with activations quantized to two 8-bit passes
+    for the integer types at few rows (relative error about 2e-5 of the output's norm)."""
     ops = cpu_ops(x)
     if ops is not None and x.dtype in (torch.float32, torch.bfloat16):
         return ops.quant_linear(x, weight.blocks, int(weight.ggml_type),

@@ -1,13 +1,15 @@
 // quant_linear: y = x @ W^T for a weight W kept as GGUF blocks (kernels/quant.py's
 // QuantizedWeight), never dequantized whole.
 //
-// - Up to kMaxGemvRows rows of x (decode steps): x is quantized to 8-bit blocks once,
-//   and the output rows are split into items of a few weight rows that threads take one
+// - Up to kMaxGemvRows rows of x (decode steps): x is quantized to 8-bit blocks once (two
+//   passes: the value, then its rounding residual; about 15 bits in all), and the output rows are split into items of a few weight rows that threads take one
 //   at a time (work_items.h), each a pass over those rows' blocks with integer dot
 //   products (quant_dot.h). The weight streams from memory once per call.
 // - More rows (prefill): the weight is dequantized to float32 for the call (a layer's
 //   weight, freed at its end: never the whole model's) and at::mm multiplies x by it. x is
-//   not quantized on this path, so it is exact to float32 rounding.
+//   not quantized on this path, so it is exact to float32 rounding; the two-pass GEMV
+//   differs from it by about 2e-5 of the output's norm, so a prompt's greedy tokens do not
+//   depend on how its prefill was chunked.
 //
 // x float32 or bfloat16 [..., K]; the output has x's dtype, rounded once from float32.
 

@@ -5,8 +5,9 @@
 // At one to a few rows a linear layer is a pass over its weight, so it runs at the speed
 // the weight streams from memory; a 4-bit weight is an eighth of float32's bytes. The
 // activation rows are quantized once per call to 8-bit blocks (Q8Block: 32 values, for
-// Q4_0, Q4_1 and Q8_0; Q8KBlock: 256 values with sums per 16, for the K-quants), and each
-// weight block meets them as integers, as llama.cpp does:
+// Q4_0, Q4_1 and Q8_0; Q8KBlock: 256 values with sums per 16, for the K-quants), in two
+// passes (QuantActivations says why), and each weight block meets them as integers, as
+// llama.cpp does with one pass:
 //
 //   dot(block) = d_w d_x sum_l q_w[l] q_x[l]  (+ the block's offset: -8 d_w d_x sum q_x
 //                for Q4_0, m_w d_x sum q_x for Q4_1, and for the K-quants the mins or the
@@ -326,8 +327,19 @@ struct QuantMatrix {
 
 // Activation rows as a QuantMatrix of `type` reads them: 8-bit blocks (Q8Block for
 // Q4_0/Q4_1/Q8_0, Q8KBlock for the K-quants) or, for F32/F16/BF16 weights, floats.
+//
+// Each row is quantized twice: once, then what that rounding left out (at most half a
+// step of the first scale) once more, so every row has kPasses quantized rows that the dot
+// products sum. One 8-bit pass alone errs by about 1e-3 of a layer's output; over a real
+// model (SmolLM2-135M Q4_1, 20 prompts x 64 positions teacher-forced) its greedy tokens
+// agreed with float activations' in 97.5% of positions, two passes in 99.9%, and the
+// prefill, which multiplies float activations, agrees with decode to the same degree.
+// The second pass shares each unpacked weight block with the first (they go through the
+// dot kernels as neighbouring rows), so it costs integer arithmetic, not memory traffic.
 class QuantActivations {
  public:
+  static constexpr int64_t kPasses = 2;
+
   // x [m, k], row r at x + r x_stride; T float or c10::BFloat16.
   template <typename T>
   void quantize(GgmlType type, const T* x, int64_t m, int64_t k, int64_t x_stride) {
@@ -338,57 +350,88 @@ class QuantActivations {
       for (int64_t i = 0; i < k; ++i) floats_[r * k + i] = to_float_(x[r * x_stride + i]);
     }
     if (is_float(type)) return;
+    residual_.resize(static_cast<size_t>(k));
     if (is_k_quant(type)) {
-      q8k_.resize(static_cast<size_t>(m * (k / kQK)));
-      for (int64_t r = 0; r < m; ++r) quantize_row(&floats_[r * k], k, &q8k_[r * (k / kQK)]);
+      q8k_.resize(static_cast<size_t>(kPasses * m * (k / kQK)));
+      quantize_passes(m, k, kQK, q8k_.data());
     } else {
-      q8_.resize(static_cast<size_t>(m * (k / 32)));
-      for (int64_t r = 0; r < m; ++r) quantize_row(&floats_[r * k], k, &q8_[r * (k / 32)]);
+      q8_.resize(static_cast<size_t>(kPasses * m * (k / 32)));
+      quantize_passes(m, k, 32, q8_.data());
     }
   }
 
+  // Logical rows (x's); the dot products run over quantized_rows() of blocks.
   int64_t rows() const { return rows_; }
+  int64_t quantized_rows() const { return kPasses * rows_; }
   const float* floats(int64_t r) const { return floats_.data() + r * cols_; }
-  const Q8Block* blocks(int64_t r, const Q8Block*) const { return q8_.data() + r * (cols_ / 32); }
-  const Q8KBlock* blocks(int64_t r, const Q8KBlock*) const {
-    return q8k_.data() + r * (cols_ / kQK);
+  // Quantized row q: pass q % kPasses of x's row q / kPasses.
+  const Q8Block* blocks(int64_t q, const Q8Block*) const {
+    return q8_.data() + q * (cols_ / 32);
+  }
+  const Q8KBlock* blocks(int64_t q, const Q8KBlock*) const {
+    return q8k_.data() + q * (cols_ / kQK);
   }
 
  private:
   static float to_float_(float v) { return v; }
   static float to_float_(c10::BFloat16 v) { return static_cast<float>(v); }
 
+  template <typename Block>
+  void quantize_passes(int64_t m, int64_t k, int64_t block_values, Block* out) {
+    const int64_t per_row = k / block_values;
+    for (int64_t r = 0; r < m; ++r) {
+      float* residual = residual_.data();
+      std::copy_n(&floats_[r * k], k, residual);
+      for (int64_t pass = 0; pass < kPasses; ++pass) {
+        Block* blocks = out + (kPasses * r + pass) * per_row;
+        quantize_row(residual, k, blocks);
+        if (pass + 1 == kPasses) break;
+        for (int64_t b = 0; b < per_row; ++b) {
+          for (int64_t l = 0; l < block_values; ++l) {
+            residual[b * block_values + l] -= blocks[b].d * blocks[b].q[l];
+          }
+        }
+      }
+    }
+  }
+
   int64_t rows_ = 0, cols_ = 0;
-  std::vector<float> floats_;
+  std::vector<float> floats_, residual_;
   std::vector<Q8Block> q8_;
   std::vector<Q8KBlock> q8k_;
 };
 
 namespace detail {
 
+// Quantized rows [q0, q0 + R) of x times weight row n, each added into its x row's output
+// (the first pass of a row sets it: passes are consecutive quantized rows).
 template <typename Kind, int R>
-inline void rows_pass(const QuantMatrix& w, const QuantActivations& x, int64_t r0, int64_t n,
+inline void rows_pass(const QuantMatrix& w, const QuantActivations& x, int64_t q0, int64_t n,
                       float* out, int64_t out_stride) {
   using Act = typename Kind::Act;
   const Act* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = x.blocks(r0 + r, static_cast<const Act*>(nullptr));
+  for (int r = 0; r < R; ++r) rows[r] = x.blocks(q0 + r, static_cast<const Act*>(nullptr));
   float sums[R];
   dot_rows<Kind, R>(w.blocks + n * w.row_bytes, rows, w.cols / format_of(w.type).values, sums);
-  for (int r = 0; r < R; ++r) out[(r0 + r) * out_stride + n] = sums[r];
+  for (int r = 0; r < R; ++r) {
+    const int64_t q = q0 + r;
+    float& y = out[q / QuantActivations::kPasses * out_stride + n];
+    y = q % QuantActivations::kPasses == 0 ? sums[r] : y + sums[r];
+  }
 }
 
 template <typename Kind>
 void gemv_rows(const QuantMatrix& w, const QuantActivations& x, int64_t n_begin,
                int64_t n_end, float* out, int64_t out_stride) {
-  const int64_t m = x.rows();
+  const int64_t m = x.quantized_rows();
   for (int64_t n = n_begin; n < n_end; ++n) {
     // The weight row streams from memory once; the other passes find it in L1.
-    for (int64_t r = 0; r < m; r += kRowsPerPass) {
-      switch (std::min<int64_t>(kRowsPerPass, m - r)) {
-        case 1: rows_pass<Kind, 1>(w, x, r, n, out, out_stride); break;
-        case 2: rows_pass<Kind, 2>(w, x, r, n, out, out_stride); break;
-        case 3: rows_pass<Kind, 3>(w, x, r, n, out, out_stride); break;
-        default: rows_pass<Kind, 4>(w, x, r, n, out, out_stride); break;
+    for (int64_t q = 0; q < m; q += kRowsPerPass) {
+      switch (std::min<int64_t>(kRowsPerPass, m - q)) {
+        case 1: rows_pass<Kind, 1>(w, x, q, n, out, out_stride); break;
+        case 2: rows_pass<Kind, 2>(w, x, q, n, out, out_stride); break;
+        case 3: rows_pass<Kind, 3>(w, x, q, n, out, out_stride); break;
+        default: rows_pass<Kind, 4>(w, x, q, n, out, out_stride); break;
       }
     }
   }

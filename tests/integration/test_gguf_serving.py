@@ -21,10 +21,10 @@ from tests.integration.cluster import Cluster, free_port
 pytestmark = pytest.mark.timeout(400)
 
 QUESTION = "What is the capital of France?"
-# NOTE: another question at the second door: a repeat of the first would hit the prefix
-# cache, and a prefill of a few rows quantizes activations to 8 bits in every layer, where
-# SmolLM2's first token for QUESTION is a 0.08-logit coin toss ("The" or "L'Étoile").
-OTHER_QUESTION = "What is the capital of Germany?"
+# SmolLM2's first token for QUESTION is a 0.08-logit margin ("The" or "L'Étoile"). The
+# second door asks it again, so the prompt hits the prefix cache and only its last rows
+# are computed, through the few-row GEMV instead of the prefill's GEMM: the answer must
+# not change (with one 8-bit pass over the activations it did).
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +60,19 @@ def test_chat_service_answers(cluster: tuple[Cluster, int]) -> None:
 
 def test_openai_chat_completions_answer(cluster: tuple[Cluster, int]) -> None:
     _, http_port = cluster
+    answers = []
     with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused",
                        max_retries=0, timeout=120) as client:
         [model] = client.models.list().data
-        completion = client.chat.completions.create(
-            model=model.id, messages=[{"role": "user", "content": OTHER_QUESTION}],
-            temperature=0, max_tokens=24)
-    [choice] = completion.choices
-    assert "Berlin" in (choice.message.content or ""), choice
-    assert choice.finish_reason == "stop"
+        for _ in range(2):  # the second from the prefix cache
+            completion = client.chat.completions.create(
+                model=model.id, messages=[{"role": "user", "content": QUESTION}],
+                temperature=0, max_tokens=24)
+            [choice] = completion.choices
+            assert "Paris" in (choice.message.content or ""), choice
+            assert choice.finish_reason == "stop"
+            answers.append(choice.message.content)
+    assert answers[0] == answers[1]
 
 
 def test_engine_memory_holds_quantized_weights(cluster: tuple[Cluster, int],

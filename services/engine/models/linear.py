@@ -14,17 +14,7 @@ import torch
 from torch import nn
 
 from kernels.cpu_linear import cpu_layout, layout_name, linear, own_panels
-from kernels.quant import (
-    QuantizedWeight,
-    dequantize,
-    dequantize_blocks,
-    quant_linear,
-    quantize_q8_0,
-)
-
-QUANTIZED_ACTIVATION_ROWS = 32
-"""Up to this many rows `quant_linear` quantizes the activations to 8 bits
-(kMaxGemvRows in kernels/csrc/quant_cpu.cpp); more rows multiply float32 ones."""
+from kernels.quant import QuantizedWeight, dequantize_blocks, quant_linear
 
 
 class Linear(nn.Linear):
@@ -39,14 +29,9 @@ class Linear(nn.Linear):
 class QuantizedLinear(nn.Module):
     """A linear layer whose weight is a GGUF file's quantized blocks (`quant_linear`)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None,
-                 residual_pass: bool = False) -> None:
-        """`residual_pass`: at few rows, also multiply by what the 8-bit quantization of
-        the activations left out (for the LM head: SmolLM2's top two logits can be 0.08
-        apart, and one pass errs by about that much; two err by 0.002)."""
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.weight = weight
-        self.residual_pass = residual_pass
         # The same bytes as a buffer: counted and listed with the model's tensors.
         self.register_buffer("blocks", weight.blocks, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -54,18 +39,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = quant_linear(x, self.weight)
-        if self.residual_pass and x.numel() <= QUANTIZED_ACTIVATION_ROWS * x.shape[-1]:
-            # The residual of the same rounding as the kernel's (ggml's Q8_0): its own
-            # quantization error is 1/254 of that left in one pass.
-            flat = x.reshape(-1, x.shape[-1]).float()
-            residual = flat - dequantize(quantize_q8_0(flat))
-            y = y + quant_linear(residual.to(x.dtype), self.weight).view_as(y)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{self.weight.ggml_type.name}, bias={self.bias is not None}"
-                + (", residual_pass=True" if self.residual_pass else ""))
+                f"{self.weight.ggml_type.name}, bias={self.bias is not None}")
 
 
 class QuantizedEmbedding(nn.Module):

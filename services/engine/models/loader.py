@@ -130,7 +130,7 @@ def load_model(
     embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
     if config.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
         # The head multiplies by the table's own blocks (SmolLM2: its biggest matrix).
-        model.lm_head = QuantizedLinear(embedding.weight, None, residual_pass=True)
+        model.lm_head = QuantizedLinear(embedding.weight, None)
         kinds[f"tied head {embedding.weight.ggml_type.name}"] += 1
     else:
         model.tie_weights()
@@ -190,9 +190,7 @@ def place_quantized(
         module_name = name.removesuffix(".weight")
         module = model.get_submodule(module_name)
         if type(module) is Linear:
-            # The head picks tokens: its activations get a second, residual pass.
-            replacement: nn.Module = QuantizedLinear(weight, module.bias,
-                                                     residual_pass=name == "lm_head.weight")
+            replacement: nn.Module = QuantizedLinear(weight, module.bias)
         elif type(module) is nn.Embedding:
             replacement = QuantizedEmbedding(weight, dtype)
         else:

@@ -5,9 +5,10 @@ tensor names, its undoing of llama.cpp's q/k permutation, `gguf`'s dequantizatio
 into transformers' Llama in float32. `from_pretrained(gguf_file=...)` runs the same reading
 but insists on `accelerate`, which is not installed here. Both sides read the same blocks:
 dequantized, ours equal theirs bit for bit. Our linear layers keep the blocks and, at
-decode, quantize the activations to 8 bits (`kernels.quant.quant_linear`), so decoded
-tokens are compared teacher-forced (the issue's bar: top-1 agreement) rather than equal,
-while prefill (which dequantizes each layer for the call) matches their logits closely.
+decode, quantize the activations to 8 bits in two passes (`kernels.quant.quant_linear`),
+so decoded tokens are compared teacher-forced (the issue's bar: top-1 agreement) rather
+than equal, while prefill (which dequantizes each layer for the call) matches their
+logits closely.
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ QUESTIONS = {
 NUM_TOKENS = 16
 # Teacher-forced positions per prompt (their greedy continuation, fed to ours).
 TEACHER_TOKENS = 64
-# The issue's bar is 99% top-1 agreement; over this small sample one miss of 192 is 0.5%.
-# Measured: see test_teacher_forced_top1_agrees_with_transformers.
-MIN_TOP1_AGREEMENT = 0.97
+# The issue's bar. Measured 192/192 (one 8-bit pass over the activations: 189/192).
+MIN_TOP1_AGREEMENT = 0.99
 # The issue's bar for the weights' resident bytes, against the file's size.
 MAX_WEIGHT_BYTES_PER_FILE_BYTE = 1.3
 # float32 on both sides, summed in another order (fused qkv, oneDNN, our attention).
@@ -187,6 +187,17 @@ def test_teacher_forced_top1_agrees_with_transformers(
     # Free-running, the answer is still right.
     tokenizer = Tokenizer.from_file(str(view / "tokenizer.json"))
     assert "Paris" in tokenizer.decode(generate(runner, prompts, NUM_TOKENS)["france"])
+
+
+def test_greedy_tokens_do_not_depend_on_prefill_chunking(
+        runner: ModelRunner, prompts: dict[str, list[int]]) -> None:
+    # The last rows of each prompt in a step of their own (as after a prefix-cache hit):
+    # they go through the few-row GEMV, the rest through the prefill's GEMM. With one
+    # 8-bit pass over the activations the France prompt's first token flipped.
+    whole = generate(runner, prompts, NUM_TOKENS)
+    tail = generate(runner, prompts, NUM_TOKENS,
+                    first_chunk={name: len(prompt) - 4 for name, prompt in prompts.items()})
+    assert tail == whole
 
 
 def test_prefill_logits_match_transformers(runner: ModelRunner, hf_model: Any,
