@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.gguf_checkpoint import GGUF_FILE_KEY
+
 # Keys under which Hugging Face configs spell the context length, most specific first.
 _CONTEXT_LENGTH_KEYS = (
     "max_position_embeddings",
@@ -80,8 +82,11 @@ def load_model_info(path: str | Path) -> ModelInfo:
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     dtype = dtype.removeprefix("torch.")
 
+    # A GGUF file's folder view (services/common/gguf_checkpoint.py) is a cache folder
+    # with a hash in its name: clients know the model by the file's.
+    gguf_file = config.get(GGUF_FILE_KEY)
     return ModelInfo(
-        name=folder.resolve().name,
+        name=Path(gguf_file).stem if gguf_file else folder.resolve().name,
         path=str(folder.resolve()),
         architectures=tuple(config.get("architectures") or ()),
         vocab_size=int(config["vocab_size"]),
