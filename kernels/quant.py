@@ -18,7 +18,7 @@ torch reference instead: `dequantize`, then `F.linear`, one weight at a time.
 `dequantize` is written in torch ops in the order ggml's own numpy code
 (`gguf.quants.dequantize`) rounds, so that the two agree bit for bit (tests/kernels/
 test_quant.py). The quantizers make blocks for tests and for quantizing a float
-checkpoint on load: Q8_0, Q4_0 and Q4_1 as ggml does (the same bits as
+checkpoint on load: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 as ggml does (the same bits as
 `gguf.quants.quantize`); the K-quants come only from files.
 """
 
@@ -40,6 +40,8 @@ class GGMLType(IntEnum):
     F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
@@ -62,6 +64,11 @@ BLOCK_FORMATS: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q4_0: (32, 18),
     # d f16 | m f16 | 16 bytes of nibbles as Q4_0: x = d q + m
     GGMLType.Q4_1: (32, 20),
+    # d f16 | qh: 4 bytes, bit j the fifth bit of value j | 16 bytes of nibbles as Q4_0:
+    # x = d (q - 16)
+    GGMLType.Q5_0: (32, 22),
+    # d f16 | m f16 | qh | nibbles as Q5_0: x = d q + m
+    GGMLType.Q5_1: (32, 24),
     # d f16 | dmin f16 | 12 bytes: 8 six-bit scales and 8 six-bit mins | 128 bytes: for
     # each 64 values, 32 bytes, low nibbles the first 32, high nibbles the next:
     # x = d sc[s] q - dmin m[s] for sub-block s of 32 values
@@ -158,6 +165,15 @@ def dequantize_blocks(blocks: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor
         values = _f16(b, 0) * (_nibbles(b[..., 2:], 16).float() - 8.0)
     elif ggml_type == GGMLType.Q4_1:
         values = _f16(b, 0) * _nibbles(b[..., 4:], 16).float() + _f16(b, 2)
+    elif ggml_type in (GGMLType.Q5_0, GGMLType.Q5_1):
+        start = 2 if ggml_type == GGMLType.Q5_0 else 4
+        qh = b[..., start:start + 4].contiguous().view(torch.int32)  # little-endian bits
+        fifth = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+        q = (_nibbles(b[..., start + 4:], 16) | (fifth.to(torch.uint8) << 4)).float()
+        if ggml_type == GGMLType.Q5_0:
+            values = _f16(b, 0) * (q - 16.0)
+        else:
+            values = _f16(b, 0) * q + _f16(b, 2)
     elif ggml_type in (GGMLType.Q4_K, GGMLType.Q5_K):
         sc, mins = _k_scales(b[..., 4:4 + _Q4K_SCALES])
         scale = (_f16(b, 0) * sc).unsqueeze(-1)  # [..., 8, 1]
@@ -264,6 +280,32 @@ def quantize_q4_1(weight: torch.Tensor) -> QuantizedWeight:
     q = torch.trunc((b - low) * _inverse(d) + 0.5).clamp(0, 15)
     return _weight(torch.cat([_f16_bytes(d), _f16_bytes(low), _pack_nibbles(q)], -1),
                    GGMLType.Q4_1, weight.shape[1])
+
+
+def _pack_fifth_bits(q: torch.Tensor) -> torch.Tensor:
+    """[..., 32] values in 0..31: bit 4 of value j as bit j of 4 little-endian bytes."""
+    bits = (q.to(torch.int64) >> 4) << torch.arange(32)
+    return bits.sum(-1, keepdim=True).to(torch.int32).view(torch.uint8)
+
+
+def quantize_q5_0(weight: torch.Tensor) -> QuantizedWeight:
+    """`weight` `[out, in]` (in a multiple of 32) as Q5_0 blocks."""
+    b = _blocks_of(weight, 32)
+    biggest = b.gather(-1, b.abs().argmax(-1, keepdim=True))  # signed, largest magnitude
+    d = biggest / -16
+    q = torch.trunc(b * _inverse(d) + 16.5).clamp(0, 31)
+    return _weight(torch.cat([_f16_bytes(d), _pack_fifth_bits(q), _pack_nibbles(q % 16)], -1),
+                   GGMLType.Q5_0, weight.shape[1])
+
+
+def quantize_q5_1(weight: torch.Tensor) -> QuantizedWeight:
+    """`weight` `[out, in]` (in a multiple of 32) as Q5_1 blocks."""
+    b = _blocks_of(weight, 32)
+    high, low = b.amax(-1, keepdim=True), b.amin(-1, keepdim=True)
+    d = (high - low) / 31
+    q = torch.trunc((b - low) * _inverse(d) + 0.5).clamp(0, 31)
+    return _weight(torch.cat([_f16_bytes(d), _f16_bytes(low), _pack_fifth_bits(q),
+                              _pack_nibbles(q % 16)], -1), GGMLType.Q5_1, weight.shape[1])
 
 
 def as_float_weight(weight: torch.Tensor, kind: GGMLType) -> QuantizedWeight:

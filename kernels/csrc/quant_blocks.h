@@ -6,6 +6,9 @@
 //   Q4_0 (32/18):   d f16 | 16 bytes: value j < 16 the low nibble of byte j, value
 //                   j >= 16 the high nibble of byte j - 16         x = d (q - 8)
 //   Q4_1 (32/20):   d f16 | m f16 | nibbles as Q4_0                x = d q + m
+//   Q5_0 (32/22):   d f16 | qh 4 bytes: bit j the fifth bit of value j (little-endian) |
+//                   nibbles as Q4_0                                x = d (q - 16)
+//   Q5_1 (32/24):   d f16 | m f16 | qh | nibbles                   x = d q + m
 //   Q4_K (256/144): d f16 | dmin f16 | 12 bytes of 8 six-bit scales and mins | 128 bytes:
 //                   per 64 values 32 bytes, low nibbles the first 32, high the next;
 //                   sub-block s of 32 values: x = d sc[s] q - dmin m[s]
@@ -33,7 +36,8 @@ namespace corestream_cpu::quant {
 
 // GGML's type numbers, as GGUF files store them.
 enum class GgmlType : int {
-  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
+  Q6_K = 14, BF16 = 30,
 };
 
 constexpr int64_t kQK = 256;  // values per K-quant block
@@ -52,6 +56,8 @@ inline Format format_of(GgmlType type) {
     case GgmlType::Q8_0: return {32, 34};
     case GgmlType::Q4_0: return {32, 18};
     case GgmlType::Q4_1: return {32, 20};
+    case GgmlType::Q5_0: return {32, 22};
+    case GgmlType::Q5_1: return {32, 24};
     case GgmlType::Q4_K: return {kQK, 144};
     case GgmlType::Q5_K: return {kQK, 176};
     case GgmlType::Q6_K: return {kQK, 210};
@@ -75,6 +81,12 @@ inline float half_at(const uint8_t* p) {
 #else
   return c10::detail::fp16_ieee_to_fp32_value(bits);
 #endif
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return bits;
 }
 
 inline float bf16_at(const uint8_t* p) {
@@ -173,6 +185,23 @@ inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_
       }
       return;
     }
+    case GgmlType::Q5_0:
+    case GgmlType::Q5_1: {
+      const bool q5_1 = type == GgmlType::Q5_1;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* p = row + f.bytes * b;
+        const float d = half_at(p);
+        const float m = q5_1 ? half_at(p + 2) : -16.0f * d;
+        const uint32_t qh = u32_at(p + (q5_1 ? 4 : 2));
+        const uint8_t* qs = p + (q5_1 ? 8 : 6);
+        for (int l = 0; l < 16; ++l) {
+          values[l] = (qs[l] & 15) | (((qh >> l) & 1) << 4);
+          values[l + 16] = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+        }
+        affine<false>(values, 32, d, m, out + 32 * b);
+      }
+      return;
+    }
     case GgmlType::Q4_K:
     case GgmlType::Q5_K: {
       const bool q5 = type == GgmlType::Q5_K;
@@ -228,7 +257,7 @@ inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_
   }
 }
 
-// An activation block of 32 values for Q4_0, Q4_1 and Q8_0 weights: x ~= d q.
+// An activation block of 32 values for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights: x ~= d q.
 struct Q8Block {
   float d;
   float d_sum;  // d sum(q): the block's x summed, for the weights' offsets

@@ -5,13 +5,14 @@
 // At one to a few rows a linear layer is a pass over its weight, so it runs at the speed
 // the weight streams from memory; a 4-bit weight is an eighth of float32's bytes. The
 // activation rows are quantized once per call to 8-bit blocks (Q8Block: 32 values, for
-// Q4_0, Q4_1 and Q8_0; Q8KBlock: 256 values with sums per 16, for the K-quants), in two
-// passes (QuantActivations says why), and each weight block meets them as integers, as
-// llama.cpp does with one pass:
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0; Q8KBlock: 256 values with sums per 16, for the
+// K-quants), in two passes (QuantActivations says why), and each weight block meets them
+// as integers, as llama.cpp does with one pass:
 //
 //   dot(block) = d_w d_x sum_l q_w[l] q_x[l]  (+ the block's offset: -8 d_w d_x sum q_x
-//                for Q4_0, m_w d_x sum q_x for Q4_1, and for the K-quants the mins or the
-//                -32 from the sums per 16 values)
+//                for Q4_0, -16 d_w d_x sum q_x for Q5_0, m_w d_x sum q_x for Q4_1 and
+//                Q5_1, and for the K-quants the mins or the -32 from the sums per 16
+//                values)
 //
 // The integer sums go 32 bytes at a time: unsigned weight bytes times signed activation
 // bytes, summed in fours into int32 lanes (`dot_u8s8`: one vpdpbusd with AVX512-VNNI or
@@ -87,6 +88,18 @@ inline __m256i nibbles16(const uint8_t* p) {
                           _mm256_set1_epi8(15));
 }
 
+// 32 bits as 32 bytes: byte j is 16 where bit j of `bits` is set, else 0 (Q5's fifth bits).
+inline __m256i fifth_bits(uint32_t bits) {
+  // Byte j takes the byte holding bit j (shuffles stay within 128-bit lanes: the low lane
+  // needs bytes 0-1 of the word, the high lane bytes 2-3), then tests its bit.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
 #endif  // CORESTREAM_QUANT_AVX2
 
 // Each kind below adds block b of a weight row times block b of R activation rows to
@@ -136,6 +149,40 @@ struct DotQ4 {
 #endif
       add_scaled(acc[r], d * a.d, sums);
       offset[r] += (kMin ? m : -8.0f * d) * a.d_sum;
+    }
+  }
+};
+
+// Q5_0 (kMin false: x = d (q - 16)) and Q5_1 (x = d q + m): Q4's nibbles plus a fifth bit.
+template <bool kMin>
+struct DotQ5 {
+  using Act = Q8Block;
+  static constexpr int64_t kBytes = kMin ? 24 : 22;
+
+  template <int R>
+  static void block(const uint8_t* row, const Act* const (&x)[R], int64_t b, Acc (&acc)[R],
+                    float (&offset)[R]) {
+    const uint8_t* p = row + kBytes * b;
+    const float d = half_at(p);
+    const float m = kMin ? half_at(p + 2) : 0.0f;
+    const uint32_t qh = u32_at(p + (kMin ? 4 : 2));
+    const uint8_t* qs = p + (kMin ? 8 : 6);
+#ifdef CORESTREAM_QUANT_AVX2
+    const __m256i q = _mm256_or_si256(nibbles16(qs), fifth_bits(qh));
+#endif
+    for (int r = 0; r < R; ++r) {
+      const Act& a = x[r][b];
+#ifdef CORESTREAM_QUANT_AVX2
+      const __m256i sums = dot_u8s8(_mm256_setzero_si256(), q, load32(a.q));
+#else
+      int32_t sums = 0;
+      for (int l = 0; l < 16; ++l) {
+        sums += ((qs[l] & 15) | (((qh >> l) & 1) << 4)) * a.q[l] +
+                ((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) * a.q[l + 16];
+      }
+#endif
+      add_scaled(acc[r], d * a.d, sums);
+      offset[r] += (kMin ? m : -16.0f * d) * a.d_sum;
     }
   }
 };
@@ -326,7 +373,8 @@ struct QuantMatrix {
 };
 
 // Activation rows as a QuantMatrix of `type` reads them: 8-bit blocks (Q8Block for
-// Q4_0/Q4_1/Q8_0, Q8KBlock for the K-quants) or, for F32/F16/BF16 weights, floats.
+// Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q8KBlock for the K-quants) or, for F32/F16/BF16 weights,
+// floats.
 //
 // Each row is quantized twice: once, then what that rounding left out (at most half a
 // step of the first scale) once more, so every row has kPasses quantized rows that the dot
@@ -469,6 +517,8 @@ inline void quant_gemv_rows(const QuantMatrix& w, const QuantActivations& x, int
   switch (w.type) {
     case GgmlType::Q4_0: detail::gemv_rows<DotQ4<false>>(w, x, n_begin, n_end, out, out_stride); break;
     case GgmlType::Q4_1: detail::gemv_rows<DotQ4<true>>(w, x, n_begin, n_end, out, out_stride); break;
+    case GgmlType::Q5_0: detail::gemv_rows<DotQ5<false>>(w, x, n_begin, n_end, out, out_stride); break;
+    case GgmlType::Q5_1: detail::gemv_rows<DotQ5<true>>(w, x, n_begin, n_end, out, out_stride); break;
     case GgmlType::Q8_0: detail::gemv_rows<DotQ8_0>(w, x, n_begin, n_end, out, out_stride); break;
     case GgmlType::Q4_K:
       detail::gemv_rows<DotQ45_K<false>>(w, x, n_begin, n_end, out, out_stride);

@@ -3,7 +3,7 @@ against ggml's own numpy code (`gguf.quants`), bit for bit, and the C++ `quant_l
 against the torch reference.
 
 How close `quant_linear` must be: at up to `quant_gemv_max_rows` rows it quantizes each
-activation row to 8 bits per block (32 values for Q4_0/Q4_1/Q8_0, 256 for the K-quants,
+activation row to 8 bits per block (32 values for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, 256 for the K-quants,
 scale d = max|x| / 127), as llama.cpp does, and then the residual of that rounding the same
 way (a second pass). So it is checked twice: against the float64 product of the weight
 with the activations quantized the same way (`as_quantized`), to float32 summation error;
@@ -36,17 +36,20 @@ from kernels.quant import (
     quant_linear,
     quantize_q4_0,
     quantize_q4_1,
+    quantize_q5_0,
+    quantize_q5_1,
     quantize_q8_0,
     row_bytes,
 )
 
 gguf = pytest.importorskip("gguf")
 
-INTEGER_TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_K,
-                 GGMLType.Q6_K]
+INTEGER_TYPES = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+                 GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 FLOAT_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 QUANTIZERS = {GGMLType.Q8_0: quantize_q8_0, GGMLType.Q4_0: quantize_q4_0,
-              GGMLType.Q4_1: quantize_q4_1}
+              GGMLType.Q4_1: quantize_q4_1, GGMLType.Q5_0: quantize_q5_0,
+              GGMLType.Q5_1: quantize_q5_1}
 K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
 
 
@@ -229,8 +232,8 @@ def test_quant_linear_names_what_is_wrong(cpu_ops: Any) -> None:
         cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks[:, :30], 2, 8, 64)
     with pytest.raises(RuntimeError, match="takes rows of multiples of 32 values"):
         cpu_ops.quant_linear(torch.randn(1, 48), weight.blocks, 2, 8, 48)
-    with pytest.raises(RuntimeError, match="GGML type 6 is not served"):
-        cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks, 6, 8, 64)
+    with pytest.raises(RuntimeError, match="GGML type 9 is not served"):
+        cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks, 9, 8, 64)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu_ops.quant_linear(torch.randn(1, 64).double(), weight.blocks, 2, 8, 64)
 
