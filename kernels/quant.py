@@ -282,6 +282,17 @@ def quantize_q4_1(weight: torch.Tensor) -> QuantizedWeight:
                    GGMLType.Q4_1, weight.shape[1])
 
 
+def quantize_int8_per_channel(weight: torch.Tensor) -> QuantizedWeight:
+    """`weight` `[out, in]` (in a multiple of 32) as int8 with one scale per output channel
+    (row), d = max|row| / 127 rounded to float16, laid out as Q8_0 blocks that all carry
+    their row's d: the layout the Q8_0 kernels read, 34 bytes per 32 values."""
+    b = _blocks_of(weight, 32)
+    d = (b.abs().amax((-2, -1), keepdim=True) / 127).half().float()  # [out, 1, 1]
+    q = _round_half_away(b * _inverse(d)).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    scales = _f16_bytes(d.expand(-1, b.shape[1], 1))
+    return _weight(torch.cat([scales, q], -1), GGMLType.Q8_0, weight.shape[1])
+
+
 def _pack_fifth_bits(q: torch.Tensor) -> torch.Tensor:
     """[..., 32] values in 0..31: bit 4 of value j as bit j of 4 little-endian bytes."""
     bits = (q.to(torch.int64) >> 4) << torch.arange(32)

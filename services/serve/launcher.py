@@ -53,6 +53,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.auth import load_keys
 from services.common.config import CONFIG_ERROR_EXIT, from_args, to_argv
+from services.common.gguf_checkpoint import GGUF_FILE_KEY
 from services.common.grpc_server import make_channel
 from services.common.logs import setup_logging
 from services.common.metrics import ConfigInfo, MetricsServer, new_registry
@@ -351,6 +352,10 @@ def run(args: argparse.Namespace) -> int:
     # Write the built-in checkpoint once here, not racily in every child.
     model = str(resolve_model(args.model or None))
     config = checkpoint_config(model)
+    if args.quantization != "none" and GGUF_FILE_KEY in config:
+        raise ValueError(f"--quantization {args.quantization} quantizes a safetensors "
+                         f"checkpoint; {config[GGUF_FILE_KEY]} is a GGUF file, served with "
+                         "its own quantization: drop --quantization")
     temp_dir = Path(tempfile.gettempdir())
     remove_dead_serves_state(temp_dir)
     state_dir = Path(tempfile.mkdtemp(prefix=f"{STATE_PREFIX}{os.getpid()}-", dir=temp_dir))

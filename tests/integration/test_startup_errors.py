@@ -121,3 +121,9 @@ def test_a_killed_serves_temp_folder_is_removed_by_the_next(listener: int,
     # The next serve, even one that fails, removes the dead one's folder and its own.
     one_line_error(serve(["--port", str(listener)], env={"TMPDIR": str(tmp_path)}))
     assert sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
+
+
+def test_int8_quantization_of_a_gguf_file_is_refused(smollm2_gguf: Path) -> None:
+    line = one_line_error(serve(["--model", str(smollm2_gguf), "--quantization", "int8",
+                                 "--port", str(free_port())]))
+    assert "is a GGUF file, served with its own quantization: drop --quantization" in line

@@ -41,7 +41,7 @@ from torch import nn
 
 from kernels import cpu_isa
 from kernels.cpu_linear import why_no_onednn
-from kernels.quant import QuantizedWeight, dequantize
+from kernels.quant import QuantizedWeight, dequantize, quantize_int8_per_channel
 from services.common.gguf_checkpoint import GGUF_FILE_KEY
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.gguf_weights import read_gguf
@@ -83,11 +83,13 @@ def model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int
+    path: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """The checkpoint's model in eval mode, with weights in `dtype` on `device`.
 
-    `max_model_len` is the longest sequence it will see.
+    `max_model_len` is the longest sequence it will see. `quantization` "int8" quantizes
+    a safetensors checkpoint's linear weights as they load (`quantize_linear_weights`).
     """
     folder = Path(path)
     hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -107,7 +109,13 @@ def load_model(
         return _model_tensor_name(name, renames, experts)
 
     state: dict[str, torch.Tensor | QuantizedWeight]
-    if gguf_file := hf_config.get(GGUF_FILE_KEY):
+    gguf_file = hf_config.get(GGUF_FILE_KEY)
+    if quantization != "none" and (gguf_file or plan is not None):
+        raise ValueError(
+            f"quantization {quantization} takes a safetensors checkpoint on one rank; "
+            + (f"{gguf_file} is a GGUF file, served with its own quantization" if gguf_file
+               else "tensor parallelism does not shard quantized weights"))
+    if gguf_file:
         quantized = os.environ.get(DEQUANTIZE_ENV, "") in ("", "0")
         state = read_gguf(Path(gguf_file), hf_config["model_type"], dtype, device, model_name,
                           plan, keep_quantized=lambda name: quantized and _linear_weight(name))
@@ -117,6 +125,8 @@ def load_model(
         pack_experts(state, getattr(cls, "packed_experts", {}), experts)  # type: ignore[arg-type]
     # The fixed-logits stand-in has no projections, hence no packing to declare.
     pack_projections(state, getattr(cls, "packed_projections", {}), dtype)
+    if quantization == "int8":  # after packing: a fused weight's rows keep their scales
+        quantize_linear_weights(model, state)
     kinds = place_quantized(model, state, dtype)
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = set(result.missing_keys)
@@ -132,10 +142,18 @@ def load_model(
         # The head multiplies by the table's own blocks (SmolLM2: its biggest matrix).
         model.lm_head = QuantizedLinear(embedding.weight, None)
         kinds[f"tied head {embedding.weight.ggml_type.name}"] += 1
+    elif config.tie_word_embeddings and quantization == "int8" and isinstance(
+            embedding, nn.Embedding):
+        # The table stays float for lookups; the head, every step's biggest matrix in
+        # small models, multiplies by an int8 copy of it.
+        model.lm_head = QuantizedLinear(quantize_int8_per_channel(embedding.weight), None)
+        kinds["tied head int8"] += 1
     else:
         model.tie_weights()
     if kinds:
-        logger.info("quantized layers kept as the file's blocks: %s",
+        logger.info("quantized layers (%s): %s",
+                    "int8 per output channel, quantized at load" if quantization == "int8"
+                    else "kept as the file's blocks",
                     ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()))
     if device.type == "cpu":
         layouts = lay_out_for_cpu(model)
@@ -174,6 +192,27 @@ def _linear_weight(name: str) -> bool:
     """Whether checkpoint tensor `name` may be kept quantized: a module's weight, not one
     expert's (experts are stacked into one float tensor per layer)."""
     return name.endswith(".weight") and _EXPERT_TENSOR.match(name) is None
+
+
+def quantize_linear_weights(model: nn.Module,
+                            state: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+    """Replace, in `state`, the weight of every plain `Linear` of `model` by its int8
+    quantization (`quantize_int8_per_channel`), each float tensor freed as its int8 one is
+    made. Embedding tables, norms and experts stay float, and so does a weight whose rows
+    are not whole blocks of 32 (logged)."""
+    ragged = []
+    for name in [n for n in state if _linear_weight(n)]:
+        module = model.get_submodule(name.removesuffix(".weight"))
+        tensor = state[name]
+        if type(module) is Linear and isinstance(tensor, torch.Tensor):
+            if tensor.shape[1] % 32:
+                ragged.append(name)
+                continue
+            state[name] = quantize_int8_per_channel(tensor)
+    if ragged:
+        logger.info("int8: %d linear weights stay float (rows of %s values, not whole "
+                    "blocks of 32), e.g. %s", len(ragged),
+                    sorted({state[n].shape[1] for n in ragged}), ragged[0])
 
 
 def place_quantized(

@@ -8,6 +8,7 @@ from services.common.config import doc
 from services.engine.worker.kv_cache_memory import EXAMPLES, KVCacheMemory
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -19,6 +20,11 @@ class RunnerConfig:
     dtype: str = doc(
         "Weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16.",
         default="auto",
+    )
+    quantization: str = doc(
+        "Quantize a safetensors checkpoint's linear weights at load: none, or int8 "
+        "(weight-only, one scale per output channel; decode reads a quarter of float32's "
+        "bytes). A GGUF file keeps its own quantization.", default="none"
     )
     device: str = doc(
         "auto (cuda when present, else cpu), cpu, cuda, or cuda:K (CUDA device K; with "
@@ -61,6 +67,13 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
+                             f"{self.quantization!r}")
+        if self.quantization != "none" and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization {self.quantization} is not served with tensor "
+                             f"parallelism (tensor_parallel_size "
+                             f"{self.tensor_parallel_size}); pass one or the other")
         index = self.device.removeprefix("cuda:")
         if self.device not in DEVICES and not (index.isdigit() and index != self.device):
             raise ValueError(f"device must be one of {DEVICES} or cuda:K, got {self.device!r}")

@@ -119,7 +119,8 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
         with torch.inference_mode():
-            self.model: CausalLM = load_model(path, self._dtype, self._device, info.max_model_len)
+            self.model: CausalLM = load_model(path, self._dtype, self._device, info.max_model_len,
+                                              config.quantization)
         self.huge_pages: Future[HugePageReport] | None = None
         if self._on_cpu and config.huge_pages:
             # Plain weights, and the panels of the packed ones (opaque to everything else)
