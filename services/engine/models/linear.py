@@ -46,6 +46,31 @@ class QuantizedLinear(nn.Module):
                 f"{self.weight.ggml_type.name}, bias={self.bias is not None}")
 
 
+class MixedQuantizedLinear(nn.Module):
+    """A fused projection whose parts a file stores in different block types (a Q4_K_M
+    file's q and k as Q5_0, v as Q8_0 in some layers): each part keeps its blocks, and
+    the outputs are the parts' outputs side by side, in order."""
+
+    def __init__(self, parts: list[QuantizedWeight], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        assert len({p.in_features for p in parts}) == 1, "parts must share their inputs"
+        self.parts = parts
+        for i, part in enumerate(parts):
+            self.register_buffer(f"blocks{i}", part.blocks, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([quant_linear(x, part) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                + " + ".join(f"{p.out_features} {p.ggml_type.name}" for p in self.parts)
+                + f", bias={self.bias is not None}")
+
+
 class QuantizedEmbedding(nn.Module):
     """A token embedding table kept as quantized rows: a lookup dequantizes the rows it
     reads, into `dtype` (bit for bit the dequantized table's rows)."""
@@ -62,8 +87,9 @@ class QuantizedEmbedding(nn.Module):
 
 
 def has_quantized_layers(model: nn.Module) -> bool:
-    """Whether any linear layer of `model` holds quantized blocks (`QuantizedLinear`)."""
-    return any(isinstance(m, QuantizedLinear) for m in model.modules())
+    """Whether any linear layer of `model` holds quantized blocks (`QuantizedLinear`,
+    `MixedQuantizedLinear`)."""
+    return any(isinstance(m, QuantizedLinear | MixedQuantizedLinear) for m in model.modules())
 
 
 def lay_out_for_cpu(model: nn.Module) -> Counter[str]:

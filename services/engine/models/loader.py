@@ -20,7 +20,8 @@ its linear weights of a block type stay quantized (`place_quantized`: `Quantized
 layers over the file's blocks, a `QuantizedEmbedding` table, and a tied head over the
 table's blocks) unless CORESTREAM_GGUF_DEQUANTIZE=1 asks for the float layers of old;
 fused projections concatenate the parts' blocks where they share a type (a group of mixed
-types is dequantized). Quantized weights are not sharded: tensor parallelism refuses them.
+types keeps each part's blocks: `MixedQuantizedLinear`). Quantized weights are not sharded:
+tensor parallelism refuses them.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.gguf_weights import read_gguf
 from services.engine.models.linear import (
     Linear,
+    MixedQuantizedLinear,
     QuantizedEmbedding,
     QuantizedLinear,
     lay_out_for_cpu,
@@ -58,6 +60,10 @@ if TYPE_CHECKING:
     from services.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
+
+Weight = torch.Tensor | QuantizedWeight | list[QuantizedWeight]
+"""A checkpoint tensor as loading holds it: float, a file's blocks, or a fused group of
+quantized parts of mixed types."""
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -108,7 +114,7 @@ def load_model(
     def model_name(name: str) -> str | None:
         return _model_tensor_name(name, renames, experts)
 
-    state: dict[str, torch.Tensor | QuantizedWeight]
+    state: dict[str, Weight]
     gguf_file = hf_config.get(GGUF_FILE_KEY)
     if quantization != "none" and (gguf_file or plan is not None):
         raise ValueError(
@@ -194,8 +200,7 @@ def _linear_weight(name: str) -> bool:
     return name.endswith(".weight") and _EXPERT_TENSOR.match(name) is None
 
 
-def quantize_linear_weights(model: nn.Module,
-                            state: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+def quantize_linear_weights(model: nn.Module, state: dict[str, Weight]) -> None:
     """Replace, in `state`, the weight of every plain `Linear` of `model` by its int8
     quantization (`quantize_int8_per_channel`), each float tensor freed as its int8 one is
     made. Embedding tables, norms and experts stay float, and so does a weight whose rows
@@ -215,34 +220,41 @@ def quantize_linear_weights(model: nn.Module,
                     sorted({state[n].shape[1] for n in ragged}), ragged[0])
 
 
-def place_quantized(
-    model: nn.Module, state: dict[str, torch.Tensor | QuantizedWeight], dtype: torch.dtype
-) -> Counter[str]:
+def place_quantized(model: nn.Module, state: dict[str, Weight], dtype: torch.dtype
+                    ) -> Counter[str]:
     """Take every `QuantizedWeight` out of `state` into the module it belongs to: a plain
-    `Linear` becomes a `QuantizedLinear` (its bias, if any, still loads from `state`), an
-    `nn.Embedding` a `QuantizedEmbedding` looking up into `dtype`; any other module gets
-    the weight dequantized into `dtype`. Returns how many layers of which type."""
+    `Linear` becomes a `QuantizedLinear` (its bias, if any, still loads from `state`), or
+    a `MixedQuantizedLinear` for a fused group of parts of mixed types, an `nn.Embedding`
+    a `QuantizedEmbedding` looking up into `dtype`; any other module gets the weight
+    dequantized into `dtype`. Returns how many layers of which type."""
     kinds: Counter[str] = Counter()
-    for name in [n for n, v in state.items() if isinstance(v, QuantizedWeight)]:
+    for name in [n for n, v in state.items() if not isinstance(v, torch.Tensor)]:
         weight = state.pop(name)
-        assert isinstance(weight, QuantizedWeight)
+        assert not isinstance(weight, torch.Tensor)
         module_name = name.removesuffix(".weight")
         module = model.get_submodule(module_name)
-        if type(module) is Linear:
-            replacement: nn.Module = QuantizedLinear(weight, module.bias)
+        if isinstance(weight, list):
+            if type(module) is not Linear:
+                state[name] = torch.cat([dequantize(w) for w in weight]).to(dtype)
+                continue
+            replacement: nn.Module = MixedQuantizedLinear(weight, module.bias)
+            kind = "+".join(w.ggml_type.name for w in weight)
+        elif type(module) is Linear:
+            replacement, kind = QuantizedLinear(weight, module.bias), weight.ggml_type.name
         elif type(module) is nn.Embedding:
             replacement = QuantizedEmbedding(weight, dtype)
+            kind = weight.ggml_type.name
         else:
             state[name] = dequantize(weight).to(dtype)
             continue
         parent, _, attr = module_name.rpartition(".")
         setattr(model.get_submodule(parent), attr, replacement)
-        kinds[weight.ggml_type.name] += 1
+        kinds[kind] += 1
     return kinds
 
 
 def pack_projections(
-    state: dict[str, torch.Tensor | QuantizedWeight], packed: Mapping[str, Sequence[str]],
+    state: dict[str, Weight], packed: Mapping[str, Sequence[str]],
     dtype: torch.dtype | None = None,
 ) -> None:
     """Replace, in `state`, each complete group of `packed` parts by their concatenation.
@@ -252,8 +264,8 @@ def pack_projections(
     become `*.qkv_proj.weight` (biases likewise). An incomplete group is left as it is,
     so that loading names the missing tensors.
     Quantized parts (`QuantizedWeight`, same columns) of one type concatenate their rows of
-    blocks, which is exact; parts of mixed types (or mixed with float ones) are
-    dequantized into `dtype` first.
+    blocks, which is exact; quantized parts of mixed types stay a list of the parts (each
+    keeps its blocks); parts mixed with float ones are dequantized into `dtype` first.
     """
     for fused, parts in packed.items():
         marker = f".{parts[0]}."
@@ -266,15 +278,15 @@ def pack_projections(
                                                                dtype)
 
 
-def _concat(parts: list[torch.Tensor | QuantizedWeight], dtype: torch.dtype | None
-            ) -> torch.Tensor | QuantizedWeight:
+def _concat(parts: list[Weight], dtype: torch.dtype | None) -> Weight:
     """The rows of `parts` in order (see `pack_projections`)."""
-    first = parts[0]
-    if isinstance(first, QuantizedWeight) and all(
-            isinstance(p, QuantizedWeight) and p.ggml_type == first.ggml_type for p in parts):
-        weights = [p for p in parts if isinstance(p, QuantizedWeight)]
-        return QuantizedWeight(torch.cat([w.blocks for w in weights]), first.ggml_type,
-                               first.in_features, sum(w.out_features for w in weights))
+    weights = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(weights) == len(parts):  # (a part is never a list: groups do not nest)
+        if len({w.ggml_type for w in weights}) == 1:
+            return QuantizedWeight(torch.cat([w.blocks for w in weights]),
+                                   weights[0].ggml_type, weights[0].in_features,
+                                   sum(w.out_features for w in weights))
+        return weights  # each part keeps its type (`MixedQuantizedLinear`)
     tensors = [dequantize(p).to(dtype or torch.float32) if isinstance(p, QuantizedWeight)
                else p for p in parts]
     return torch.cat(tensors)

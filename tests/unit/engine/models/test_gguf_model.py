@@ -21,11 +21,18 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from kernels.quant import QuantizedWeight, dequantize, quantize_q4_1, quantize_q8_0
+from kernels.quant import (
+    QuantizedWeight,
+    dequantize,
+    quantize_q4_1,
+    quantize_q5_0,
+    quantize_q8_0,
+)
 from services.common.gguf_checkpoint import ensure_gguf_view
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.gguf_weights import read_gguf
 from services.engine.models.linear import (
+    MixedQuantizedLinear,
     QuantizedEmbedding,
     QuantizedLinear,
     has_quantized_layers,
@@ -221,7 +228,7 @@ def test_tensor_parallel_refuses_quantized_weights(view: Path, smollm2_gguf: Pat
                   plan=ShardPlan(config, 0, 3), keep_quantized=lambda name: True)
 
 
-def test_packing_concatenates_blocks_of_one_type_and_dequantizes_mixed_ones() -> None:
+def test_packing_concatenates_blocks_of_one_type_and_keeps_mixed_ones_apart() -> None:
     torch.manual_seed(0)
     q, k = torch.randn(64, 64), torch.randn(32, 64)
     same = {"l.q_proj.weight": quantize_q4_1(q), "l.k_proj.weight": quantize_q4_1(k)}
@@ -230,12 +237,20 @@ def test_packing_concatenates_blocks_of_one_type_and_dequantizes_mixed_ones() ->
     assert isinstance(fused, QuantizedWeight) and fused.shape == (96, 64)
     assert torch.equal(dequantize(fused),
                        torch.cat([dequantize(quantize_q4_1(q)), dequantize(quantize_q4_1(k))]))
-    mixed = {"l.q_proj.weight": quantize_q4_1(q), "l.k_proj.weight": quantize_q8_0(k)}
+    # A Q4_K_M file's q and k in Q5_0, v in Q8_0: each part keeps its blocks.
+    mixed = {"l.q_proj.weight": quantize_q5_0(q), "l.k_proj.weight": quantize_q8_0(k)}
     pack_projections(mixed, {"qk_proj": ("q_proj", "k_proj")}, torch.bfloat16)
-    dense = mixed["l.qk_proj.weight"]
+    parts = mixed["l.qk_proj.weight"]
+    assert isinstance(parts, list) and [p.ggml_type.name for p in parts] == ["Q5_0", "Q8_0"]
+    layer = MixedQuantizedLinear(parts, None)
+    x = torch.randn(3, 64)
+    want = x @ torch.cat([dequantize(p) for p in parts]).T
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=2e-3)  # outputs ~8; 2e-5 error
+    with_float = {"l.q_proj.weight": quantize_q4_1(q), "l.k_proj.weight": k}
+    pack_projections(with_float, {"qk_proj": ("q_proj", "k_proj")}, torch.bfloat16)
+    dense = with_float["l.qk_proj.weight"]
     assert isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16
-    assert torch.equal(dense, torch.cat([dequantize(quantize_q4_1(q)),
-                                         dequantize(quantize_q8_0(k))]).bfloat16())
+    assert torch.equal(dense, torch.cat([dequantize(quantize_q4_1(q)), k]).bfloat16())
 
 
 def test_switch_dequantizes_as_before(view: Path, hf_model: Any,
