@@ -246,11 +246,13 @@ def test_packing_concatenates_blocks_of_one_type_and_keeps_mixed_ones_apart() ->
     x = torch.randn(3, 64)
     want = x @ torch.cat([dequantize(p) for p in parts]).T
     torch.testing.assert_close(layer(x), want, rtol=0, atol=2e-3)  # outputs ~8; 2e-5 error
-    with_float = {"l.q_proj.weight": quantize_q4_1(q), "l.k_proj.weight": k}
+    # Float parts come read in the model's dtype.
+    with_float = {"l.q_proj.weight": quantize_q4_1(q), "l.k_proj.weight": k.bfloat16()}
     pack_projections(with_float, {"qk_proj": ("q_proj", "k_proj")}, torch.bfloat16)
     dense = with_float["l.qk_proj.weight"]
     assert isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16
-    assert torch.equal(dense, torch.cat([dequantize(quantize_q4_1(q)), k]).bfloat16())
+    assert torch.equal(dense, torch.cat([dequantize(quantize_q4_1(q)).bfloat16(),
+                                         k.bfloat16()]))
 
 
 def test_switch_dequantizes_as_before(view: Path, hf_model: Any,
