@@ -3,11 +3,12 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kernels import cpu_isa
-from tests.gguf_models import require_smollm2_gguf
+from tests.gguf_models import llama_cpp_record, require_smollm2_gguf
 
 # CORESTREAM_CPU_ISA=avx2 (the forced suite of `make test`) caps oneDNN and ATen too; they
 # read their caps once, so before any test module imports torch.
@@ -55,3 +56,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def smollm2_gguf() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF file; tests needing it skip without it."""
     return require_smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_view(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The SmolLM2 file's checkpoint view (config.json, tokenizer.json, ...)."""
+    from services.common.gguf_checkpoint import ensure_gguf_view
+
+    return ensure_gguf_view(smollm2_gguf, tmp_path_factory.mktemp("gguf-cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_llama_cpp(smollm2_gguf: Path) -> dict[str, Any]:
+    """llama.cpp's recorded outputs on the SmolLM2 file."""
+    return llama_cpp_record(smollm2_gguf)

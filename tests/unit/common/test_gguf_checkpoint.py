@@ -1,7 +1,7 @@
 """A GGUF file as a checkpoint: the view's config, tokenizer and chat template agree with
 transformers' own reading of the same file (SmolLM2-135M-Instruct Q4_1, the real model).
 
-llama.cpp's ids are not compared: llama-cpp-python is not installed here.
+llama.cpp's ids on the same file: test_gguf_tokenizer_vs_llama_cpp.py.
 """
 
 from __future__ import annotations

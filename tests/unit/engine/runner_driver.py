@@ -79,3 +79,33 @@ def generate(
         for rid, token in runner.execute(SchedulerOutput(scheduled)).sampled.items():
             outputs[rid].append(token)
     return outputs
+
+
+def teacher_forced(runner: ModelRunner, prompts: dict[str, list[int]],
+                   teacher: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Our greedy pick at each position of prompt + `teacher` continuation: the prompt's
+    prefill predicts teacher[0], then decode step k (fed teacher[k - 1]) predicts
+    teacher[k], every request advancing in the same steps (so a decode step multiplies
+    one row per request)."""
+    blocks: dict[str, list[int]] = {}
+    for rid, prompt in prompts.items():
+        first = sum(map(len, blocks.values()))
+        needed = -(-(len(prompt) + len(teacher[rid])) // runner.block_size)
+        blocks[rid] = list(range(first, first + needed))
+    assert sum(map(len, blocks.values())) <= runner.num_blocks
+    picks: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for step in range(max(map(len, teacher.values()))):
+        scheduled = []
+        for rid, prompt in prompts.items():
+            if step >= len(teacher[rid]):
+                continue
+            known = prompt + teacher[rid][:step]
+            start = 0 if step == 0 else len(known) - 1
+            scheduled.append(ScheduledRequest(
+                request_id=rid, token_ids=known[start:], start_pos=start,
+                block_ids=blocks[rid][:-(-len(known) // runner.block_size)], sample=True,
+                sampling=GREEDY, prompt_token_ids=prompt,
+                output_token_ids=teacher[rid][:step]))
+        for rid, token in runner.execute(SchedulerOutput(scheduled)).sampled.items():
+            picks[rid].append(token)
+    return picks

@@ -1,9 +1,7 @@
 """The engine on a real GGUF file (SmolLM2-135M-Instruct Q4_1) against transformers.
 
-The reference is transformers' own GGUF reading (`load_gguf_checkpoint`: its config, its
-tensor names, its undoing of llama.cpp's q/k permutation, `gguf`'s dequantization), loaded
-into transformers' Llama in float32. `from_pretrained(gguf_file=...)` runs the same reading
-but insists on `accelerate`, which is not installed here. Both sides read the same blocks:
+The reference is transformers' own GGUF reading, loaded into transformers' Llama in
+float32 (`tests.gguf_models.transformers_model`). Both sides read the same blocks:
 dequantized, ours equal theirs bit for bit. Our linear layers keep the blocks and, at
 decode, quantize the activations to 8 bits in two passes (`kernels.quant.quant_linear`),
 so decoded tokens are compared teacher-forced (the issue's bar: top-1 agreement) rather
@@ -39,13 +37,13 @@ from services.engine.models.linear import (
 )
 from services.engine.models.loader import DEQUANTIZE_ENV, load_model, pack_projections
 from services.engine.models.tp_sharding import ShardPlan
-from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from services.engine.scheduler.output import ScheduledRequest
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
-from tests.unit.engine.runner_driver import GREEDY, all_logits, generate
+from tests.gguf_models import transformers_greedy, transformers_model
+from tests.unit.engine.runner_driver import GREEDY, all_logits, generate, teacher_forced
 
-transformers = pytest.importorskip("transformers")
-gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
 
 QUESTIONS = {
     "france": "What is the capital of France?",
@@ -71,16 +69,7 @@ def view(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_gguf: Path) -> Any:
-    config = transformers.AutoConfig.from_pretrained(smollm2_gguf.parent,
-                                                     gguf_file=smollm2_gguf.name)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = gguf_utils.load_gguf_checkpoint(
-        str(smollm2_gguf), return_tensors=True, model_to_load=model,
-        torch_dtype=torch.float32)["tensors"]
-    result = model.load_state_dict(tensors, strict=False)
-    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
-    model.tie_weights()
-    return model.eval()
+    return transformers_model(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -102,36 +91,6 @@ def prompts(view: Path) -> dict[str, list[int]]:
             "<|im_start|>assistant\n").ids
         for name, question in QUESTIONS.items()
     }
-
-
-def hf_greedy(model: Any, prompt: list[int], num_tokens: int = NUM_TOKENS) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False,
-                             max_new_tokens=num_tokens, eos_token_id=[], pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def teacher_forced(runner: ModelRunner, prompts: dict[str, list[int]],
-                   teacher: dict[str, list[int]]) -> dict[str, list[int]]:
-    """Our greedy pick at each position of prompt + `teacher` continuation: the prompt's
-    prefill predicts teacher[0], then decode step k (fed teacher[k - 1]) predicts
-    teacher[k], every request advancing in the same steps."""
-    per_request = runner.model_info.max_model_len // runner.block_size
-    picks: dict[str, list[int]] = {rid: [] for rid in prompts}
-    for step in range(len(next(iter(teacher.values())))):
-        scheduled = []
-        for i, (rid, prompt) in enumerate(prompts.items()):
-            known = prompt + teacher[rid][:step]
-            start = 0 if step == 0 else len(known) - 1
-            blocks = list(range(i * per_request, (i + 1) * per_request))
-            scheduled.append(ScheduledRequest(
-                request_id=rid, token_ids=known[start:], start_pos=start,
-                block_ids=blocks[:-(-len(known) // runner.block_size)], sample=True,
-                sampling=GREEDY, prompt_token_ids=prompt,
-                output_token_ids=teacher[rid][:step]))
-        for rid, token in runner.execute(SchedulerOutput(scheduled)).sampled.items():
-            picks[rid].append(token)
-    return picks
 
 
 def test_weights_equal_transformers(view: Path, hf_model: Any, smollm2_gguf: Path) -> None:
@@ -183,7 +142,7 @@ def test_decode_takes_the_per_layer_path(runner: ModelRunner) -> None:
 
 def test_teacher_forced_top1_agrees_with_transformers(
         runner: ModelRunner, hf_model: Any, prompts: dict[str, list[int]], view: Path) -> None:
-    teacher = {name: hf_greedy(hf_model, prompt, TEACHER_TOKENS)
+    teacher = {name: transformers_greedy(hf_model, prompt, TEACHER_TOKENS)
                for name, prompt in prompts.items()}
     ours = teacher_forced(runner, prompts, teacher)
     agree = sum(a == b for name in prompts for a, b in zip(ours[name], teacher[name],
