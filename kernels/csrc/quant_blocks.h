@@ -257,11 +257,14 @@ inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_
   }
 }
 
-// An activation block of 32 values for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights: x ~= d q.
+// An activation block of 32 values for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights, to about
+// 15 bits: x ~= d (q + lo / 256), q the 8-bit rounding of x / d and lo that of what it left
+// out (at most half a step), in steps of d / 256. The dot kernels sum 256 q + lo in int32.
 struct Q8Block {
   float d;
-  float d_sum;  // d sum(q): the block's x summed, for the weights' offsets
+  float d_sum;  // d / 256 sum(256 q + lo): the block's x summed, for the weights' offsets
   int8_t q[32];
+  int8_t lo[32];
 };
 
 // An activation block of 256 values for the K-quants: x ~= d q.
@@ -287,10 +290,20 @@ inline float quantize_values(const float* x, int64_t n, int8_t* q) {
 inline void quantize_row(const float* x, int64_t k, Q8Block* out) {
   for (int64_t b = 0; b < k / 32; ++b) {
     Q8Block& block = out[b];
-    block.d = quantize_values(x + 32 * b, 32, block.q);
+    const float* xb = x + 32 * b;
+    const float d = quantize_values(xb, 32, block.q);
+    // d / 256 is exact; a residual of exactly half a step (256 / 2 = 128 of them) would
+    // not fit an int8 and is clamped to 127, an error of d / 256.
+    const float inverse = d > 0.0f ? 256.0f / d : 0.0f;
     int32_t sum = 0;
-    for (int l = 0; l < 32; ++l) sum += block.q[l];
-    block.d_sum = block.d * static_cast<float>(sum);
+    for (int l = 0; l < 32; ++l) {
+      const float residual = xb[l] - d * static_cast<float>(block.q[l]);
+      const long lo = std::clamp(std::lrint(residual * inverse), -127L, 127L);
+      block.lo[l] = static_cast<int8_t>(lo);
+      sum += 256 * block.q[l] + block.lo[l];
+    }
+    block.d = d;
+    block.d_sum = d / 256.0f * static_cast<float>(sum);
   }
 }
 

@@ -123,6 +123,19 @@ inline void add_scaled(Acc& acc, float scale, int32_t sum) {
 }
 #endif
 
+// A Q8Block's value l in steps of d / 256 (256 q + lo), and that step's size in d.
+constexpr float kLoStep = 1.0f / 256.0f;
+inline int32_t wide(const Q8Block& a, int l) { return 256 * a.q[l] + a.lo[l]; }
+
+#ifdef CORESTREAM_QUANT_AVX2
+// Sums of fours of unsigned weight bytes u times the block's values in steps of d / 256:
+// 256 (u . q) + u . lo, per int32 lane. No lane overflows: |u . q| <= 4 * 128 * 127.
+inline __m256i fused_dot(__m256i u, const Q8Block& a) {
+  const __m256i high = dot_u8s8(_mm256_setzero_si256(), u, load32(a.q));
+  return dot_u8s8(_mm256_slli_epi32(high, 8), u, load32(a.lo));
+}
+#endif
+
 // Q4_0 (kMin false: x = d (q - 8)) and Q4_1 (x = d q + m).
 template <bool kMin>
 struct DotQ4 {
@@ -142,12 +155,14 @@ struct DotQ4 {
     for (int r = 0; r < R; ++r) {
       const Act& a = x[r][b];
 #ifdef CORESTREAM_QUANT_AVX2
-      const __m256i sums = dot_u8s8(_mm256_setzero_si256(), q, load32(a.q));
+      const __m256i sums = fused_dot(q, a);
 #else
       int32_t sums = 0;
-      for (int l = 0; l < 16; ++l) sums += (qs[l] & 15) * a.q[l] + (qs[l] >> 4) * a.q[l + 16];
+      for (int l = 0; l < 16; ++l) {
+        sums += (qs[l] & 15) * wide(a, l) + (qs[l] >> 4) * wide(a, l + 16);
+      }
 #endif
-      add_scaled(acc[r], d * a.d, sums);
+      add_scaled(acc[r], d * a.d * kLoStep, sums);
       offset[r] += (kMin ? m : -8.0f * d) * a.d_sum;
     }
   }
@@ -173,15 +188,15 @@ struct DotQ5 {
     for (int r = 0; r < R; ++r) {
       const Act& a = x[r][b];
 #ifdef CORESTREAM_QUANT_AVX2
-      const __m256i sums = dot_u8s8(_mm256_setzero_si256(), q, load32(a.q));
+      const __m256i sums = fused_dot(q, a);
 #else
       int32_t sums = 0;
       for (int l = 0; l < 16; ++l) {
-        sums += ((qs[l] & 15) | (((qh >> l) & 1) << 4)) * a.q[l] +
-                ((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) * a.q[l + 16];
+        sums += ((qs[l] & 15) | (((qh >> l) & 1) << 4)) * wide(a, l) +
+                ((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) * wide(a, l + 16);
       }
 #endif
-      add_scaled(acc[r], d * a.d, sums);
+      add_scaled(acc[r], d * a.d * kLoStep, sums);
       offset[r] += (kMin ? m : -16.0f * d) * a.d_sum;
     }
   }
@@ -204,13 +219,15 @@ struct DotQ8_0 {
       const Act& a = x[r][b];
 #ifdef CORESTREAM_QUANT_AVX2
       // q_w q_x = |q_w| (sign(q_w) q_x)
-      const __m256i signed_x = _mm256_sign_epi8(load32(a.q), q);
-      const __m256i sums = dot_u8s8(_mm256_setzero_si256(), magnitude, signed_x);
+      const __m256i high = dot_u8s8(_mm256_setzero_si256(), magnitude,
+                                    _mm256_sign_epi8(load32(a.q), q));
+      const __m256i sums = dot_u8s8(_mm256_slli_epi32(high, 8), magnitude,
+                                    _mm256_sign_epi8(load32(a.lo), q));
 #else
       int32_t sums = 0;
-      for (int l = 0; l < 32; ++l) sums += q[l] * a.q[l];
+      for (int l = 0; l < 32; ++l) sums += q[l] * wide(a, l);
 #endif
-      add_scaled(acc[r], d * a.d, sums);
+      add_scaled(acc[r], d * a.d * kLoStep, sums);
     }
   }
 };
@@ -377,13 +394,16 @@ struct QuantMatrix {
 // floats.
 //
 // Each row is quantized twice: once, then what that rounding left out (at most half a
-// step of the first scale) once more, so every row has kPasses quantized rows that the dot
-// products sum. One 8-bit pass alone errs by about 1e-3 of a layer's output; over a real
-// model (SmolLM2-135M Q4_1, 20 prompts x 64 positions teacher-forced) its greedy tokens
-// agreed with float activations' in 97.5% of positions, two passes in 99.9%, and the
-// prefill, which multiplies float activations, agrees with decode to the same degree.
-// The second pass shares each unpacked weight block with the first (they go through the
-// dot kernels as neighbouring rows), so it costs integer arithmetic, not memory traffic.
+// step of the first scale) once more. One 8-bit pass alone errs by about 1e-3 of a
+// layer's output; over a real model (SmolLM2-135M Q4_1, 20 prompts x 64 positions
+// teacher-forced) its greedy tokens agreed with float activations' in 97.5% of positions,
+// two passes in 99.9%, and the prefill, which multiplies float activations, agrees with
+// decode to the same degree. A Q8Block holds both passes (the second in steps of 1/256
+// of the first's), which the dot kernels sum as one 16-bit value, so the second pass costs
+// one more integer dot product per block and row. A K-quant's activations take the second
+// pass as a quantized row of its own (kPasses rows per row of x, neighbours in the dot
+// kernels' passes so that they share each unpacked weight block): their sums per
+// super-block would overflow int32 at 16 bits.
 class QuantActivations {
  public:
   static constexpr int64_t kPasses = 2;
@@ -393,26 +413,29 @@ class QuantActivations {
   void quantize(GgmlType type, const T* x, int64_t m, int64_t k, int64_t x_stride) {
     rows_ = m;
     cols_ = k;
+    passes_ = 1;
     floats_.resize(static_cast<size_t>(m * k));
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t i = 0; i < k; ++i) floats_[r * k + i] = to_float_(x[r * x_stride + i]);
     }
     if (is_float(type)) return;
-    residual_.resize(static_cast<size_t>(k));
     if (is_k_quant(type)) {
+      passes_ = kPasses;
+      residual_.resize(static_cast<size_t>(k));
       q8k_.resize(static_cast<size_t>(kPasses * m * (k / kQK)));
-      quantize_passes(m, k, kQK, q8k_.data());
+      quantize_passes(m, k, q8k_.data());
     } else {
-      q8_.resize(static_cast<size_t>(kPasses * m * (k / 32)));
-      quantize_passes(m, k, 32, q8_.data());
+      q8_.resize(static_cast<size_t>(m * (k / 32)));
+      for (int64_t r = 0; r < m; ++r) quantize_row(&floats_[r * k], k, &q8_[r * (k / 32)]);
     }
   }
 
-  // Logical rows (x's); the dot products run over quantized_rows() of blocks.
+  // Logical rows (x's); the dot products run over quantized_rows() of blocks, passes()
+  // consecutive ones per row of x.
   int64_t rows() const { return rows_; }
-  int64_t quantized_rows() const { return kPasses * rows_; }
+  int64_t passes() const { return passes_; }
+  int64_t quantized_rows() const { return passes_ * rows_; }
   const float* floats(int64_t r) const { return floats_.data() + r * cols_; }
-  // Quantized row q: pass q % kPasses of x's row q / kPasses.
   const Q8Block* blocks(int64_t q, const Q8Block*) const {
     return q8_.data() + q * (cols_ / 32);
   }
@@ -424,26 +447,25 @@ class QuantActivations {
   static float to_float_(float v) { return v; }
   static float to_float_(c10::BFloat16 v) { return static_cast<float>(v); }
 
-  template <typename Block>
-  void quantize_passes(int64_t m, int64_t k, int64_t block_values, Block* out) {
-    const int64_t per_row = k / block_values;
+  void quantize_passes(int64_t m, int64_t k, Q8KBlock* out) {
+    const int64_t per_row = k / kQK;
     for (int64_t r = 0; r < m; ++r) {
       float* residual = residual_.data();
       std::copy_n(&floats_[r * k], k, residual);
       for (int64_t pass = 0; pass < kPasses; ++pass) {
-        Block* blocks = out + (kPasses * r + pass) * per_row;
+        Q8KBlock* blocks = out + (kPasses * r + pass) * per_row;
         quantize_row(residual, k, blocks);
         if (pass + 1 == kPasses) break;
         for (int64_t b = 0; b < per_row; ++b) {
-          for (int64_t l = 0; l < block_values; ++l) {
-            residual[b * block_values + l] -= blocks[b].d * blocks[b].q[l];
+          for (int64_t l = 0; l < kQK; ++l) {
+            residual[b * kQK + l] -= blocks[b].d * blocks[b].q[l];
           }
         }
       }
     }
   }
 
-  int64_t rows_ = 0, cols_ = 0;
+  int64_t rows_ = 0, cols_ = 0, passes_ = 1;
   std::vector<float> floats_, residual_;
   std::vector<Q8Block> q8_;
   std::vector<Q8KBlock> q8k_;
@@ -463,8 +485,8 @@ inline void rows_pass(const QuantMatrix& w, const QuantActivations& x, int64_t q
   dot_rows<Kind, R>(w.blocks + n * w.row_bytes, rows, w.cols / format_of(w.type).values, sums);
   for (int r = 0; r < R; ++r) {
     const int64_t q = q0 + r;
-    float& y = out[q / QuantActivations::kPasses * out_stride + n];
-    y = q % QuantActivations::kPasses == 0 ? sums[r] : y + sums[r];
+    float& y = out[q / x.passes() * out_stride + n];
+    y = q % x.passes() == 0 ? sums[r] : y + sums[r];
   }
 }
 

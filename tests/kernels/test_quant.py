@@ -98,17 +98,20 @@ def activation_block(kind: GGMLType) -> int:
 
 def as_quantized(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as the C++ GEMV quantizes it, in float32 as it computes: 8-bit blocks
-    (q = round half to even of x / d, d = max|x| / 127), then the same of what that left
-    out. The values the two passes carry as float64 [M, K], and the step d of the second
-    pass at each value [M, K] (the error left is at most half of it)."""
+    (q = round half to even of x / d, d = max|x| / 127), then what that left out: in steps
+    of d / 256 for blocks of 32 (clamped to +-127), as a second 8-bit pass of its own scale
+    for the K-quants' 256. The values both carry as float64 [M, K], and the step of the
+    second at each value [M, K] (the error left is at most half of it)."""
     b = x.float().reshape(x.shape[0], -1, block)
-    values = torch.zeros_like(b, dtype=torch.float64)
-    for _ in range(2):
-        d = b.abs().amax(-1, keepdim=True) / 127
-        q = torch.round(b * torch.where(d > 0, 1.0 / d, torch.zeros_like(d)))
-        values += q.double() * d.double()
-        b = b - d * q
-    return values.reshape(x.shape), d.expand_as(b).reshape(x.shape).double()
+    d = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.round(b * torch.where(d > 0, 1.0 / d, torch.zeros_like(d)))
+    residual = b - d * q
+    step = d / 256 if block == 32 else residual.abs().amax(-1, keepdim=True) / 127
+    lo = torch.round(residual * torch.where(step > 0, 1.0 / step, torch.zeros_like(step)))
+    if block == 32:
+        lo = lo.clamp(-127, 127)
+    values = q.double() * d.double() + lo.double() * step.double()
+    return values.reshape(x.shape), step.expand_as(b).reshape(x.shape).double()
 
 
 def assert_rows_close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
