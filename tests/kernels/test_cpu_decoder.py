@@ -380,7 +380,7 @@ def test_decode_model_refuses_positions_that_do_not_match_the_tokens(cpu_ops: An
     with pytest.raises(RuntimeError, match=r"input_ids and positions must be \[B\]"):
         cpu_ops.decode_model(
             torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-            torch.zeros(4, 8), torch.zeros(2, 16, 8),
+            [torch.zeros(4, 8)], torch.zeros(2, 16, 8),
             flat_weights([{"input_norm": torch.ones(8)}]), [cache],
             torch.zeros(2, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int32),
             torch.ones(2, dtype=torch.int32), 1, 1, 8, 1.0, [0], torch.ones(8), 1e-6, [],
