@@ -1,15 +1,17 @@
 """The model runner's step in process: the C++ CPU kernels against the torch path.
 
-    .venv/bin/python benchmarks/decode_step.py [--rounds 5] [--threads 2]
+    .venv/bin/python benchmarks/decode_step.py [--rounds 5] [--threads 2] [--model PATH]
 
-On the benchmark checkpoint, through `ModelRunner.execute` (no scheduler, no gRPC):
+On the benchmark checkpoint (or `--model`: any checkpoint `corestream serve --model`
+takes, e.g. a GGUF file), through `ModelRunner.execute` (no scheduler, no gRPC):
 - decode, batch 1: one sequence after a 128-token prompt, one token per step (latency);
 - decode, batch 128: 128 sequences after 64-token prompts, one token each per step;
 - prefill: one chunk of 2048 prompt tokens.
 Each round runs every workload on both backends (`kernels.backend`: "cpp", then
 "torch") back to back, so that a loaded machine slows both alike; the script prints
-each side's median step and the ratio cpp/torch. Prefills of the decode workloads
-are not timed.
+each side's median step and the ratio cpp/torch (`--backends cpp` times the C++ side
+alone: on a GGUF model the torch path dequantizes every weight at every step). Prefills
+of the decode workloads are not timed.
 """
 
 from __future__ import annotations
@@ -30,21 +32,23 @@ import torch  # noqa: E402
 from benchmarks.sequences import Sequences  # noqa: E402
 from benchmarks.workload import VOCAB, bench_checkpoint  # noqa: E402
 from kernels.backend import set_backend  # noqa: E402
+from services.common.tiny_checkpoint import resolve_model  # noqa: E402
 from services.engine.worker.config import RunnerConfig  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402
 
 BACKENDS = ("cpp", "torch")
 
 
-def random_prompts(num_seqs: int, prompt_len: int) -> list[list[int]]:
+def random_prompts(num_seqs: int, prompt_len: int, vocab: int = VOCAB) -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
-    return [torch.randint(3, VOCAB, (prompt_len,), generator=gen).tolist()
+    return [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
             for _ in range(num_seqs)]
 
 
 def decode_times(runner: ModelRunner, num_seqs: int, prompt_len: int, steps: int,
                  tag: str) -> list[float]:
-    seqs = Sequences(runner, random_prompts(num_seqs, prompt_len), prompt_len + steps + 1, tag)
+    prompts = random_prompts(num_seqs, prompt_len, runner.model_info.vocab_size)
+    seqs = Sequences(runner, prompts, prompt_len + steps + 1, tag)
     seqs.prefill()
     times = []
     for _ in range(steps):
@@ -56,7 +60,8 @@ def decode_times(runner: ModelRunner, num_seqs: int, prompt_len: int, steps: int
 
 
 def prefill_times(runner: ModelRunner, tokens: int, tag: str) -> list[float]:
-    seqs = Sequences(runner, random_prompts(1, tokens), tokens, tag)
+    seqs = Sequences(runner, random_prompts(1, tokens, runner.model_info.vocab_size), tokens,
+                     tag)
     start = time.perf_counter()
     seqs.prefill()
     elapsed = time.perf_counter() - start
@@ -71,8 +76,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="the runner's num_threads (0: one per usable CPU)")
     parser.add_argument("--workloads", default="decode1,decode128,prefill2048")
+    parser.add_argument("--model", default="",
+                        help="a checkpoint folder or GGUF file (default: the benchmark's)")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="the first is the numerator of the ratio")
     args = parser.parse_args()
-    runner = ModelRunner(RunnerConfig(model=str(bench_checkpoint()), kv_cache_memory=1 << 30,
+    model = resolve_model(args.model) if args.model else bench_checkpoint()
+    backends = args.backends.split(",")
+    runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=1 << 30,
                                       max_model_len=2048, num_threads=args.threads))
     workloads: dict[str, Callable[[str], list[float]]] = {
         "decode1": lambda tag: decode_times(runner, 1, 128, args.steps, tag),
@@ -80,20 +91,23 @@ def main() -> None:
         "prefill2048": lambda tag: prefill_times(runner, 2048, tag),
     }
     chosen = args.workloads.split(",")
-    samples = {(w, b): [] for w in chosen for b in BACKENDS}
-    for backend in BACKENDS:  # builds the kernels and warms both paths up
+    samples = {(w, b): [] for w in chosen for b in backends}
+    for backend in backends:  # builds the kernels and warms both paths up
         set_backend(backend)
         runner.warmup()
         runner.settle()
     for r in range(args.rounds):
         for w in chosen:
-            for backend in BACKENDS:
+            for backend in backends:
                 set_backend(backend)
                 samples[w, backend] += workloads[w](f"{w}-{backend}-{r}-")
-    print(f"threads {torch.get_num_threads()}, {args.rounds} rounds")
+    print(f"{model.name}: threads {torch.get_num_threads()}, {args.rounds} rounds")
     for w in chosen:
-        cpp, ref = (statistics.median(samples[w, b]) * 1000 for b in BACKENDS)
-        print(f"{w:12s} cpp {cpp:8.2f} ms  torch {ref:8.2f} ms  cpp/torch {cpp / ref:.3f}")
+        medians = [statistics.median(samples[w, b]) * 1000 for b in backends]
+        sides = "  ".join(f"{b} {ms:8.2f} ms" for b, ms in zip(backends, medians, strict=True))
+        ratio = (f"  {backends[0]}/{backends[1]} {medians[0] / medians[1]:.3f}"
+                 if len(backends) > 1 else "")
+        print(f"{w:12s} {sides}{ratio}")
 
 
 if __name__ == "__main__":

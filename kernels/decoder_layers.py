@@ -15,10 +15,16 @@ thread preempted by another process does not hold the others at forty barriers a
 The model binds its weights to the op once (`DecodeModel`), which keeps that region's plan
 and buffers from one step to the next while the batch size holds.
 
+A GGUF model's layers that keep the file's blocks (`QuantizedWeight`) go into the same call:
+a projection's blocks take its weight's place and `quant_format` its panels', and the op
+multiplies them with the GEMV that `kernels.quant.quant_linear` runs at few rows
+(`csrc/quant_projection.h`); a quantized embedding table goes as [blocks, format].
+
 The op without binding, for tests: decode_model(input_ids, positions, embedding,
 rotary_table, weights, kv_caches, slot_mapping, block_tables, seq_lens, num_heads,
 num_kv_heads, head_dim, scale, windows, final_norm, eps, head) -> [final hidden states]
-or [final hidden states, logits, argmax], where head = [weight, panels, bias] or [].
+or [final hidden states, logits, argmax], where embedding = [table] or [blocks, format]
+and head = [weight, panels, bias] or [].
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 
 from kernels.cpu_extension import cpu_ops, python_module
 from kernels.cpu_paged_attention import decode_shape_supported
+from kernels.quant import QuantizedWeight
 
 LAYER_TENSORS = (
     "input_norm", "qkv_weight", "qkv_panels", "qkv_bias", "q_norm", "k_norm", "o_weight",
@@ -37,26 +44,35 @@ LAYER_TENSORS = (
     "down_weight", "down_panels", "down_bias",
 )
 """The tensors each layer hands over, in this order (the C++ op's `Slot`); a bias, norm
-or panels (`kernels.cpu_linear.weight_panels`) the layer lacks goes as `ABSENT`."""
+or panels (`kernels.cpu_linear.weight_panels`) the layer lacks goes as `ABSENT`. A
+quantized projection hands over its blocks as its weight and `quant_format` as its
+panels."""
 
 ABSENT = torch.empty(0)
 
+
+def quant_format(weight: QuantizedWeight) -> torch.Tensor:
+    """What the op reads beside a quantized weight's blocks: int64 [GGML type,
+    in_features]."""
+    return torch.tensor([int(weight.ggml_type), weight.in_features])
+
+
 def cpu_decode_model(
-    embedding: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+    like: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> Callable[..., Any] | None:
     """The C++ `DecodeModel` class (the extension module's) if it applies to a model
-    with this embedding table and head layout (CPU, backend not "torch") and builds; else
-    None. `decode_model`'s arguments but the step's construct it; its `forward` takes
-    the step's.
+    whose hidden states are tensors `like` this one (dtype and device) with this head
+    layout (CPU, backend not "torch") and builds; else None. `decode_model`'s arguments
+    but the step's construct it; its `forward` takes the step's.
 
     A step embeds its tokens (one per sequence), gathers their rotation rows, runs
     `decode_layers` and the final norm, and returns the final hidden states `[B, hidden]`,
     and with a head the logits `[B, vocab]` (in the model's dtype) and each row's argmax
     `[B]` (int64) after them.
     """
-    if not decode_shape_supported(embedding.dtype, num_heads, num_kv_heads, head_dim):
+    if not decode_shape_supported(like.dtype, num_heads, num_kv_heads, head_dim):
         return None
-    if cpu_ops(embedding) is None:
+    if cpu_ops(like) is None:
         return None
     return python_module().DecodeModel
 
@@ -72,11 +88,13 @@ class DecodeModel:
 
     __slots__ = ("_make", "_args", "_kv_caches", "_bound")
 
-    def __init__(self, make: Callable[..., Any], embedding: torch.Tensor,
+    def __init__(self, make: Callable[..., Any], embedding: list[torch.Tensor],
                  rotary_table: torch.Tensor, weights: list[torch.Tensor], num_heads: int,
                  num_kv_heads: int, head_dim: int, scale: float, windows: list[int],
                  final_norm: torch.Tensor, eps: float, head: list[torch.Tensor]) -> None:
-        """`head`: [weight, panels, bias] of the LM head, or [] to leave it to the caller."""
+        """`embedding`: [table], or a quantized table's [blocks, `quant_format`]. `head`:
+        [weight, panels, bias] of the LM head (a quantized one's panels its format), or
+        [] to leave it to the caller."""
         self._make = make
         self._args = (embedding, rotary_table, weights, num_heads, num_kv_heads, head_dim,
                       scale, windows, final_norm, eps, head)

@@ -4,7 +4,8 @@
 // of layers_cpu.cpp and paged_attention_cpu.cpp, and in Python the glue between them
 // (module calls, op dispatch from Python, views) costs as much as a fifth of the step.
 // Here the same ops run in the same order from C++: matmuls through the same
-// corestream_cpu::linear the Python layers call (linear_cpu.h), and the
+// corestream_cpu::linear the Python layers call (linear_cpu.h), or for a GGUF model's
+// quantized layers the same quantized GEMV as quant_linear (quant_projection.h), and the
 // extension's ops through the dispatcher, so the results are those of the Python layers
 // bit for bit (services/engine/models/llama.py is the reference;
 // tests/kernels/test_cpu_decoder.py compares them). The gaps between parallel
@@ -19,6 +20,7 @@
 #include "layer_rows.h"
 #include "linear_cpu.h"
 #include "paged_attention_cpu.h"
+#include "quant_projection.h"
 #include "work_items.h"
 
 #include <omp.h>
@@ -26,6 +28,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -34,7 +38,9 @@
 namespace {
 
 // The tensors of one layer in `weights`, in this order; an absent one (a bias the
-// checkpoint lacks, q/k norms of families without them) is an empty tensor.
+// checkpoint lacks, q/k norms of families without them) is an empty tensor. A projection
+// kept quantized has its blocks in the weight slot and their format in the panels slot
+// (quant_projection.h).
 enum Slot : int64_t {
   kInputNorm,
   kQkvWeight,
@@ -55,12 +61,8 @@ enum Slot : int64_t {
   kSlotsPerLayer,
 };
 
+using corestream_cpu::is_quantized;
 using corestream_cpu::present;
-
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w, Slot weight, Slot panels,
-                  Slot bias) {
-  return corestream_cpu::linear(x, w[weight], w[panels], w[bias]);
-}
 
 struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm;
@@ -75,6 +77,10 @@ struct Ops {
                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                 int64_t)>
       paged_decode;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                      int64_t)>
+      quant_linear;
+  int64_t quant_gemv_max_rows;  // the most rows quant_linear quantizes the activations of
 };
 
 // Looked up on first use: by then the extension's other files have registered them.
@@ -96,9 +102,31 @@ const Ops& ops() {
             .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                         int64_t)>(),
+        find("corestream_cpu::quant_linear")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                              int64_t)>(),
+        find("corestream_cpu::quant_gemv_max_rows").typed<int64_t()>().call(),
     };
   }();
   return handles;
+}
+
+// x @ weight^T + bias, as the Python layer computes it: `Linear` (corestream_cpu::linear)
+// or `QuantizedLinear` (quant_linear).
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
+                   const at::Tensor& bias) {
+  if (!is_quantized(weight)) {
+    return corestream_cpu::linear(x, weight, panels, bias);
+  }
+  const corestream_cpu::quant::QuantMatrix w = corestream_cpu::quant_format(weight, panels, "a projection");
+  const at::Tensor y = ops().quant_linear.call(x, weight, static_cast<int64_t>(w.type), w.rows,
+                                               w.cols);
+  return present(bias) ? y + bias : y;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, Slot weight, Slot panels,
+                  Slot bias) {
+  return project(x, w[weight], w[panels], w[bias]);
 }
 
 // hidden: the step's embeddings [B, hidden], one token per sequence, contiguous; on
@@ -168,19 +196,30 @@ at::Tensor decode_layers(
   return x;
 }
 
-// Whether every linear of the model has panels: then a step of a few rows
-// (corestream_cpu::max_panel_rows) reads them throughout, and all of its parallel work can
-// be items of one StagePlan (work_items.h).
-bool panels_throughout(at::TensorList weights) {
+// The most rows for which a projection's work can be items of a StagePlan (work_items.h):
+// those for which `linear` reads a float weight's panels (corestream_cpu::max_panel_rows),
+// or quant_linear runs its GEMV; 0 for a float weight without panels.
+int64_t plannable_rows(const at::Tensor& weight, const at::Tensor& panels, at::ScalarType dtype) {
+  if (is_quantized(weight)) {
+    return ops().quant_gemv_max_rows;
+  }
+  return present(panels) ? corestream_cpu::max_panel_rows(dtype) : 0;
+}
+
+// The most sequences for which all of a step's parallel work can be items of one
+// StagePlan: the fewest rows any linear of the layers takes there.
+int64_t plannable_rows(at::TensorList weights, at::ScalarType dtype) {
+  int64_t rows = std::numeric_limits<int64_t>::max();
   for (size_t layer = 0; layer < weights.size() / kSlotsPerLayer; ++layer) {
     const at::Tensor* w = weights.data() + layer * kSlotsPerLayer;
-    for (Slot panels : {kQkvPanels, kOPanels, kGateUpPanels, kDownPanels}) {
-      if (!present(w[panels])) {
-        return false;
-      }
+    for (const auto& [weight, panels] : {std::pair{kQkvWeight, kQkvPanels},
+                                         {kOWeight, kOPanels},
+                                         {kGateUpWeight, kGateUpPanels},
+                                         {kDownWeight, kDownPanels}}) {
+      rows = std::min(rows, plannable_rows(w[weight], w[panels], dtype));
     }
   }
-  return true;
+  return rows;
 }
 
 void check_norm_weight(const at::Tensor& weight, int64_t size, at::ScalarType dtype,
@@ -229,8 +268,46 @@ struct PlannedStep {
   const void* last_mlp_out = nullptr;
   at::Tensor final_sum;  // their sum; only the normed result leaves the step
   int64_t layer_stages = 0;  // the plan's stages that the next step runs again
+  // The quantized projections' state, which their items refer to (a deque: it never
+  // moves them); a quantized head's is `head`, whose stages each step adds anew.
+  std::deque<corestream_cpu::QuantProjection> projections;
+  corestream_cpu::QuantProjection* head = nullptr;
   corestream_cpu::StagePlan plan;
 };
+
+// A quantized projection of `step` from in_features to out_features, checked.
+corestream_cpu::QuantProjection& quant_projection(PlannedStep& step, const at::Tensor& blocks,
+                                                  const at::Tensor& format,
+                                                  const at::Tensor& bias, int64_t in_features,
+                                                  int64_t out_features, const char* what) {
+  const corestream_cpu::quant::QuantMatrix f = corestream_cpu::quant_format(blocks, format, what);
+  const at::ScalarType dtype = step.residual.scalar_type();
+  TORCH_CHECK(f.cols == in_features && f.rows == out_features, "decode_model: ",
+              what, " is [", f.rows, ", ", f.cols, "], not [", out_features,
+              ", ", in_features, "]");
+  TORCH_CHECK(!present(bias) || (bias.numel() == out_features && bias.is_contiguous() &&
+                                 bias.scalar_type() == dtype),
+              "decode_model: ", what, "'s bias must be a contiguous [", out_features, "] of ",
+              dtype);
+  return step.projections.emplace_back(f, step.tokens, step.threads, dtype, present(bias));
+}
+
+// out = x @ weight^T + bias as stages of `step.plan`: a float weight's panels
+// (panel_items), or a quantized weight's GEMV (quant_projection.h).
+template <typename T>
+void plan_linear(PlannedStep& step, const at::Tensor& x, const at::Tensor& weight,
+                 const at::Tensor& panels, const at::Tensor& bias, const at::Tensor& out,
+                 const char* what) {
+  if (!is_quantized(weight)) {
+    auto [items, item] = corestream_cpu::panel_items(x, panels, bias, out);
+    step.plan.add(items, std::move(item));
+    return;
+  }
+  quant_projection(step, weight, panels, bias, x.size(1), out.size(1), what)
+      .add_stages<T>(step.plan, x.const_data_ptr<T>(),
+                     present(bias) ? bias.const_data_ptr<T>() : nullptr,
+                     out.mutable_data_ptr<T>());
+}
 
 // Per token: sum = T(residual + x), then normed = norm(sum): the pre-attention norm of
 // every layer but the first, the post-attention norm, and the final norm.
@@ -303,9 +380,7 @@ void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
 
     // q, k and v.
     const at::Tensor qkv = buffer({tokens, qkv_width});
-    auto [qkv_items, qkv_item] =
-        corestream_cpu::panel_items(normed, w[kQkvPanels], w[kQkvBias], qkv);
-    plan.add(qkv_items, std::move(qkv_item));
+    plan_linear<T>(step, normed, w[kQkvWeight], w[kQkvPanels], w[kQkvBias], qkv, "qkv_proj");
 
     // Per token: q and k normed per head (Qwen3), rotated; q to its buffer, k and v to
     // the cache.
@@ -347,9 +422,8 @@ void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
     plan.add(attn_items, std::move(attn_item));
 
     const at::Tensor projected = buffer({tokens, size});
-    auto [o_items, o_item] = corestream_cpu::panel_items(
-        attn.view({tokens, num_heads * dim}), w[kOPanels], w[kOBias], projected);
-    plan.add(o_items, std::move(o_item));
+    plan_linear<T>(step, attn.view({tokens, num_heads * dim}), w[kOWeight], w[kOPanels],
+                   w[kOBias], projected, "o_proj");
 
     // The post-attention norm, after the residual add.
     T* sum = data(buffer({tokens, size}));
@@ -361,9 +435,8 @@ void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
     const int64_t gate_up_width = w[kGateUpWeight].size(0);
     const int64_t intermediate = gate_up_width / 2;
     const at::Tensor gate_up = buffer({tokens, gate_up_width});
-    auto [gate_up_items, gate_up_item] = corestream_cpu::panel_items(
-        post_normed, w[kGateUpPanels], w[kGateUpBias], gate_up);
-    plan.add(gate_up_items, std::move(gate_up_item));
+    plan_linear<T>(step, post_normed, w[kGateUpWeight], w[kGateUpPanels], w[kGateUpBias],
+                   gate_up, "gate_up_proj");
 
     const at::Tensor activated = buffer({tokens, intermediate});
     const T* gate_up_data = data(gate_up);
@@ -375,9 +448,8 @@ void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
     });
 
     const at::Tensor down = buffer({tokens, size});
-    auto [down_items, down_item] =
-        corestream_cpu::panel_items(activated, w[kDownPanels], w[kDownBias], down);
-    plan.add(down_items, std::move(down_item));
+    plan_linear<T>(step, activated, w[kDownWeight], w[kDownPanels], w[kDownBias], down,
+                   "down_proj");
     mlp_out = data(down);
   }
   step.last_residual = residual;
@@ -400,11 +472,18 @@ std::vector<at::Tensor> plan_outputs(PlannedStep& step, const at::Tensor& final_
                static_cast<const T*>(step.last_residual),
                static_cast<const T*>(step.last_mlp_out), step.final_sum.mutable_data_ptr<T>(),
                result.mutable_data_ptr<T>(), final_norm);
-  if (!head.empty() && present(head[1])) {  // the head's panels: its logits too
+  // The head's panels, or its blocks and format: its logits too.
+  if (!head.empty() && present(head[1])) {
     const at::Tensor logits = outputs.emplace_back(
         at::empty({tokens, head[0].size(0)}, step.residual.options()));
-    auto [head_items, head_item] = corestream_cpu::panel_items(result, head[1], head[2], logits);
-    step.plan.add(head_items, std::move(head_item));
+    if (step.head != nullptr) {
+      step.head->add_stages<T>(step.plan, result.const_data_ptr<T>(),
+                               present(head[2]) ? head[2].const_data_ptr<T>() : nullptr,
+                               logits.mutable_data_ptr<T>());
+    } else {
+      auto [head_items, head_item] = corestream_cpu::panel_items(result, head[1], head[2], logits);
+      step.plan.add(head_items, std::move(head_item));
+    }
     // And each row's argmax, the token a greedy request takes (the sampler's argmax).
     const at::Tensor greedy = outputs.emplace_back(
         at::empty({tokens}, at::TensorOptions().dtype(at::kLong)));
@@ -420,32 +499,36 @@ std::vector<at::Tensor> plan_outputs(PlannedStep& step, const at::Tensor& final_
 
 // A model's decode-only step with the arguments that stay the same from step to step
 // bound once (the extension module's DecodeModel, see kernels/decoder_layers.py):
-// the embedding of input_ids [B], the rotation rows of positions [B] from rotary_table
-// [2, max_positions, head_dim] (cos and sin, laid out as RotaryEmbedding.cos_sin hands
-// them over), decode_layers, the final norm, and with `head` = [weight, panels, bias] (as
-// `linear` takes them; or empty) the head. forward returns [final hidden states
-// [B, hidden]], or with a head [those, logits [B, vocab], each row's argmax [B] int64]
-// (a greedy step's tokens, without a sampler in Python). Each piece is the op the
-// Python model runs, in its order, so the bits are the same; what goes is the Python
-// between them, which after the weights have streamed through the caches costs some
-// 0.2 ms a step (services/engine/models/llama.py, LlamaModel.forward).
+// the embedding of input_ids [B] (`embedding`: [table], or a quantized table's [blocks,
+// format], see quant_projection.h, whose rows are dequantized into the model's dtype,
+// final_norm's), the rotation rows of positions [B] from rotary_table [2, max_positions,
+// head_dim] (cos and sin, laid out as RotaryEmbedding.cos_sin hands them over),
+// decode_layers, the final norm, and with `head` = [weight, panels, bias] (as `linear`
+// takes them, or a quantized head's [blocks, format, bias]; or empty) the head. forward
+// returns [final hidden states [B, hidden]], or with a head [those, logits [B, vocab],
+// each row's argmax [B] int64] (a greedy step's tokens, without a sampler in Python).
+// Each piece is the op the Python model runs, in its order, so the bits are the same;
+// what goes is the Python between them, which after the weights have streamed through
+// the caches costs some 0.2 ms a step (services/engine/models/llama.py,
+// LlamaModel.forward).
 //
-// With a few sequences, where every linear reads panels, the layers and the final norm
-// run as one StagePlan in one parallel region instead of a fork and join per linear and
-// attention: a thread preempted by another process then delays the step by about its
-// share of the time it is away, not by all of it (work_items.h). The plan of the last
-// batch size is kept, with its buffers: a step of the same size stages its inputs into
-// it and runs it again. Bound here, and called through pybind11 rather than torch's
+// With a few sequences, where every linear reads panels or is quantized, the layers and
+// the final norm run as one StagePlan in one parallel region instead of a fork and join
+// per linear and attention: a thread preempted by another process then delays the step
+// by about its share of the time it is away, not by all of it (work_items.h). The plan of
+// the last batch size is kept, with its buffers: a step of the same size stages its
+// inputs into it and runs it again. Bound here, and called through pybind11 rather than torch's
 // dispatcher, a step's call takes its five tensors and no more: the dispatcher's
 // conversion of a hundred-odd weights each way, or even a TorchScript class method's
 // call, cost ~0.1 ms a step on the cold caches after the op.
 class DecodeModel {
  public:
-  DecodeModel(at::Tensor embedding, at::Tensor rotary_table, std::vector<at::Tensor> weights,
-              std::vector<at::Tensor> kv_caches, int64_t num_heads, int64_t num_kv_heads,
-              int64_t head_dim, double scale, std::vector<int64_t> windows,
-              at::Tensor final_norm, double eps, std::vector<at::Tensor> head)
-      : embedding_(std::move(embedding)),
+  DecodeModel(std::vector<at::Tensor> embedding, at::Tensor rotary_table,
+              std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches,
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
+              std::vector<int64_t> windows, at::Tensor final_norm, double eps,
+              std::vector<at::Tensor> head)
+      : embedding_(embedding.empty() ? at::Tensor() : embedding[0]),
         rotary_table_(std::move(rotary_table)),
         weights_(std::move(weights)),
         kv_caches_(std::move(kv_caches)),
@@ -460,15 +543,27 @@ class DecodeModel {
     TORCH_CHECK(head_.empty() || head_.size() == 3,
                 "decode_model: head must be [weight, panels, bias] or empty, got ",
                 head_.size(), " tensors");
+    TORCH_CHECK(embedding.size() == (is_quantized(embedding_) ? 2u : 1u),
+                "decode_model: embedding must be [table] or [blocks, format], got ",
+                embedding.size(), " tensors");
+    if (is_quantized(embedding_)) {
+      quant_table_ = corestream_cpu::quant_format(embedding_, embedding[1], "the embedding");
+    }
+    dtype_ = quant_table_ ? final_norm_.scalar_type() : embedding_.scalar_type();
+    hidden_size_ = quant_table_ ? quant_table_->cols : embedding_.size(1);
     TORCH_CHECK(rotary_table_.dim() == 3 && rotary_table_.size(0) == 2,
                 "decode_model: rotary_table must be [2, max_positions, head_dim], got ",
                 rotary_table_.sizes());
     const auto num_layers = static_cast<int64_t>(kv_caches_.size());
-    layers_plannable_ = num_layers > 0 &&
-                        static_cast<int64_t>(weights_.size()) == num_layers * kSlotsPerLayer &&
-                        static_cast<int64_t>(windows_.size()) == num_layers &&
-                        num_kv_heads_ > 0 && num_heads_ % num_kv_heads_ == 0 &&
-                        panels_throughout(weights_);
+    if (num_layers > 0 &&
+        static_cast<int64_t>(weights_.size()) == num_layers * kSlotsPerLayer &&
+        static_cast<int64_t>(windows_.size()) == num_layers && num_kv_heads_ > 0 &&
+        num_heads_ % num_kv_heads_ == 0) {
+      plannable_rows_ = plannable_rows(weights_, dtype_);
+      if (!head_.empty() && present(head_[1])) {  // a head the plan runs
+        plannable_rows_ = std::min(plannable_rows_, plannable_rows(head_[0], head_[1], dtype_));
+      }
+    }
   }
 
   std::vector<at::Tensor> forward(const at::Tensor& input_ids, const at::Tensor& positions,
@@ -479,14 +574,13 @@ class DecodeModel {
                 " and ", positions.sizes());
     const int64_t tokens = input_ids.size(0);
     const int threads = at::get_num_threads();
-    const at::ScalarType dtype = embedding_.scalar_type();
+    const at::ScalarType dtype = dtype_;  // the model's
     // A forward never differentiates; outside inference mode, the staging copies' out=
     // would refuse the model's parameters, which require grad.
     const at::NoGradGuard no_grad;
     std::lock_guard<std::mutex> guard(lock_);
-    if (layers_plannable_ && threads > 1 && !at::in_parallel_region() &&
+    if (tokens <= plannable_rows_ && threads > 1 && !at::in_parallel_region() &&
         corestream_cpu::stage_plan_counters().enabled.load() &&
-        tokens <= corestream_cpu::max_panel_rows(dtype) &&
         (dtype == at::kFloat || dtype == at::kBFloat16)) {
       check_step_inputs(tokens, slot_mapping, block_tables, seq_lens);
       if (!planned_ || planned_->tokens != tokens || planned_->threads != threads ||
@@ -498,7 +592,13 @@ class DecodeModel {
       return dtype == at::kFloat ? run_planned<float>(*planned_, threads)
                                  : run_planned<c10::BFloat16>(*planned_, threads);
     }
-    const at::Tensor residual = at::embedding(embedding_, input_ids);
+    at::Tensor residual;
+    if (quant_table_) {
+      residual = at::empty({tokens, hidden_size_}, final_norm_.options());
+      embed_quantized(residual, input_ids);
+    } else {
+      residual = at::embedding(embedding_, input_ids);
+    }
     const at::Tensor cos_sin = rotary_table_.index_select(1, positions);
     at::Tensor x = decode_layers(residual, weights_, kv_caches_, cos_sin.select(0, 0).unsqueeze(1),
                                  cos_sin.select(0, 1).unsqueeze(1), slot_mapping, block_tables,
@@ -567,16 +667,16 @@ class DecodeModel {
       TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
                       cache.sizes() == first_cache.sizes() &&
                       cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_ &&
-                      cache.scalar_type() == embedding_.scalar_type(),
+                      cache.scalar_type() == dtype_,
                   "decode_model: layer ", layer, "'s cache must be a contiguous [2, blocks, "
-                  "block_size, ", num_kv_heads_, ", ", head_dim_, "] of ",
-                  embedding_.scalar_type(), " like the first layer's");
+                  "block_size, ", num_kv_heads_, ", ", head_dim_, "] of ", dtype_,
+                  " like the first layer's");
     }
     TORCH_CHECK(rotary_table_.scalar_type() == at::kFloat && rotary_table_.size(2) == head_dim_,
                 "decode_model: the rotary table must be float32 [2, max_positions, ",
                 head_dim_, "]");
-    const int64_t size = embedding_.size(1);
-    check_norm_weight(final_norm_, size, embedding_.scalar_type(), "the final norm");
+    const int64_t size = hidden_size_;
+    check_norm_weight(final_norm_, size, dtype_, "the final norm");
     // Wide enough for any sequence the rotary table has positions for: a growing
     // sequence then keeps its plan.
     const int64_t block_size = first_cache.size(2);
@@ -588,17 +688,21 @@ class DecodeModel {
     auto step = std::make_unique<PlannedStep>();
     step->tokens = tokens;
     step->threads = threads;
-    step->residual = at::empty({tokens, size}, embedding_.options());
+    step->residual = at::empty({tokens, size}, final_norm_.options());
     step->cos_sin = at::empty({2, tokens, head_dim_}, rotary_table_.options());
     step->slots = at::empty({tokens}, at::TensorOptions().dtype(at::kLong));
     step->tables = at::zeros({tokens, width}, at::TensorOptions().dtype(at::kInt));
     step->lens = at::zeros({tokens}, at::TensorOptions().dtype(at::kInt));
-    if (embedding_.scalar_type() == at::kFloat) {
+    if (dtype_ == at::kFloat) {
       plan_layers<float>(*step, weights_, kv_caches_, num_heads_, num_kv_heads_, head_dim_,
                          scale_, windows_, eps_);
     } else {
       plan_layers<c10::BFloat16>(*step, weights_, kv_caches_, num_heads_, num_kv_heads_,
                                  head_dim_, scale_, windows_, eps_);
+    }
+    if (!head_.empty() && is_quantized(head_[0])) {  // its stages come with each step's
+      step->head = &quant_projection(*step, head_[0], head_[1], head_[2], size,
+                                     head_[0].size(0), "the head");
     }
     corestream_cpu::stage_plan_counters().plans_built.fetch_add(1, std::memory_order_relaxed);
     return step;
@@ -607,7 +711,7 @@ class DecodeModel {
   // The head's logits of the final hidden states outputs[0], and each row's argmax, where
   // the plan did not compute them.
   void add_head_outputs(std::vector<at::Tensor>& outputs) const {
-    outputs.push_back(corestream_cpu::linear(outputs[0], head_[0], head_[1], head_[2]));
+    outputs.push_back(project(outputs[0], head_[0], head_[1], head_[2]));
     outputs.push_back(outputs.back().argmax(-1));
   }
 
@@ -638,7 +742,11 @@ class DecodeModel {
       TORCH_CHECK(lens[t] >= 0 && (lens[t] + block_size - 1) / block_size <= width,
                   "seq_lens[", t, "] = ", lens[t], " exceeds its block table");
     }
-    at::index_select_out(step.residual, embedding_, 0, input_ids);
+    if (quant_table_) {
+      embed_quantized(step.residual, input_ids);
+    } else {
+      at::index_select_out(step.residual, embedding_, 0, input_ids);
+    }
     at::index_select_out(step.cos_sin, rotary_table_, 1, positions);
     std::copy(slots, slots + tokens, step.slots.mutable_data_ptr<int64_t>());
     std::copy(lens, lens + tokens, step.lens.mutable_data_ptr<int32_t>());
@@ -646,6 +754,18 @@ class DecodeModel {
     int32_t* staged = step.tables.mutable_data_ptr<int32_t>();
     for (int64_t t = 0; t < tokens; ++t) {
       std::copy(rows + t * width, rows + (t + 1) * width, staged + t * step.tables.size(1));
+    }
+  }
+
+  // The rows of input_ids of the quantized table into out [B, hidden] (the model's dtype).
+  void embed_quantized(const at::Tensor& out, const at::Tensor& input_ids) const {
+    const at::Tensor ids = input_ids.to(at::kLong).contiguous();
+    if (dtype_ == at::kFloat) {
+      corestream_cpu::dequantize_rows(*quant_table_, ids.const_data_ptr<int64_t>(),
+                                      ids.numel(), out.mutable_data_ptr<float>());
+    } else {
+      corestream_cpu::dequantize_rows(*quant_table_, ids.const_data_ptr<int64_t>(),
+                                      ids.numel(), out.mutable_data_ptr<c10::BFloat16>());
     }
   }
 
@@ -664,7 +784,10 @@ class DecodeModel {
     return outputs;
   }
 
-  const at::Tensor embedding_;
+  const at::Tensor embedding_;  // the table, or a quantized one's blocks
+  std::optional<corestream_cpu::quant::QuantMatrix> quant_table_;
+  at::ScalarType dtype_;  // the model's
+  int64_t hidden_size_;
   const at::Tensor rotary_table_;
   const std::vector<at::Tensor> weights_;
   const std::vector<at::Tensor> kv_caches_;
@@ -676,7 +799,7 @@ class DecodeModel {
   const at::Tensor final_norm_;
   const double eps_;
   const std::vector<at::Tensor> head_;
-  bool layers_plannable_ = false;
+  int64_t plannable_rows_ = 0;  // the most sequences a step runs as one StagePlan
   std::mutex lock_;  // one step at a time: the plan and its buffers are shared
   std::unique_ptr<PlannedStep> planned_;
 };
@@ -686,7 +809,7 @@ class DecodeModel {
 std::vector<at::Tensor> decode_model(
     const at::Tensor& input_ids,
     const at::Tensor& positions,
-    const at::Tensor& embedding,
+    at::TensorList embedding,
     const at::Tensor& rotary_table,
     at::TensorList weights,
     at::TensorList kv_caches,
@@ -701,7 +824,7 @@ std::vector<at::Tensor> decode_model(
     const at::Tensor& final_norm,
     double eps,
     at::TensorList head) {
-  return DecodeModel(embedding, rotary_table, weights.vec(), kv_caches.vec(), num_heads,
+  return DecodeModel(embedding.vec(), rotary_table, weights.vec(), kv_caches.vec(), num_heads,
                      num_kv_heads, head_dim, scale, windows.vec(), final_norm, eps, head.vec())
       .forward(input_ids, positions, slot_mapping, block_tables, seq_lens);
 }
@@ -714,7 +837,7 @@ TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_heads, "
       "int num_kv_heads, int head_dim, float scale, int[] windows, float eps) -> Tensor");
   m.def(
-      "decode_model(Tensor input_ids, Tensor positions, Tensor embedding, Tensor rotary_table, "
+      "decode_model(Tensor input_ids, Tensor positions, Tensor[] embedding, Tensor rotary_table, "
       "Tensor[] weights, Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, "
       "int[] windows, Tensor final_norm, float eps, Tensor[] head) -> Tensor[]");
@@ -751,7 +874,7 @@ TORCH_LIBRARY_IMPL(corestream_cpu, MkldnnCPU, m) {
 // forward releases the GIL like an op, so that the engine's other threads run meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeModel>(m, "DecodeModel")
-      .def(pybind11::init<at::Tensor, at::Tensor, std::vector<at::Tensor>,
+      .def(pybind11::init<std::vector<at::Tensor>, at::Tensor, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, int64_t, int64_t, int64_t, double,
                           std::vector<int64_t>, at::Tensor, double, std::vector<at::Tensor>>())
       .def("forward", &DecodeModel::forward,

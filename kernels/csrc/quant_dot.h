@@ -421,7 +421,6 @@ class QuantActivations {
     if (is_float(type)) return;
     if (is_k_quant(type)) {
       passes_ = kPasses;
-      residual_.resize(static_cast<size_t>(k));
       q8k_.resize(static_cast<size_t>(kPasses * m * (k / kQK)));
       quantize_passes(m, k, q8k_.data());
     } else {
@@ -447,10 +446,15 @@ class QuantActivations {
   static float to_float_(float v) { return v; }
   static float to_float_(c10::BFloat16 v) { return static_cast<float>(v); }
 
+  // NOTE: the residual lives in a buffer of the calling thread's: a decode step's plan may
+  // run this item on two threads at once (work_items.h), which must then write the same
+  // bits into the blocks, never meet in a scratch buffer.
   void quantize_passes(int64_t m, int64_t k, Q8KBlock* out) {
     const int64_t per_row = k / kQK;
+    thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(k));
     for (int64_t r = 0; r < m; ++r) {
-      float* residual = residual_.data();
+      float* residual = scratch.data();
       std::copy_n(&floats_[r * k], k, residual);
       for (int64_t pass = 0; pass < kPasses; ++pass) {
         Q8KBlock* blocks = out + (kPasses * r + pass) * per_row;
@@ -466,7 +470,7 @@ class QuantActivations {
   }
 
   int64_t rows_ = 0, cols_ = 0, passes_ = 1;
-  std::vector<float> floats_, residual_;
+  std::vector<float> floats_;
   std::vector<Q8Block> q8_;
   std::vector<Q8KBlock> q8k_;
 };

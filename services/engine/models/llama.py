@@ -15,8 +15,9 @@ call (`rotate_and_store_kv`); gate and up meet in `silu_and_mul`.
 
 On CPU, a step in which every sequence decodes one token skips the Python model: one C++
 op runs the embedding, every layer and the final norm (`kernels.decoder_layers`), with the
-same ops in the same order, so the outputs are the same bits; prefills, and
-mixture-of-experts layers, run the code below.
+same ops in the same order, so the outputs are the same bits, also where a GGUF file's
+layers keep their quantized blocks (`QuantizedLinear`, `QuantizedEmbedding`); prefills,
+and mixture-of-experts layers, run the code below.
 
 Under tensor parallelism (a current TP group of more than one rank, `current_tp_group`)
 the model is built from `tp_layers`: this rank's query and KV heads, its share of the
@@ -41,13 +42,25 @@ from torch import nn
 
 from kernels.activation import silu_and_mul
 from kernels.backend import get_backend
-from kernels.decoder_layers import ABSENT, DecodeModel, cpu_decode_model, flat_weights
+from kernels.decoder_layers import (
+    ABSENT,
+    DecodeModel,
+    cpu_decode_model,
+    flat_weights,
+    quant_format,
+)
 from kernels.paged_attention import paged_attention
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import rotate_and_store_kv
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
-from services.engine.models.linear import Linear, has_quantized_layers
+from services.engine.models.linear import (
+    Linear,
+    MixedQuantizedLinear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    has_quantized_layers,
+)
 from services.engine.models.rotary_embedding import RotaryEmbedding
 from services.engine.models.tp_layers import (
     VocabParallelEmbedding,
@@ -186,28 +199,35 @@ class LlamaDecoderLayer(nn.Module):
     def decode_tensors(self) -> dict[str, torch.Tensor | None] | None:
         """This layer's tensors by `kernels.decoder_layers.LAYER_TENSORS` name, for the C++
         decode path; None if the layer is not a plain Llama-family one (e.g. its MLP is a
-        mixture of experts)."""
+        mixture of experts, or a fused projection of mixed block types)."""
         attn, mlp = self.self_attn, self.mlp
         if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
             return None
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(isinstance(p, MixedQuantizedLinear) for p in projections):
+            # NOTE: the op takes one weight per projection; a Q4_K_M file's q/k/v of two
+            # types would need its parts side by side there too.
+            return None
         return {
             "input_norm": self.input_layernorm.weight,
-            "qkv_weight": attn.qkv_proj.weight,
-            "qkv_panels": attn.qkv_proj.panels,
-            "qkv_bias": attn.qkv_proj.bias,
+            **linear_tensors("qkv", attn.qkv_proj),
             "q_norm": attn.q_norm.weight if attn.qk_norm else None,
             "k_norm": attn.k_norm.weight if attn.qk_norm else None,
-            "o_weight": attn.o_proj.weight,
-            "o_panels": attn.o_proj.panels,
-            "o_bias": attn.o_proj.bias,
+            **linear_tensors("o", attn.o_proj),
             "post_norm": self.post_attention_layernorm.weight,
-            "gate_up_weight": mlp.gate_up_proj.weight,
-            "gate_up_panels": mlp.gate_up_proj.panels,
-            "gate_up_bias": mlp.gate_up_proj.bias,
-            "down_weight": mlp.down_proj.weight,
-            "down_panels": mlp.down_proj.panels,
-            "down_bias": mlp.down_proj.bias,
+            **linear_tensors("gate_up", mlp.gate_up_proj),
+            **linear_tensors("down", mlp.down_proj),
         }
+
+
+def linear_tensors(name: str, module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """A projection's `{name}_weight`, `{name}_panels` and `{name}_bias` for the C++
+    decode op: a `QuantizedLinear`'s blocks and their `quant_format` in the first two."""
+    if isinstance(module, QuantizedLinear):
+        weight, panels = module.blocks, quant_format(module.weight)
+    else:
+        weight, panels = module.weight, module.panels
+    return {f"{name}_weight": weight, f"{name}_panels": panels, f"{name}_bias": module.bias}
 
 
 @dataclasses.dataclass(slots=True)
@@ -235,7 +255,7 @@ class LlamaModel(nn.Module):
         self._flat_weights: list[torch.Tensor] | None = None if tp is None else []
         # The C++ decode op bound to this model, for the backend and head it was bound
         # for (tests switch backends; relatives may call without a head).
-        self._decode: tuple[str, Linear | None, DecodeModel | None] | None = None
+        self._decode: tuple[str, nn.Module | None, DecodeModel | None] | None = None
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -249,7 +269,7 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
-        head: Linear | None = None,
+        head: nn.Module | None = None,
     ) -> torch.Tensor:
         """Final hidden states `[T, hidden]`. With `head` (the LM head), a decode step
         that runs in the C++ op computes its logits there too: `head_logits` hands
@@ -276,7 +296,7 @@ class LlamaModel(nn.Module):
         found, self._head.outputs = self._head.outputs, None
         return found[1] if found is not None and found[0] is hidden else None
 
-    def decode_op(self, head: Linear | None) -> DecodeModel | None:
+    def decode_op(self, head: nn.Module | None) -> DecodeModel | None:
         """The C++ op for a decode-only step, bound once per backend and head: None where
         it does not apply, or where the layers are not all plain Llama-family ones."""
         backend = get_backend()
@@ -286,22 +306,20 @@ class LlamaModel(nn.Module):
         return bound[2]
 
     def _decode_weights(self) -> list[torch.Tensor]:
-        """The C++ decode op's `weights`, or [] where it cannot take the layers: quantized
-        ones (it multiplies float weights only; `QuantizedLinear` runs `quant_linear` per
-        projection) or ones not plain Llama-family."""
-        if has_quantized_layers(self):
-            logger.info("decode steps: per-layer Python path (quantized linear layers "
-                        "run quant_linear; the one-call C++ decode op takes float weights)")
-            return []
+        """The C++ decode op's `weights`, or [] where it cannot take the layers: ones not
+        plain Llama-family."""
         tensors = [layer.decode_tensors() for layer in self.layers]
         usable = [t for t in tensors if t is not None]
         if len(usable) < len(tensors):
             logger.info("decode steps: per-layer Python path (not all layers are plain "
-                        "Llama-family ones)")
+                        "Llama-family ones, or some fuse quantized parts of mixed types)")
             return []
+        if has_quantized_layers(self):
+            logger.info("decode steps: one C++ call, its quantized linear layers multiplied "
+                        "as quant_linear multiplies them, by the file's blocks")
         return flat_weights(usable)
 
-    def _bind_decode_model(self, head: Linear | None) -> DecodeModel | None:
+    def _bind_decode_model(self, head: nn.Module | None) -> DecodeModel | None:
         if self._flat_weights is None:
             # Gathered on first use, once the loader has put the checkpoint's tensors in
             # place (and laid them out); nothing replaces them after that.
@@ -309,17 +327,23 @@ class LlamaModel(nn.Module):
         if not self._flat_weights:
             return None
         attn = self.layers[0].self_attn
-        embedding = self.embed_tokens.weight
-        op = cpu_decode_model(embedding, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        norm = self.norm.weight
+        op = cpu_decode_model(norm, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         if op is None:
             return None
-        # A quantized head (`QuantizedLinear`) has no panels: the caller runs it.
-        head_tensors = [] if getattr(head, "panels", None) is None else [
-            head.weight, head.panels, ABSENT if head.bias is None else head.bias]
+        table = self.embed_tokens
+        embedding = ([table.blocks, quant_format(table.weight)]
+                     if isinstance(table, QuantizedEmbedding) else [table.weight])
+        # A float head without panels: the caller runs it.
+        head_tensors: list[torch.Tensor] = []
+        if head is not None and (isinstance(head, QuantizedLinear)
+                                 or getattr(head, "panels", None) is not None):
+            head_tensors = [ABSENT if t is None else t
+                            for t in linear_tensors("head", head).values()]
         return DecodeModel(
-            op, embedding, self.rotary_emb.table(embedding.device), self._flat_weights,
+            op, embedding, self.rotary_emb.table(norm.device), self._flat_weights,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, self._windows,
-            self.norm.weight, self.norm.eps, head_tensors)
+            norm, self.norm.eps, head_tensors)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -3,8 +3,9 @@
 The reference is transformers' own GGUF reading, loaded into transformers' Llama in
 float32 (`tests.gguf_models.transformers_model`). Both sides read the same blocks:
 dequantized, ours equal theirs bit for bit. Our linear layers keep the blocks and, at
-decode, quantize the activations to 8 bits in two passes (`kernels.quant.quant_linear`),
-so decoded tokens are compared teacher-forced (the issue's bar: top-1 agreement; over 20
+decode, quantize the activations to 8 bits in two passes (`kernels.quant.quant_linear`;
+a decode step runs them all in one C++ call, with the same bits as the Python layers), so
+decoded tokens are compared teacher-forced (the issue's bar: top-1 agreement; over 20
 prompts in test_gguf_vs_llama_cpp.py) rather than equal, while prefill (which dequantizes
 each layer for the call) matches their logits closely.
 """
@@ -19,6 +20,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from kernels.cpu_extension import cpu_ops
 from kernels.quant import (
     QuantizedWeight,
     dequantize,
@@ -41,6 +43,7 @@ from services.engine.scheduler.output import ScheduledRequest
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
 from tests.gguf_models import transformers_model
+from tests.kernels.decoder_driver import DecodeCalls, decode_logits
 from tests.unit.engine.runner_driver import GREEDY, all_logits, generate
 
 pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
@@ -51,6 +54,8 @@ QUESTIONS = {
     "sky": "Why is the sky blue? Answer in one sentence.",
 }
 NUM_TOKENS = 16
+# Decode steps whose logits the one-call op and the Python layers must give alike.
+DECODE_STEPS = 4
 # The issue's bar for the weights' resident bytes, against the file's size.
 MAX_WEIGHT_BYTES_PER_FILE_BYTE = 1.3
 # float32 on both sides, summed in another order (fused qkv, oneDNN, our attention).
@@ -131,9 +136,25 @@ def test_layers_hold_the_files_blocks(runner: ModelRunner, hf_model: Any,
     assert weight_bytes <= MAX_WEIGHT_BYTES_PER_FILE_BYTE * file_bytes
 
 
-def test_decode_takes_the_per_layer_path(runner: ModelRunner) -> None:
-    # The one-call C++ decode op multiplies float weights only.
-    assert runner.model.model.decode_op(runner.model.lm_head) is None
+def test_decode_steps_are_one_call_with_the_per_layer_paths_bits(
+        runner: ModelRunner, prompts: dict[str, list[int]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step runs every quantized layer and the tied head in one C++ call
+    (`decode_model`), with the bits of the Python layers' quant_linear per projection:
+    the same logits, and the same greedy tokens from the op's own argmax."""
+    if cpu_ops(torch.empty(0)) is None:
+        pytest.skip("the CPU kernels are not built here")
+    assert runner.model.model.decode_op(runner.model.lm_head) is not None
+    DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, DECODE_STEPS, "py-")
+    python_tokens = generate(runner, prompts, NUM_TOKENS)
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    got = decode_logits(runner, prompts, DECODE_STEPS, "cpp-")
+    assert fused.count == DECODE_STEPS
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+    assert generate(runner, prompts, NUM_TOKENS) == python_tokens
+    assert fused.count == DECODE_STEPS + NUM_TOKENS - 1  # every decode step
 
 
 def test_greedy_tokens_do_not_depend_on_prefill_chunking(

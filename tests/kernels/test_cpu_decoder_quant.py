@@ -1,0 +1,186 @@
+"""The C++ decode path (`decode_model`) over a GGUF model's quantized layers, against the
+Python model it replaces, on a small random Llama quantized to each type the kernels
+serve. (The real file, SmolLM2-135M Q4_1, is compared in
+tests/unit/engine/models/test_gguf_model.py.)
+
+The model is quantized in process as the loader builds it from a GGUF file: the same
+projections fused, the same modules swapped in (`place_quantized`), the tied head over the
+table's blocks. Q8_0, Q4_0 and Q4_1 blocks come from the quantizers;
+the K-quants (256 values a block, hence the model's widths) from random bytes, as in
+test_quant.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from kernels.quant import (
+    GGMLType,
+    QuantizedWeight,
+    quantize_q4_0,
+    quantize_q4_1,
+    quantize_q8_0,
+)
+from services.engine.models.linear import QuantizedEmbedding, QuantizedLinear
+from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.loader import pack_projections, place_quantized
+from services.engine.worker.model_runner import ModelRunner
+from tests.kernels.decoder_driver import DecodeCalls, decode_logits, greedy_decode
+from tests.kernels.quant_weights import random_k_blocks
+from tests.unit.engine.hf_checkpoints import VOCAB, make_checkpoint
+from tests.unit.engine.runner_driver import make_runner, random_prompts
+
+KINDS = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_K,
+         GGMLType.Q6_K]
+QUANTIZERS = {GGMLType.Q8_0: quantize_q8_0, GGMLType.Q4_0: quantize_q4_0,
+              GGMLType.Q4_1: quantize_q4_1}
+# Rows of whole K-quant blocks; head_dim 64. Tied, as SmolLM2's.
+SHAPES = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "tie_word_embeddings": True}
+STEPS = 4
+
+
+def quantized(name: str, weight: torch.Tensor, kind: GGMLType) -> QuantizedWeight:
+    if kind in QUANTIZERS:
+        return QUANTIZERS[kind](weight)
+    seed = sum(name.encode())  # each tensor its own bytes
+    return random_k_blocks(kind, weight.shape[0], weight.shape[1],
+                           torch.Generator().manual_seed(seed))
+
+
+def quantize_as_gguf(runner: ModelRunner, hf_model: PreTrainedModel, kind: GGMLType,
+                     keep_float: Callable[[str], bool] = lambda name: False) -> None:
+    """Swap the runner's layers for quantized ones, as `load_model` builds them from a
+    GGUF file of `kind`, before its first step; tensors `keep_float` names stay float (a
+    fused projection with a float part stays a float `Linear`, as one of mixed types)."""
+    model = runner.model
+    state: dict[str, torch.Tensor | QuantizedWeight] = {
+        name: quantized(name, tensor, kind) if not keep_float(name) else tensor
+        for name, tensor in hf_model.state_dict().items()
+        if name.endswith("_proj.weight") or name == "model.embed_tokens.weight"
+    }
+    pack_projections(state, LlamaForCausalLM.packed_projections, torch.float32)
+    place_quantized(model, state, getattr(torch, runner.dtype))
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, QuantizedEmbedding)
+    model.lm_head = QuantizedLinear(embedding.weight, None)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
+
+
+def quantized_runner(folder: Path, kind: GGMLType, dtype: str = "float32",
+                     keep_float: Callable[[str], bool] = lambda name: False,
+                     max_model_len: int = 128) -> ModelRunner:
+    hf_model = make_checkpoint(folder, "llama", **SHAPES)
+    runner = make_runner(folder, dtype=dtype, max_model_len=max_model_len)
+    torch.set_num_threads(2)  # the runner set the machine's count
+    quantize_as_gguf(runner, hf_model, kind, keep_float)
+    return runner
+
+
+def assert_same_steps(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert bool(g.isfinite().all())
+        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_quantized_layers_give_the_python_model_bits(
+    cpu_ops: Any, kind: GGMLType, dtype: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, two_threads: None,
+) -> None:
+    runner = quantized_runner(tmp_path, kind, dtype)
+    # Contexts of different lengths, across block boundaries.
+    prompts = random_prompts({"a": 3, "b": 17, "c": 30}, VOCAB)
+    DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, STEPS, "py-")
+    python_tokens = greedy_decode(runner, prompts, STEPS, "py-greedy-")
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    plans, _, _, built = cpu_ops.stage_plan_counters()
+    got = decode_logits(runner, prompts, STEPS, "cpp-")
+    # Three sequences: one StagePlan per step, the head's logits among its outputs.
+    assert fused.count == STEPS
+    plans_after, _, _, built_after = cpu_ops.stage_plan_counters()
+    assert (plans_after - plans, built_after - built) == (STEPS, 1)
+    assert_same_steps(got, want)
+    # Greedy steps take the op's own argmax (`decode_greedy`).
+    assert greedy_decode(runner, prompts, STEPS, "cpp-greedy-") == python_tokens
+    assert fused.count == 2 * STEPS
+
+
+# One thread: a fork and join per op (quant_linear's own calls). 33 sequences: more rows
+# than quant_linear quantizes the activations of, so it multiplies the dequantized weight.
+@pytest.mark.parametrize("threads,sequences", [(1, 3), (2, 33)], ids=["one-thread", "33-rows"])
+def test_quantized_steps_off_the_plan_give_the_python_model_bits(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
+    threads: int, sequences: int,
+) -> None:
+    runner = quantized_runner(tmp_path, GGMLType.Q4_1, max_model_len=32)
+    assert sequences <= 3 or sequences > cpu_ops.quant_gemv_max_rows()
+    torch.set_num_threads(threads)
+    prompts = random_prompts({f"s{i}": 2 + i % 5 for i in range(sequences)}, VOCAB)
+    DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, 2, "py-")
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    plans = cpu_ops.stage_plan_counters()[0]
+    got = decode_logits(runner, prompts, 2, "cpp-")
+    assert fused.count == 2
+    assert cpu_ops.stage_plan_counters()[0] == plans
+    assert_same_steps(got, want)
+
+
+def test_mixed_float_and_quantized_layers_give_the_python_model_bits(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
+) -> None:
+    """A fused projection whose parts a file stores in two types is a float layer (with
+    panels) among the quantized ones; the step still runs as one plan."""
+    if not cpu_ops.panel_linear_supported(torch.float32):
+        pytest.skip("this build has no panel kernel for float32")
+    runner = quantized_runner(tmp_path, GGMLType.Q8_0,
+                              keep_float=lambda name: name == "model.layers.1.mlp.up_proj.weight")
+    mlp = runner.model.model.layers[1].mlp
+    assert not isinstance(mlp.gate_up_proj, QuantizedLinear) and mlp.gate_up_proj.panels is not None
+    assert isinstance(mlp.down_proj, QuantizedLinear)
+    prompts = random_prompts({"a": 5, "b": 9}, VOCAB)
+    DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, STEPS, "py-")
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    plans = cpu_ops.stage_plan_counters()[0]
+    got = decode_logits(runner, prompts, STEPS, "cpp-")
+    assert fused.count == STEPS
+    assert cpu_ops.stage_plan_counters()[0] - plans == STEPS
+    assert_same_steps(got, want)
+
+
+def test_quantized_items_retaken_from_a_late_thread_give_the_same_bits(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
+) -> None:
+    """The second thread takes the first item of every stage and starts it late: the
+    first computes it again, the activations' quantization and the GEMV items among them,
+    and the late thread still writes the same bits."""
+    runner = quantized_runner(tmp_path, GGMLType.Q4_0)
+    prompts = random_prompts({"a": 3, "b": 17}, VOCAB)
+    DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, 2, "py-")
+    DecodeCalls(monkeypatch, enabled=True)
+    _, stages, retaken, _ = cpu_ops.stage_plan_counters()
+    cpu_ops.set_stage_plan_late_us(2000)
+    try:
+        got = decode_logits(runner, prompts, 2, "late-")
+    finally:
+        cpu_ops.set_stage_plan_late_us(0)
+    _, stages_after, retaken_after, _ = cpu_ops.stage_plan_counters()
+    assert retaken_after - retaken > (stages_after - stages) // 2
+    assert_same_steps(got, want)
