@@ -411,16 +411,17 @@ class QuantActivations {
   // x [m, k], row r at x + r x_stride; T float or c10::BFloat16.
   template <typename T>
   void quantize(GgmlType type, const T* x, int64_t m, int64_t k, int64_t x_stride) {
+    // Every member is written its final value only: a plan's late thread may redo this
+    // while others already read the result (see quantize_passes).
     rows_ = m;
     cols_ = k;
-    passes_ = 1;
+    passes_ = is_k_quant(type) ? kPasses : 1;
     floats_.resize(static_cast<size_t>(m * k));
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t i = 0; i < k; ++i) floats_[r * k + i] = to_float_(x[r * x_stride + i]);
     }
     if (is_float(type)) return;
     if (is_k_quant(type)) {
-      passes_ = kPasses;
       q8k_.resize(static_cast<size_t>(kPasses * m * (k / kQK)));
       quantize_passes(m, k, q8k_.data());
     } else {
@@ -477,8 +478,10 @@ class QuantActivations {
 
 namespace detail {
 
-// Quantized rows [q0, q0 + R) of x times weight row n, each added into its x row's output
-// (the first pass of a row sets it: passes are consecutive quantized rows).
+// Quantized rows [q0, q0 + R) of x times weight row n, the passes of each x row summed
+// and written once (never added into `out`: a plan may run an item on two threads at
+// once, and both must write the same bits). q0 and R are multiples of x.passes(), so a
+// row's passes never straddle two calls.
 template <typename Kind, int R>
 inline void rows_pass(const QuantMatrix& w, const QuantActivations& x, int64_t q0, int64_t n,
                       float* out, int64_t out_stride) {
@@ -487,10 +490,11 @@ inline void rows_pass(const QuantMatrix& w, const QuantActivations& x, int64_t q
   for (int r = 0; r < R; ++r) rows[r] = x.blocks(q0 + r, static_cast<const Act*>(nullptr));
   float sums[R];
   dot_rows<Kind, R>(w.blocks + n * w.row_bytes, rows, w.cols / format_of(w.type).values, sums);
-  for (int r = 0; r < R; ++r) {
-    const int64_t q = q0 + r;
-    float& y = out[q / x.passes() * out_stride + n];
-    y = q % x.passes() == 0 ? sums[r] : y + sums[r];
+  const int64_t passes = x.passes();
+  for (int64_t r = 0; r < R; r += passes) {
+    float y = sums[r];
+    for (int64_t p = 1; p < passes; ++p) y += sums[r + p];
+    out[(q0 + r) / passes * out_stride + n] = y;
   }
 }
 
@@ -498,6 +502,7 @@ template <typename Kind>
 void gemv_rows(const QuantMatrix& w, const QuantActivations& x, int64_t n_begin,
                int64_t n_end, float* out, int64_t out_stride) {
   const int64_t m = x.quantized_rows();
+  static_assert(kRowsPerPass % QuantActivations::kPasses == 0);
   for (int64_t n = n_begin; n < n_end; ++n) {
     // The weight row streams from memory once; the other passes find it in L1.
     for (int64_t q = 0; q < m; q += kRowsPerPass) {
