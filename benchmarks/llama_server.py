@@ -122,7 +122,10 @@ def llama_server_stream(address: str) -> tuple[Stream, Close]:
     import httpx
 
     client = httpx.AsyncClient(base_url=f"http://{address}", timeout=3600,
-                               limits=httpx.Limits(max_connections=256))
+                               # llama-server drops idle connections: a reused one
+                               # fails with RemoteProtocolError, so none is kept.
+                               limits=httpx.Limits(max_connections=256,
+                                                   max_keepalive_connections=0))
 
     async def stream(r: BenchRequest, request_id: str) -> AsyncIterator[int]:
         body: dict[str, Any] = {"prompt": r.prompt, "n_predict": r.max_tokens,
