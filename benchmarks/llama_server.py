@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/llama_server.py --gguf F.gguf --concurrency 32,8
 
 The reference is `llama-server` built from the llama.cpp sources that the pinned
-llama-cpp-python sdist vendors (benchmarks/llama_cpp.py --build builds it next to the
-library), run as
+llama-cpp-python sdist vendors (benchmarks/llama_cpp_reference.py --build builds it next to
+the library), run as
 
     llama-server -m F.gguf --parallel N --cont-batching -c N*SLOT -t 2 --port P
 
@@ -161,7 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     gguf = gguf_file(args.gguf)
     if "llama-server" in args.systems.split(",") and not SERVER.exists():
-        raise SystemExit(f"{SERVER} is not built: run benchmarks/llama_cpp.py --build")
+        raise SystemExit(f"{SERVER} is not built: run benchmarks/llama_cpp_reference.py --build")
 
     levels = [int(c) for c in args.concurrency.split(",")]
     runs = [(f"{c} in flight", [BenchRequest(p, args.max_tokens)
