@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import shutil
 import statistics
@@ -130,11 +131,20 @@ def is_built() -> bool:
     return DRIVER.exists() and GGUF.exists()
 
 
+def library_env() -> dict[str, str]:
+    """The environment for a program linked against the build's libraries: they are found
+    where the build is now, whatever path it was built under (a moved or linked cache)."""
+    found = os.environ.get("LD_LIBRARY_PATH", "")
+    return {**os.environ,
+            "LD_LIBRARY_PATH": f"{BUILD / 'bin'}{os.pathsep + found if found else ''}"}
+
+
 def decode(prompt: list[int], new_tokens: int, threads: int = 2, model: Path = GGUF) -> Decode:
     """One greedy stream through llama.cpp, in a fresh process."""
     run = subprocess.run(
         [str(DRIVER), str(model), str(threads), str(new_tokens)],
         input=" ".join(map(str, prompt)), capture_output=True, text=True, timeout=600,
+        env=library_env(),
     )
     if run.returncode != 0:
         raise RuntimeError(f"{DRIVER.name} exited {run.returncode}: {run.stderr.strip()}")
@@ -185,7 +195,7 @@ def compile_driver(source: str, out: Path) -> None:
     """A C++ program against the built libllama; `source` is its text."""
     path = CACHE / f"{out.name}.cpp"
     path.write_text(source)
-    lib = BUILD / "bin"
+    lib = (BUILD / "bin").resolve()  # the real path: the cache may be reached by a link
     subprocess.run(
         ["g++", "-O2", "-std=c++17", str(path), "-o", str(out),
          f"-I{LLAMA_CPP / 'include'}", f"-I{LLAMA_CPP / 'ggml' / 'include'}",

@@ -60,6 +60,7 @@ from benchmarks.llama_cpp import (  # noqa: E402
     build_targets,
     compile_driver,
     fetch_source,
+    library_env,
 )
 from benchmarks.workload import CACHE  # noqa: E402
 from tests.gguf_models import (  # noqa: E402
@@ -233,7 +234,7 @@ def build() -> None:
 
 def driver(*args: str, stdin: str) -> str:
     run = subprocess.run([str(DRIVER), *args], input=stdin, capture_output=True, text=True,
-                         timeout=1800)
+                         timeout=1800, env=library_env())
     if run.returncode != 0:
         raise RuntimeError(f"{DRIVER.name} {args[0]} exited {run.returncode}: "
                            f"{run.stderr.strip()}")
@@ -427,7 +428,7 @@ def write_quants(model: Path) -> None:
     def run(source: Path, out: Path, kind: str, *flags: str) -> None:
         start = time.monotonic()
         subprocess.run([str(quantize), *flags, str(source), str(out), kind, str(THREADS)],
-                       check=True, capture_output=True)
+                       check=True, capture_output=True, env=library_env())
         print(f"{out.name}: {out.stat().st_size / 2**20:.1f} MiB in "
               f"{time.monotonic() - start:.0f} s")
 

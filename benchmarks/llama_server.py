@@ -44,8 +44,8 @@ from benchmarks.vllm_reference import (  # noqa: E402
     Timings,
     corestream_stream,
     cpu_line,
-    measure,
-    row,
+    measure_server,
+    print_tables,
 )
 from benchmarks.workload import CACHE, BenchRequest  # noqa: E402
 
@@ -88,7 +88,8 @@ class LlamaServer:
             [str(SERVER), "-m", str(gguf), "--parallel", str(parallel), "--cont-batching",
              "-c", str(parallel * SLOT_CONTEXT), "-t", "2", "--host", "127.0.0.1",
              "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=llama_cpp.library_env())
         self._wait_healthy(log)
 
     def _wait_healthy(self, log: Path) -> None:
@@ -179,26 +180,13 @@ def main() -> None:
                                "--log-level", "warning", "--metrics-port", "0",
                                *args.corestream_args.split()],
                               startup_timeout=STARTUP_TIMEOUT_S)
-            try:
-                results[system] = measure(system, cluster.address, corestream_stream, runs)
-            finally:
-                cluster.stop()
+            results[system] = measure_server(system, cluster, corestream_stream, runs)
         elif system == "llama-server":
             server = LlamaServer(gguf, max(levels), CACHE / "llama-server.log")
-            try:
-                results[system] = measure(system, server.address, llama_server_stream, runs)
-            finally:
-                server.stop()
+            results[system] = measure_server(system, server, llama_server_stream, runs)
         else:
             raise SystemExit(f"unknown system {system!r}")
-
-    for label, _, _ in runs:
-        print(f"\n{label}, {gguf.name}")
-        print("| system | output tok/s | TTFT median s | TTFT p99 s | ITL median ms |")
-        print("|---|---|---|---|---|")
-        ref = results.get("llama-server", {}).get(label)
-        for system, by_label in results.items():
-            print(row(system, by_label[label], ref if system != "llama-server" else None))
+    print_tables(runs, results, "llama-server", gguf.name)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
@@ -279,7 +279,34 @@ def measure(name: str, address: str, make: Callable[[str], tuple[Stream, Close]]
     return asyncio.run(main())
 
 
+class Server(Protocol):
+    address: str
+
+    def stop(self) -> None: ...
+
+
+def measure_server(name: str, server: Server, make: Callable[[str], tuple[Stream, Close]],
+                   runs: list[tuple[str, list[BenchRequest], int]]) -> dict[str, Timings]:
+    """`measure` on a started server, which is stopped after, whatever happens."""
+    try:
+        return measure(name, server.address, make, runs)
+    finally:
+        server.stop()
+
+
 # ---- the report ---------------------------------------------------------------------------
+
+
+def print_tables(runs: list[tuple[str, list[BenchRequest], int]],
+                 results: dict[str, dict[str, Timings]], reference: str, heading: str) -> None:
+    """A table per run: each system's row, the others with their ratios to `reference`."""
+    for label, _, _ in runs:
+        print(f"\n{label}, {heading}")
+        print("| system | output tok/s | TTFT median s | TTFT p99 s | ITL median ms |")
+        print("|---|---|---|---|---|")
+        ref = results.get(reference, {}).get(label)
+        for system, by_label in results.items():
+            print(row(system, by_label[label], ref if system != reference else None))
 
 
 def row(name: str, t: Timings, ref: Timings | None) -> str:
@@ -357,26 +384,13 @@ def main() -> None:
                                "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning",
                                *args.corestream_args.split()],
                               startup_timeout=STARTUP_TIMEOUT_S)
-            try:
-                results[system] = measure(system, cluster.address, corestream_stream, runs)
-            finally:
-                cluster.stop()
+            results[system] = measure_server(system, cluster, corestream_stream, runs)
         elif system == "vllm":
             server = VllmServer(model, args.dtype, CACHE / "vllm-server.log")
-            try:
-                results[system] = measure(system, server.address, vllm_stream, runs)
-            finally:
-                server.stop()
+            results[system] = measure_server(system, server, vllm_stream, runs)
         else:
             raise SystemExit(f"unknown system {system!r}")
-
-    for label, _, _ in runs:
-        print(f"\n{label}, {args.dtype}")
-        print("| system | output tok/s | TTFT median s | TTFT p99 s | ITL median ms |")
-        print("|---|---|---|---|---|")
-        ref = results.get("vllm", {}).get(label)
-        for system, by_label in results.items():
-            print(row(system, by_label[label], ref if system != "vllm" else None))
+    print_tables(runs, results, "vllm", args.dtype)
 
 
 if __name__ == "__main__":
