@@ -136,11 +136,15 @@ inline __m256i fused_dot(__m256i u, const Q8Block& a) {
 }
 #endif
 
-// Q4_0 (kMin false: x = d (q - 8)) and Q4_1 (x = d q + m).
-template <bool kMin>
-struct DotQ4 {
+// Q4_0 (x = d (q - 8)), Q4_1 (kMin: x = d q + m), and Q5_0 (x = d (q - 16)) and Q5_1
+// (kMin) with kFifthBit: the same nibbles, after 4 bytes qh that give each value a fifth
+// bit.
+template <bool kMin, bool kFifthBit>
+struct DotQ4Q5 {
   using Act = Q8Block;
-  static constexpr int64_t kBytes = kMin ? 20 : 18;
+  static constexpr int64_t kHeader = (kMin ? 4 : 2) + (kFifthBit ? 4 : 0);
+  static constexpr int64_t kBytes = kHeader + 16;
+  static constexpr float kCentre = kFifthBit ? -16.0f : -8.0f;  // without a min
 
   template <int R>
   static void block(const uint8_t* row, const Act* const (&x)[R], int64_t b, Acc (&acc)[R],
@@ -148,9 +152,11 @@ struct DotQ4 {
     const uint8_t* p = row + kBytes * b;
     const float d = half_at(p);
     const float m = kMin ? half_at(p + 2) : 0.0f;
-    const uint8_t* qs = p + (kMin ? 4 : 2);
+    const uint32_t qh = kFifthBit ? u32_at(p + kHeader - 4) : 0;
+    const uint8_t* qs = p + kHeader;
 #ifdef CORESTREAM_QUANT_AVX2
-    const __m256i q = nibbles16(qs);
+    const __m256i low = nibbles16(qs);
+    const __m256i q = kFifthBit ? _mm256_or_si256(low, fifth_bits(qh)) : low;
 #endif
     for (int r = 0; r < R; ++r) {
       const Act& a = x[r][b];
@@ -159,45 +165,13 @@ struct DotQ4 {
 #else
       int32_t sums = 0;
       for (int l = 0; l < 16; ++l) {
-        sums += (qs[l] & 15) * wide(a, l) + (qs[l] >> 4) * wide(a, l + 16);
+        const int first = (qs[l] & 15) | (((qh >> l) & 1) << 4);
+        const int second = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+        sums += first * wide(a, l) + second * wide(a, l + 16);
       }
 #endif
       add_scaled(acc[r], d * a.d * kLoStep, sums);
-      offset[r] += (kMin ? m : -8.0f * d) * a.d_sum;
-    }
-  }
-};
-
-// Q5_0 (kMin false: x = d (q - 16)) and Q5_1 (x = d q + m): Q4's nibbles plus a fifth bit.
-template <bool kMin>
-struct DotQ5 {
-  using Act = Q8Block;
-  static constexpr int64_t kBytes = kMin ? 24 : 22;
-
-  template <int R>
-  static void block(const uint8_t* row, const Act* const (&x)[R], int64_t b, Acc (&acc)[R],
-                    float (&offset)[R]) {
-    const uint8_t* p = row + kBytes * b;
-    const float d = half_at(p);
-    const float m = kMin ? half_at(p + 2) : 0.0f;
-    const uint32_t qh = u32_at(p + (kMin ? 4 : 2));
-    const uint8_t* qs = p + (kMin ? 8 : 6);
-#ifdef CORESTREAM_QUANT_AVX2
-    const __m256i q = _mm256_or_si256(nibbles16(qs), fifth_bits(qh));
-#endif
-    for (int r = 0; r < R; ++r) {
-      const Act& a = x[r][b];
-#ifdef CORESTREAM_QUANT_AVX2
-      const __m256i sums = fused_dot(q, a);
-#else
-      int32_t sums = 0;
-      for (int l = 0; l < 16; ++l) {
-        sums += ((qs[l] & 15) | (((qh >> l) & 1) << 4)) * wide(a, l) +
-                ((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) * wide(a, l + 16);
-      }
-#endif
-      add_scaled(acc[r], d * a.d * kLoStep, sums);
-      offset[r] += (kMin ? m : -16.0f * d) * a.d_sum;
+      offset[r] += (kMin ? m : kCentre * d) * a.d_sum;
     }
   }
 };
@@ -546,10 +520,18 @@ inline void float_gemv_rows(const QuantMatrix& w, const QuantActivations& x,
 inline void quant_gemv_rows(const QuantMatrix& w, const QuantActivations& x, int64_t n_begin,
                             int64_t n_end, float* out, int64_t out_stride) {
   switch (w.type) {
-    case GgmlType::Q4_0: detail::gemv_rows<DotQ4<false>>(w, x, n_begin, n_end, out, out_stride); break;
-    case GgmlType::Q4_1: detail::gemv_rows<DotQ4<true>>(w, x, n_begin, n_end, out, out_stride); break;
-    case GgmlType::Q5_0: detail::gemv_rows<DotQ5<false>>(w, x, n_begin, n_end, out, out_stride); break;
-    case GgmlType::Q5_1: detail::gemv_rows<DotQ5<true>>(w, x, n_begin, n_end, out, out_stride); break;
+    case GgmlType::Q4_0:
+      detail::gemv_rows<DotQ4Q5<false, false>>(w, x, n_begin, n_end, out, out_stride);
+      break;
+    case GgmlType::Q4_1:
+      detail::gemv_rows<DotQ4Q5<true, false>>(w, x, n_begin, n_end, out, out_stride);
+      break;
+    case GgmlType::Q5_0:
+      detail::gemv_rows<DotQ4Q5<false, true>>(w, x, n_begin, n_end, out, out_stride);
+      break;
+    case GgmlType::Q5_1:
+      detail::gemv_rows<DotQ4Q5<true, true>>(w, x, n_begin, n_end, out, out_stride);
+      break;
     case GgmlType::Q8_0: detail::gemv_rows<DotQ8_0>(w, x, n_begin, n_end, out, out_stride); break;
     case GgmlType::Q4_K:
       detail::gemv_rows<DotQ45_K<false>>(w, x, n_begin, n_end, out, out_stride);
