@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +37,7 @@ from benchmarks import llama_cpp  # noqa: E402
 from benchmarks.latency import gguf_file  # noqa: E402
 from benchmarks.vllm_reference import (  # noqa: E402
     Close,
+    ReferenceServer,
     Stream,
     Timings,
     corestream_stream,
@@ -77,46 +75,21 @@ def chat_prompts(gguf: Path, count: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-class LlamaServer:
+class LlamaServer(ReferenceServer):
+    name = "llama-server"
+    startup_timeout_s = STARTUP_TIMEOUT_S
+
     def __init__(self, gguf: Path, parallel: int, log: Path) -> None:
-        from tests.integration.cluster import free_port
-
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self._log = log.open("w")
-        self.proc = subprocess.Popen(
-            [str(SERVER), "-m", str(gguf), "--parallel", str(parallel), "--cont-batching",
-             "-c", str(parallel * SLOT_CONTEXT), "-t", "2", "--host", "127.0.0.1",
-             "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=llama_cpp.library_env())
-        self._wait_healthy(log)
-
-    def _wait_healthy(self, log: Path) -> None:
         import httpx
 
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({self.proc.returncode}); see {log}")
-            try:
-                if httpx.get(f"http://{self.address}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"llama-server not healthy after {STARTUP_TIMEOUT_S} s; see {log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-        self._log.close()
+        super().__init__(log)
+        self.start([str(SERVER), "-m", str(gguf), "--parallel", str(parallel),
+                    "--cont-batching", "-c", str(parallel * SLOT_CONTEXT), "-t", "2",
+                    "--host", "127.0.0.1", "--port", str(self.port)],
+                   llama_cpp.library_env())
+        self.wait_healthy(
+            lambda: httpx.get(f"http://{self.address}/health", timeout=5).status_code == 200,
+            httpx.HTTPError, 0.5)
 
 
 def llama_server_stream(address: str) -> tuple[Stream, Close]:

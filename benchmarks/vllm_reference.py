@@ -215,42 +215,48 @@ def vllm_stream(address: str) -> tuple[Stream, Close]:
     return stream, close
 
 
-class VllmServer:
-    def __init__(self, model: Path, dtype: str, log: Path) -> None:
+class ReferenceServer:
+    """A reference system's server process on a free port of 127.0.0.1, in a process group
+    of its own, its output in `log`; `stop` ends the group."""
+
+    name = "server"
+    startup_timeout_s = STARTUP_TIMEOUT_S
+
+    def __init__(self, log: Path) -> None:
         from tests.integration.cluster import free_port
 
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
+        self._log_path = log
         self._log = log.open("w")
-        self.proc = subprocess.Popen(
-            [str(vllm_python()), "-m", "vllm.entrypoints.launchers.grpc_server",
-             "--model", str(model), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
-             "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port)],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_healthy(log)
+        self.proc: subprocess.Popen[bytes] | None = None
 
-    def _wait_healthy(self, log: Path) -> None:
-        import grpc
+    def start(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
 
-        pb, pb_grpc = _vllm_protos()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with grpc.insecure_channel(self.address) as channel:
-            stub = pb_grpc.VllmEngineStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"vLLM exited ({self.proc.returncode}); see {log}")
-                try:
-                    if stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(1)
+    def wait_healthy(self, healthy: Callable[[], bool], transient: type[Exception],
+                     poll_s: float) -> None:
+        """Until `healthy()` (which may raise `transient` while the server starts); an
+        exit or startup_timeout_s raises RuntimeError naming the log."""
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); "
+                                   f"see {self._log_path}")
+            try:
+                if healthy():
+                    return
+            except transient:
+                pass
+            time.sleep(poll_s)
         self.stop()
-        raise RuntimeError(f"vLLM not healthy after {STARTUP_TIMEOUT_S} s; see {log}")
+        raise RuntimeError(f"{self.name} not healthy after {self.startup_timeout_s} s; "
+                           f"see {self._log_path}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, 15)
             try:
                 self.proc.wait(60)
@@ -258,6 +264,26 @@ class VllmServer:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
         self._log.close()
+
+
+class VllmServer(ReferenceServer):
+    name = "vLLM"
+
+    def __init__(self, model: Path, dtype: str, log: Path) -> None:
+        import grpc
+
+        super().__init__(log)
+        self.start([str(vllm_python()), "-m", "vllm.entrypoints.launchers.grpc_server",
+                    "--model", str(model), "--dtype", dtype,
+                    "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+                    "--host", "127.0.0.1", "--port", str(self.port)],
+                   {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"})
+        pb, pb_grpc = _vllm_protos()
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.VllmEngineStub(channel)
+            self.wait_healthy(
+                lambda: stub.HealthCheck(pb.HealthCheckRequest(), timeout=5).healthy,
+                grpc.RpcError, 1.0)
 
 
 def measure(name: str, address: str, make: Callable[[str], tuple[Stream, Close]],
