@@ -4,10 +4,12 @@ read bandwidth and our float linear layers.
     .venv/bin/python benchmarks/quant_gemv.py [--rows 1,4,16] [--types Q4_0,Q4_K] [--llama]
 
 For each type and shape (SmolLM2-135M's projections and head, and a 4096 x 4096 matrix):
-the median time per call, the weight's bytes read per second (GB/s) and that as a share
-of the read bandwidth measured here (a torch sum over a buffer eight times the last-level
-cache), and the speed-up over our float32 and bfloat16 `linear` (kernels/cpu_linear.py,
-packed as the engine loads them) on the same shape. Each call reads a different copy of
+the median time per call on the layout the loader serves (rows grouped by 16 for Q4_0,
+Q4_1 and Q8_0: kernels/quant.py's `group_rows`), the weight's bytes read per second (GB/s)
+and that as a share of the read bandwidth measured here (a torch sum over a buffer eight
+times the last-level cache), the speed-up over the file's own layout (`x file`, grouped
+types only) and over our float32 and bfloat16 `linear` (kernels/cpu_linear.py, packed as
+the engine loads them) on the same shape. Each call reads a different copy of
 the weight, enough copies to overflow the caches, as a model's layers do in a decode step.
 The K-quants take rows of multiples of 256 values: SmolLM2's 576-wide inputs are n/a
 (llama.cpp's Q4_K_M files store those tensors in other types).
@@ -23,6 +25,7 @@ benchmarks/.cache/llama.cpp-build-avx2 if present) on the same blocks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -45,10 +48,12 @@ from kernels.quant import (  # noqa: E402
     BLOCK_FORMATS,
     GGMLType,
     QuantizedWeight,
+    group_rows,
     quant_linear,
     quantize_q4_0,
     quantize_q4_1,
     quantize_q8_0,
+    ungroup_rows,
 )
 
 # (name, out_features, in_features)
@@ -152,7 +157,8 @@ def main() -> None:
           f"{bandwidth:.1f} GB/s (torch sum over 256 MiB)\n", flush=True)
     float_seconds: dict[tuple[str, int, int, int], float] = {}
     header = (f"{'type':5} {'shape':22} {'rows':>4} {'ms':>8} {'GB/s':>6} {'%bw':>5} "
-              f"{'x f32':>6} {'x bf16':>6}" + (f" {'llama ms':>9} {'x llama':>7}" if llama else ""))
+              f"{'x file':>6} {'x f32':>6} {'x bf16':>6}"
+              + (f" {'llama ms':>9} {'x llama':>7}" if llama else ""))
     print(header)
     for type_name in args.types.split(","):
         kind = GGMLType[type_name]
@@ -163,9 +169,11 @@ def main() -> None:
                 continue
             first = random_weight(kind, out_features, in_features)
             nbytes = first.blocks.numel()
-            weights = [first] + [QuantizedWeight(first.blocks.clone(), kind, in_features,
-                                                 out_features)
-                                 for _ in range(copies_for(nbytes) - 1)]
+            # As the loader serves it (rows grouped where they can be), and the file's
+            # layout beside it where that differs.
+            served = group_rows(first)
+            weights = [served] + [dataclasses.replace(served, blocks=served.blocks.clone())
+                                  for _ in range(copies_for(nbytes) - 1)]
             for rows in rows_list:
                 x = torch.randn(rows, in_features)
                 calls = [lambda w=w, x=x: quant_linear(x, w) for w in weights]
@@ -173,6 +181,15 @@ def main() -> None:
                 speed = nbytes / seconds / 1e9
                 line = (f"{type_name:5} {shape_name:22} {rows:4} {seconds * 1e3:8.3f} "
                         f"{speed:6.1f} {100 * speed / bandwidth:4.0f}%")
+                if served.grouped:
+                    file_weights = [ungroup_rows(w) for w in weights]
+                    file_seconds = time_rotating(
+                        [lambda w=w, x=x: quant_linear(x, w) for w in file_weights],
+                        args.rounds)
+                    del file_weights
+                    line += f" {file_seconds / seconds:6.2f}"
+                else:
+                    line += f" {'-':>6}"
                 for dtype in (torch.float32, torch.bfloat16):
                     key = (str(dtype), out_features, in_features, rows)
                     if not args.no_float and key not in float_seconds:

@@ -53,8 +53,8 @@ ABSENT = torch.empty(0)
 
 def quant_format(weight: QuantizedWeight) -> torch.Tensor:
     """What the op reads beside a quantized weight's blocks: int64 [GGML type,
-    in_features]."""
-    return torch.tensor([int(weight.ggml_type), weight.in_features])
+    in_features, grouped]."""
+    return torch.tensor([int(weight.ggml_type), weight.in_features, int(weight.grouped)])
 
 
 def cpu_decode_model(

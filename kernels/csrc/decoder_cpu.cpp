@@ -78,7 +78,7 @@ struct Ops {
                                 int64_t)>
       paged_decode;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                      int64_t)>
+                                      int64_t, bool)>
       quant_linear;
   int64_t quant_gemv_max_rows;  // the most rows quant_linear quantizes the activations of
 };
@@ -104,8 +104,8 @@ const Ops& ops() {
                         int64_t)>(),
         find("corestream_cpu::quant_linear")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                              int64_t)>(),
-        find("corestream_cpu::quant_gemv_max_rows").typed<int64_t()>().call(),
+                              int64_t, bool)>(),
+        find("corestream_cpu::quant_gemv_max_rows").typed<int64_t(bool)>().call(false),
     };
   }();
   return handles;
@@ -120,7 +120,7 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   }
   const corestream_cpu::quant::QuantMatrix w = corestream_cpu::quant_format(weight, panels, "a projection");
   const at::Tensor y = ops().quant_linear.call(x, weight, static_cast<int64_t>(w.type), w.rows,
-                                               w.cols);
+                                               w.cols, w.grouped);
   return present(bias) ? y + bias : y;
 }
 
@@ -201,7 +201,9 @@ at::Tensor decode_layers(
 // or quant_linear runs its GEMV; 0 for a float weight without panels.
 int64_t plannable_rows(const at::Tensor& weight, const at::Tensor& panels, at::ScalarType dtype) {
   if (is_quantized(weight)) {
-    return ops().quant_gemv_max_rows;
+    return corestream_cpu::quant_format(weight, panels, "a projection").grouped
+               ? std::numeric_limits<int64_t>::max()
+               : ops().quant_gemv_max_rows;
   }
   return present(panels) ? corestream_cpu::max_panel_rows(dtype) : 0;
 }

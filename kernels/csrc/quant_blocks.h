@@ -48,7 +48,7 @@ struct Format {
 };
 
 // The block format of `type`; {0, 0} for a type not served here.
-inline Format format_of(GgmlType type) {
+constexpr Format format_of(GgmlType type) {
   switch (type) {
     case GgmlType::F32: return {1, 4};
     case GgmlType::F16: return {1, 2};
@@ -257,12 +257,63 @@ inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_
   }
 }
 
+// Rows in groups: a weight whose decode GEMV computes kGroupRows output features at once,
+// one per vector lane (quant_groups.h), has its rows' bytes interleaved in groups of
+// kGroupRows rows, block by block. Block b of a group holds, for each header field of the
+// type (d, then m), that field of every row of the group side by side, then the payload
+// (the nibbles, or Q8_0's bytes) as 4-byte words: word c of every row side by side, for c
+// = 0, 1, .... So one vector load takes the same four values of 16 (or 8) rows, and one
+// conversion the scales of all of them. It is a permutation of the file's bytes, of the
+// same size; kernels/quant.py's `group_rows` makes it, `gguf_row` undoes it for a row.
+constexpr int64_t kGroupRows = 16;
+
+inline bool groupable(GgmlType type) {
+  return type == GgmlType::Q4_0 || type == GgmlType::Q4_1 || type == GgmlType::Q8_0;
+}
+
+// Bytes of a block's header fields, each 2 (f16 d and m), and of its payload.
+inline int64_t group_header_bytes(GgmlType type) { return type == GgmlType::Q4_1 ? 4 : 2; }
+
+// A weight as its blocks: row n of `rows` (output features) starts at blocks + n
+// row_bytes and holds `cols` values (input features, whole blocks); or, `grouped`, rows
+// [16 g, 16 g + 16) fill bytes [16 g, 16 g + 16) row_bytes in the layout above.
+struct QuantMatrix {
+  const uint8_t* blocks;
+  GgmlType type;
+  int64_t rows;
+  int64_t cols;
+  int64_t row_bytes;
+  bool grouped = false;
+};
+
+// Row n of w in the file's layout: in place, or, for a grouped w, gathered into scratch
+// (row_bytes bytes).
+inline const uint8_t* gguf_row(const QuantMatrix& w, int64_t n, uint8_t* scratch) {
+  if (!w.grouped) return w.blocks + n * w.row_bytes;
+  const int64_t bytes = format_of(w.type).bytes, header = group_header_bytes(w.type);
+  const int64_t lane = n % kGroupRows;
+  const uint8_t* group = w.blocks + (n - lane) * w.row_bytes;
+  for (int64_t b = 0; b < w.row_bytes / bytes; ++b) {
+    const uint8_t* in = group + b * kGroupRows * bytes;
+    uint8_t* out = scratch + b * bytes;
+    for (int64_t field = 0; field < header; field += 2) {
+      std::memcpy(out + field, in + kGroupRows * field + 2 * lane, 2);
+    }
+    for (int64_t word = 0; word < (bytes - header) / 4; ++word) {
+      std::memcpy(out + header + 4 * word,
+                  in + kGroupRows * (header + 4 * word) + 4 * lane, 4);
+    }
+  }
+  return scratch;
+}
+
 // An activation block of 32 values for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights, to about
 // 15 bits: x ~= d (q + lo / 256), q the 8-bit rounding of x / d and lo that of what it left
 // out (at most half a step), in steps of d / 256. The dot kernels sum 256 q + lo in int32.
 struct Q8Block {
   float d;
   float d_sum;  // d / 256 sum(256 q + lo): the block's x summed, for the weights' offsets
+  int32_t sum;  // sum(256 q + lo), for offsets taken in integers (quant_groups.h's Q8_0)
   int8_t q[32];
   int8_t lo[32];
 };
@@ -303,6 +354,7 @@ inline void quantize_row(const float* x, int64_t k, Q8Block* out) {
       sum += 256 * block.q[l] + block.lo[l];
     }
     block.d = d;
+    block.sum = sum;
     block.d_sum = d / 256.0f * static_cast<float>(sum);
   }
 }

@@ -2,14 +2,17 @@
 // QuantizedWeight), never dequantized whole.
 //
 // - Up to kMaxGemvRows rows of x (decode steps): x is quantized to 8-bit blocks once (two
-//   passes: the value, then its rounding residual; about 15 bits in all), and the output rows are split into items of a few weight rows that threads take one
-//   at a time (work_items.h), each a pass over those rows' blocks with integer dot
-//   products (quant_dot.h). The weight streams from memory once per call.
-// - More rows (prefill): the weight is dequantized to float32 for the call (a layer's
-//   weight, freed at its end: never the whole model's) and at::mm multiplies x by it. x is
-//   not quantized on this path, so it is exact to float32 rounding; the two-pass GEMV
-//   differs from it by about 2e-5 of the output's norm, so a prompt's greedy tokens do not
-//   depend on how its prefill was chunked.
+//   passes: the value, then its rounding residual; about 15 bits in all), and the output
+//   rows are split into items of a few weight rows that threads take one at a time
+//   (work_items.h), each a pass over those rows' blocks with integer dot products
+//   (quant_dot.h; quant_groups.h for rows grouped by 16). The weight streams from memory
+//   once per call.
+// - More rows (prefill) of a weight in the file's layout (grouped rows take the GEMV at
+//   every row count: see takes_gemv): the weight is dequantized to float32 for the call
+//   (a layer's weight, freed at its end: never the whole model's) and at::mm multiplies x
+//   by it. x is not quantized on this path, so it is exact to float32 rounding; the
+//   two-pass GEMV differs from it by about 2e-5 of the output's norm, so a prompt's greedy
+//   tokens do not depend on how its prefill was chunked.
 //
 // x float32 or bfloat16 [..., K]; the output has x's dtype, rounded once from float32.
 
@@ -22,11 +25,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "cpu_math.h"
 #include "quant_blocks.h"
 #include "quant_dot.h"
+#include "quant_groups.h"
 #include "work_items.h"
 
 namespace {
@@ -44,7 +49,7 @@ using corestream_cpu::quant::QuantMatrix;
 constexpr int64_t kMaxGemvRows = 32;
 
 QuantMatrix checked_matrix(const at::Tensor& blocks, int64_t ggml_type, int64_t out_features,
-                           int64_t in_features) {
+                           int64_t in_features, bool grouped) {
   const auto type = static_cast<GgmlType>(ggml_type);
   const auto format = format_of(type);
   TORCH_CHECK(format.values > 0, "quant_linear: GGML type ", ggml_type, " is not served");
@@ -57,30 +62,53 @@ QuantMatrix checked_matrix(const at::Tensor& blocks, int64_t ggml_type, int64_t 
                   blocks.size(1) == row_bytes,
               "quant_linear: blocks must be contiguous uint8 [", out_features, ", ",
               row_bytes, "], not ", blocks.sizes(), " ", blocks.scalar_type());
-  return {blocks.const_data_ptr<uint8_t>(), type, out_features, in_features, row_bytes};
+  TORCH_CHECK(!grouped || (corestream_cpu::quant::groupable(type) &&
+                           out_features % corestream_cpu::quant::kGroupRows == 0),
+              "quant_linear: rows in groups of ", corestream_cpu::quant::kGroupRows,
+              " need type Q4_0, Q4_1 or Q8_0 and a multiple of ",
+              corestream_cpu::quant::kGroupRows, " rows, not type ", ggml_type, " with ",
+              out_features);
+  return {blocks.const_data_ptr<uint8_t>(), type, out_features, in_features, row_bytes,
+          grouped};
 }
 
-// Rows of output features per GEMV item: enough items for the threads to share out (a
-// preempted thread's share goes to the others), each long enough that taking it costs
-// nothing beside it.
-int64_t rows_per_item(int64_t out_features) {
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  return std::clamp<int64_t>(out_features / (8 * threads), 4, 64);
-}
+// Whether quant_linear takes the GEMV for m rows of x: always for grouped rows, whose
+// kernel keeps up with the dequantized weight's float32 GEMM at every row count measured
+// (33-256 rows of SmolLM2's and a 4096 x 4096 projection in Q4_1: 1.0-3x faster;
+// benchmarks/quant_gemv.py --prefill), and gives every row the same bits whatever the
+// others; up to kMaxGemvRows for the file's layout.
+bool takes_gemv(const QuantMatrix& w, int64_t m) { return w.grouped || m <= kMaxGemvRows; }
 
 template <typename T>
 void gemv(const QuantMatrix& w, const at::Tensor& x, at::Tensor& out) {
   const int64_t m = x.size(0);
   QuantActivations activations;
-  activations.quantize(w.type, x.const_data_ptr<T>(), m, w.cols, x.stride(0));
+  activations.size(w.type, m, w.cols);
+  const T* data = x.const_data_ptr<T>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    activations.quantize_rows(data, begin, end, x.stride(0));
+  });
   // Sums go to a float32 buffer (the output itself for float32 x), rounded once after.
   at::Tensor sums = out.scalar_type() == at::kFloat ? out : at::empty(out.sizes(),
                                                                       out.options().dtype(at::kFloat));
   float* sums_data = sums.mutable_data_ptr<float>();
   const auto [num_items, item] = corestream_cpu::quant::quant_gemv_items(
-      w, activations, sums_data, w.rows, rows_per_item(w.rows));
+      w, activations, sums_data, w.rows,
+      corestream_cpu::quant::gemv_item_rows(w, at::get_num_threads()));
   corestream_cpu::run_items(num_items, item);
   if (!sums.is_same(out)) out.copy_(sums);
+}
+
+// w as float32 [rows, cols] into out.
+void dequantize_into(const QuantMatrix& w, float* out) {
+  at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> scratch(static_cast<size_t>(w.row_bytes));
+    for (int64_t n = begin; n < end; ++n) {
+      corestream_cpu::quant::dequantize_row(
+          w.type, corestream_cpu::quant::gguf_row(w, n, scratch.data()), out + n * w.cols,
+          w.cols);
+    }
+  });
 }
 
 // x [M, K] float32 times w dequantized, into out [M, N] float32. The float32 copy lives
@@ -92,18 +120,13 @@ void gemv(const QuantMatrix& w, const at::Tensor& x, at::Tensor& out) {
 void dequantized_mm(const QuantMatrix& w, const at::Tensor& x, at::Tensor& out) {
   at::Tensor weight = at::empty({w.rows, w.cols}, x.options());
   float* data = weight.mutable_data_ptr<float>();
-  at::parallel_for(0, w.rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      corestream_cpu::quant::dequantize_row(w.type, w.blocks + n * w.row_bytes,
-                                            data + n * w.cols, w.cols);
-    }
-  });
+  dequantize_into(w, data);
   at::mm_out(out, x, weight.t());
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type,
-                        int64_t out_features, int64_t in_features) {
-  const QuantMatrix w = checked_matrix(blocks, ggml_type, out_features, in_features);
+                        int64_t out_features, int64_t in_features, bool grouped) {
+  const QuantMatrix w = checked_matrix(blocks, ggml_type, out_features, in_features, grouped);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16, not ", x.scalar_type());
   TORCH_CHECK(x.size(-1) == in_features, "quant_linear: x has ", x.size(-1),
@@ -113,7 +136,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t g
   const at::Tensor rows = x.reshape({-1, in_features}).contiguous();
   at::Tensor out = at::empty({rows.size(0), out_features}, x.options());
   if (rows.size(0) == 0) return out.view(shape);
-  if (rows.size(0) <= kMaxGemvRows) {
+  if (takes_gemv(w, rows.size(0))) {
     if (x.scalar_type() == at::kFloat) {
       gemv<float>(w, rows, out);
     } else {
@@ -131,16 +154,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t g
 
 // The weight as float32 [out, in], by the C++ dequantization (for tests).
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t ggml_type, int64_t out_features,
-                            int64_t in_features) {
-  const QuantMatrix w = checked_matrix(blocks, ggml_type, out_features, in_features);
+                            int64_t in_features, bool grouped) {
+  const QuantMatrix w = checked_matrix(blocks, ggml_type, out_features, in_features, grouped);
   at::Tensor out = at::empty({out_features, in_features}, blocks.options().dtype(at::kFloat));
-  float* data = out.mutable_data_ptr<float>();
-  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      corestream_cpu::quant::dequantize_row(w.type, w.blocks + n * w.row_bytes,
-                                            data + n * in_features, in_features);
-    }
-  });
+  dequantize_into(w, out.mutable_data_ptr<float>());
   return out;
 }
 
@@ -148,10 +165,13 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t ggml_type, int64_t
 
 TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor blocks, int ggml_type, int out_features, "
-        "int in_features) -> Tensor");
-  m.def("quant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features)"
-        " -> Tensor");
-  m.def("quant_gemv_max_rows() -> int", [] { return kMaxGemvRows; });
+        "int in_features, bool grouped=False) -> Tensor");
+  m.def("quant_dequantize(Tensor blocks, int ggml_type, int out_features, int in_features, "
+        "bool grouped=False) -> Tensor");
+  // The most rows of x quant_linear runs its GEMV for (see takes_gemv).
+  m.def("quant_gemv_max_rows(bool grouped=False) -> int", [](bool grouped) {
+    return grouped ? std::numeric_limits<int64_t>::max() : kMaxGemvRows;
+  });
 }
 
 TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {

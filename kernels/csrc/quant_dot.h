@@ -353,16 +353,6 @@ inline void dot_rows(const uint8_t* row, const typename Kind::Act* const (&x)[R]
   }
 }
 
-// A weight as its blocks: row n of `rows` (output features) starts at blocks + n
-// row_bytes and holds `cols` values (input features, whole blocks).
-struct QuantMatrix {
-  const uint8_t* blocks;
-  GgmlType type;
-  int64_t rows;
-  int64_t cols;
-  int64_t row_bytes;
-};
-
 // Activation rows as a QuantMatrix of `type` reads them: 8-bit blocks (Q8Block for
 // Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Q8KBlock for the K-quants) or, for F32/F16/BF16 weights,
 // floats.
@@ -385,22 +375,38 @@ class QuantActivations {
   // x [m, k], row r at x + r x_stride; T float or c10::BFloat16.
   template <typename T>
   void quantize(GgmlType type, const T* x, int64_t m, int64_t k, int64_t x_stride) {
+    size(type, m, k);
+    quantize_rows(x, 0, m, x_stride);
+  }
+
+  // quantize() in two steps, so that threads may share the rows: size for x [m, k] once,
+  // then quantize rows [r0, r1) of it (disjoint ranges on any threads).
+  void size(GgmlType type, int64_t m, int64_t k) {
     // Every member is written its final value only: a plan's late thread may redo this
     // while others already read the result (see quantize_passes).
     rows_ = m;
     cols_ = k;
+    type_ = type;
     passes_ = is_k_quant(type) ? kPasses : 1;
     floats_.resize(static_cast<size_t>(m * k));
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t i = 0; i < k; ++i) floats_[r * k + i] = to_float_(x[r * x_stride + i]);
-    }
-    if (is_float(type)) return;
     if (is_k_quant(type)) {
       q8k_.resize(static_cast<size_t>(kPasses * m * (k / kQK)));
-      quantize_passes(m, k, q8k_.data());
-    } else {
+    } else if (!is_float(type)) {
       q8_.resize(static_cast<size_t>(m * (k / 32)));
-      for (int64_t r = 0; r < m; ++r) quantize_row(&floats_[r * k], k, &q8_[r * (k / 32)]);
+    }
+  }
+
+  template <typename T>
+  void quantize_rows(const T* x, int64_t r0, int64_t r1, int64_t x_stride) {
+    const int64_t k = cols_;
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < k; ++i) floats_[r * k + i] = to_float_(x[r * x_stride + i]);
+    }
+    if (is_float(type_)) return;
+    if (is_k_quant(type_)) {
+      quantize_passes(r0, r1, k, q8k_.data());
+    } else {
+      for (int64_t r = r0; r < r1; ++r) quantize_row(&floats_[r * k], k, &q8_[r * (k / 32)]);
     }
   }
 
@@ -424,11 +430,11 @@ class QuantActivations {
   // NOTE: the residual lives in a buffer of the calling thread's: a decode step's plan may
   // run this item on two threads at once (work_items.h), which must then write the same
   // bits into the blocks, never meet in a scratch buffer.
-  void quantize_passes(int64_t m, int64_t k, Q8KBlock* out) {
+  void quantize_passes(int64_t r0, int64_t r1, int64_t k, Q8KBlock* out) {
     const int64_t per_row = k / kQK;
     thread_local std::vector<float> scratch;
     scratch.resize(static_cast<size_t>(k));
-    for (int64_t r = 0; r < m; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       float* residual = scratch.data();
       std::copy_n(&floats_[r * k], k, residual);
       for (int64_t pass = 0; pass < kPasses; ++pass) {
@@ -445,6 +451,7 @@ class QuantActivations {
   }
 
   int64_t rows_ = 0, cols_ = 0, passes_ = 1;
+  GgmlType type_ = GgmlType::F32;
   std::vector<float> floats_;
   std::vector<Q8Block> q8_;
   std::vector<Q8KBlock> q8k_;
@@ -515,8 +522,8 @@ inline void float_gemv_rows(const QuantMatrix& w, const QuantActivations& x,
 }  // namespace detail
 
 // out[r * out_stride + n] = w.row(n) . x.row(r) for n in [n_begin, n_end) and every row
-// of x (quantized for w.type): one work item of a GEMV; items of disjoint row ranges may
-// run on different threads.
+// of x (quantized for w.type), w in the file's layout (quant_groups.h takes grouped ones):
+// one work item of a GEMV; items of disjoint row ranges may run on different threads.
 inline void quant_gemv_rows(const QuantMatrix& w, const QuantActivations& x, int64_t n_begin,
                             int64_t n_end, float* out, int64_t out_stride) {
   switch (w.type) {
@@ -546,21 +553,6 @@ inline void quant_gemv_rows(const QuantMatrix& w, const QuantActivations& x, int
       detail::float_gemv_rows(w, x, n_begin, n_end, out, out_stride);
       break;
   }
-}
-
-// The GEMV of w by x (quantized for it) into out [x.rows(), w.rows] (row stride
-// out_stride) as work items for run_items or a StagePlan stage: (number of items, item i
-// computing outputs [i rows_per_item, (i + 1) rows_per_item)). w, x and out must outlive
-// the items.
-inline std::pair<int64_t, Item> quant_gemv_items(const QuantMatrix& w, const QuantActivations& x,
-                                                 float* out, int64_t out_stride,
-                                                 int64_t rows_per_item) {
-  const int64_t count = (w.rows + rows_per_item - 1) / rows_per_item;
-  return {count, [&w, &x, out, out_stride, rows_per_item](int64_t i) {
-            const int64_t begin = i * rows_per_item;
-            quant_gemv_rows(w, x, begin, std::min(w.rows, begin + rows_per_item), out,
-                            out_stride);
-          }};
 }
 
 }  // namespace corestream_cpu::quant

@@ -7,8 +7,9 @@
 //
 // A projection hands its tensors over in the op's three slots of a linear (weight, panels,
 // bias): a quantized one puts its blocks, uint8 [out_features, row_bytes], in the weight
-// slot, and their format in the panels slot: int64 [ggml_type, in_features]
-// (kernels/decoder_layers.py `quant_format`). A quantized embedding table goes as
+// slot, and their format in the panels slot: int64 [ggml_type, in_features, grouped]
+// (kernels/decoder_layers.py `quant_format`; grouped: rows interleaved as quant_blocks.h
+// says). A quantized embedding table goes as
 // [blocks, format] likewise.
 #pragma once
 
@@ -25,6 +26,7 @@
 
 #include "quant_blocks.h"
 #include "quant_dot.h"
+#include "quant_groups.h"
 #include "work_items.h"
 
 namespace corestream_cpu {
@@ -36,14 +38,15 @@ inline bool is_quantized(const at::Tensor& weight) {
 // The weight that `blocks` and `format` describe, checked as quant_linear checks it.
 inline quant::QuantMatrix quant_format(const at::Tensor& blocks, const at::Tensor& format,
                                        const char* what) {
-  TORCH_CHECK(format.scalar_type() == at::kLong && format.dim() == 1 && format.numel() == 2 &&
+  TORCH_CHECK(format.scalar_type() == at::kLong && format.dim() == 1 && format.numel() == 3 &&
                   format.is_contiguous(),
-              "decode_model: ", what, "'s format must be int64 [ggml_type, in_features], "
-              "got ", format.sizes(), " ", format.scalar_type());
+              "decode_model: ", what, "'s format must be int64 [ggml_type, in_features, "
+              "grouped], got ", format.sizes(), " ", format.scalar_type());
   const int64_t* f = format.const_data_ptr<int64_t>();
   const auto type = static_cast<quant::GgmlType>(f[0]);
   const quant::Format block = quant::format_of(type);
   const int64_t in_features = f[1];
+  const bool grouped = f[2] != 0;
   TORCH_CHECK(block.values > 0, "decode_model: ", what, ": GGML type ", f[0], " is not served");
   TORCH_CHECK(in_features > 0 && in_features % block.values == 0, "decode_model: ", what,
               ": type ", f[0], " takes rows of multiples of ", block.values, " values, not ",
@@ -52,7 +55,12 @@ inline quant::QuantMatrix quant_format(const at::Tensor& blocks, const at::Tenso
   TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(1) == row_bytes,
               "decode_model: ", what, "'s blocks must be contiguous uint8 [out_features, ",
               row_bytes, "], got ", blocks.sizes());
-  return {blocks.const_data_ptr<uint8_t>(), type, blocks.size(0), in_features, row_bytes};
+  TORCH_CHECK(!grouped || (quant::groupable(type) && blocks.size(0) % quant::kGroupRows == 0),
+              "decode_model: ", what, ": rows of type ", f[0], " in groups of ",
+              quant::kGroupRows, " need a groupable type and a multiple of ",
+              quant::kGroupRows, " rows, not ", blocks.size(0));
+  return {blocks.const_data_ptr<uint8_t>(), type, blocks.size(0), in_features, row_bytes,
+          grouped};
 }
 
 // Row `ids[i]` of a quantized table into out row i (T), for each of n ids. dequantize_row
@@ -62,12 +70,14 @@ inline quant::QuantMatrix quant_format(const at::Tensor& blocks, const at::Tenso
 template <typename T>
 void dequantize_rows(const quant::QuantMatrix& table, const int64_t* ids, int64_t n, T* out) {
   thread_local std::vector<float> row;
+  thread_local std::vector<uint8_t> scratch;
   row.resize(static_cast<size_t>(table.cols));
+  scratch.resize(static_cast<size_t>(table.row_bytes));
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(ids[i] >= 0 && ids[i] < table.rows, "decode_model: token id ", ids[i],
                 " outside the embedding table's ", table.rows, " rows");
-    quant::dequantize_row(table.type, table.blocks + ids[i] * table.row_bytes, row.data(),
-                          table.cols);
+    quant::dequantize_row(table.type, quant::gguf_row(table, ids[i], scratch.data()),
+                          row.data(), table.cols);
     std::transform(row.begin(), row.end(), out + i * table.cols,
                    [](float v) { return static_cast<T>(v); });
   }
@@ -83,8 +93,7 @@ class QuantProjection {
   QuantProjection(const quant::QuantMatrix& weight, int64_t tokens, int threads,
                   at::ScalarType dtype, bool has_bias)
       : weight_(weight), tokens_(tokens) {
-    // As quant_linear splits its rows: enough items for the threads to share out.
-    rows_per_item_ = std::clamp<int64_t>(weight_.rows / (8 * std::max(1, threads)), 4, 64);
+    rows_per_item_ = quant::gemv_item_rows(weight_, threads);  // as quant_linear splits
     const auto floats = at::TensorOptions().dtype(at::kFloat);
     if (dtype != at::kFloat || has_bias) {
       sums_ = at::empty({tokens, weight_.rows}, floats);

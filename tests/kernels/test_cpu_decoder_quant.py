@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kernels.quant import (
+    GROUPED_TYPES,
     GGMLType,
     QuantizedWeight,
     quantize_q4_0,
@@ -102,6 +103,10 @@ def test_quantized_layers_give_the_python_model_bits(
     monkeypatch: pytest.MonkeyPatch, two_threads: None,
 ) -> None:
     runner = quantized_runner(tmp_path, kind, dtype)
+    # The loader groups the rows of the types the grouped GEMV takes (quant_groups.h);
+    # the K-quants keep the file's layout.
+    layers = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert {m.weight.grouped for m in layers} == {kind in GROUPED_TYPES}
     # Contexts of different lengths, across block boundaries.
     prompts = random_prompts({"a": 3, "b": 17, "c": 30}, VOCAB)
     DecodeCalls(monkeypatch, enabled=False)
@@ -120,14 +125,17 @@ def test_quantized_layers_give_the_python_model_bits(
     assert fused.count == 2 * STEPS
 
 
-# One thread: a fork and join per op (quant_linear's own calls). 33 sequences: more rows
-# than quant_linear quantizes the activations of, so it multiplies the dequantized weight.
-@pytest.mark.parametrize("threads,sequences", [(1, 3), (2, 33)], ids=["one-thread", "33-rows"])
+# One thread: a fork and join per op (quant_linear's own calls). 33 sequences of Q4_K
+# (the file's layout): more rows than quant_linear quantizes the activations of, so it
+# multiplies the dequantized weight.
+@pytest.mark.parametrize("threads,sequences,kind", [(1, 3, GGMLType.Q4_1),
+                                                    (2, 33, GGMLType.Q4_K)],
+                         ids=["one-thread", "33-rows"])
 def test_quantized_steps_off_the_plan_give_the_python_model_bits(
     cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
-    threads: int, sequences: int,
+    threads: int, sequences: int, kind: GGMLType,
 ) -> None:
-    runner = quantized_runner(tmp_path, GGMLType.Q4_1, max_model_len=32)
+    runner = quantized_runner(tmp_path, kind, max_model_len=32)
     assert sequences <= 3 or sequences > cpu_ops.quant_gemv_max_rows()
     torch.set_num_threads(threads)
     prompts = random_prompts({f"s{i}": 2 + i % 5 for i in range(sequences)}, VOCAB)
@@ -138,6 +146,24 @@ def test_quantized_steps_off_the_plan_give_the_python_model_bits(
     got = decode_logits(runner, prompts, 2, "cpp-")
     assert fused.count == 2
     assert cpu_ops.stage_plan_counters()[0] == plans
+    assert_same_steps(got, want)
+
+
+def test_grouped_rows_plan_steps_of_any_batch(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
+) -> None:
+    """Grouped rows take the GEMV at every row count, so 40 sequences still run as one
+    plan per step, with the Python model's bits (its layers take the same GEMV)."""
+    runner = quantized_runner(tmp_path, GGMLType.Q8_0, max_model_len=32)
+    sequences = 40
+    assert sequences > cpu_ops.quant_gemv_max_rows()
+    prompts = random_prompts({f"s{i}": 2 + i % 5 for i in range(sequences)}, VOCAB)
+    DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, 2, "py-")
+    DecodeCalls(monkeypatch, enabled=True)
+    plans = cpu_ops.stage_plan_counters()[0]
+    got = decode_logits(runner, prompts, 2, "cpp-")
+    assert cpu_ops.stage_plan_counters()[0] == plans + 2
     assert_same_steps(got, want)
 
 

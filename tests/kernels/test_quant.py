@@ -28,10 +28,12 @@ import torch
 
 from kernels import backend
 from kernels.quant import (
+    GROUPED_TYPES,
     GGMLType,
     QuantizedWeight,
     as_float_weight,
     dequantize,
+    group_rows,
     quant_linear,
     quantize_q4_0,
     quantize_q4_1,
@@ -39,6 +41,8 @@ from kernels.quant import (
     quantize_q5_1,
     quantize_q8_0,
     row_bytes,
+    ungroup_rows,
+    weight_rows,
 )
 from tests.kernels.quant_weights import random_k_blocks
 
@@ -153,34 +157,100 @@ SHAPES = [(37, 512), (100, 768), (257, 256)]
 ROWS = [1, 2, 7, 16, 100]
 
 
+def check_quant_linear(weight: QuantizedWeight, dtype: torch.dtype, max_rows: int,
+                       generator: torch.Generator) -> None:
+    """quant_linear of `weight` at every row count of ROWS against the float64 products
+    (see the module docstring for how close)."""
+    kind = weight.ggml_type
+    w = dequantize(weight).double()
+    for rows in ROWS:
+        x = torch.randn(rows, weight.in_features, generator=generator).to(dtype)
+        got = quant_linear(x, weight)
+        assert got.shape == (rows, weight.out_features) and got.dtype == dtype
+        exact = x.double() @ w.T
+        if rows > max_rows:  # prefill: x as it is
+            assert_rows_close(got, exact, rounding(dtype))
+            continue
+        quantized, step = as_quantized(x, activation_block(kind))
+        assert_rows_close(got, quantized @ w.T, rounding(dtype))
+        bound = (step / 2) @ w.abs().T
+        slack = rounding(dtype) * exact.abs() + 1e-6
+        assert bool(((got.double() - exact).abs() <= bound + slack).all())
+        if kind not in K_QUANTS:
+            # Zero-mean weights: about 2e-5 (one 8-bit pass: 0.5%). (Random K-quant
+            # bytes give every row the same positive offsets, so a row's outputs err
+            # together and the ratio to its norm has a long tail: the bound above is
+            # their test.)
+            assert_rows_close(got, exact, 1e-4 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", INTEGER_TYPES, ids=lambda k: k.name)
 def test_quant_linear_of_integer_blocks(cpu_ops: Any, kind: GGMLType,
                                         dtype: torch.dtype) -> None:
-    max_rows = cpu_ops.quant_gemv_max_rows()
     generator = torch.Generator().manual_seed(1)
     for out_features, in_features in SHAPES:
+        check_quant_linear(make_weight(kind, out_features, in_features), dtype,
+                           cpu_ops.quant_gemv_max_rows(), generator)
+
+
+# --- rows in groups of 16 (csrc/quant_groups.h) ----------------------------------------------
+
+GROUPED_SHAPES = [(16, 32), (48, 512), (112, 768), (256, 256)]
+
+
+@pytest.mark.parametrize("kind", sorted(GROUPED_TYPES), ids=lambda k: k.name)
+def test_grouping_permutes_the_file_bytes(kind: GGMLType) -> None:
+    for out_features, in_features in GROUPED_SHAPES:
         weight = make_weight(kind, out_features, in_features)
-        w = dequantize(weight).double()
-        for rows in ROWS:
-            x = torch.randn(rows, in_features, generator=generator).to(dtype)
-            got = quant_linear(x, weight)
-            assert got.shape == (rows, out_features) and got.dtype == dtype
-            exact = x.double() @ w.T
-            if rows > max_rows:  # prefill: x as it is
-                assert_rows_close(got, exact, rounding(dtype))
-                continue
-            quantized, step = as_quantized(x, activation_block(kind))
-            assert_rows_close(got, quantized @ w.T, rounding(dtype))
-            bound = (step / 2) @ w.abs().T
-            slack = rounding(dtype) * exact.abs() + 1e-6
-            assert bool(((got.double() - exact).abs() <= bound + slack).all())
-            if kind not in K_QUANTS:
-                # Zero-mean weights: about 2e-5 (one 8-bit pass: 0.5%). (Random K-quant
-                # bytes give every row the same positive offsets, so a row's outputs err
-                # together and the ratio to its norm has a long tail: the bound above is
-                # their test.)
-                assert_rows_close(got, exact, 1e-4 if dtype == torch.float32 else 1e-2)
+        grouped = group_rows(weight)
+        assert grouped.grouped and grouped.blocks.shape == weight.blocks.shape
+        assert torch.equal(grouped.blocks.flatten().sort().values,
+                           weight.blocks.flatten().sort().values)
+        assert not torch.equal(grouped.blocks, weight.blocks)
+        assert torch.equal(ungroup_rows(grouped).blocks, weight.blocks)
+        assert group_rows(grouped) is grouped
+        ids = torch.tensor([[0, out_features - 1], [17 % out_features, 5]])
+        assert torch.equal(weight_rows(grouped, ids), weight.blocks[ids])
+        assert torch.equal(dequantize(grouped), dequantize(weight))
+    # Group 0's first block: the 16 rows' d side by side, then word 0 of their payloads.
+    weight = make_weight(kind, 16, 32)
+    grouped = group_rows(weight).blocks.flatten()
+    header = 4 if kind == GGMLType.Q4_1 else 2
+    assert torch.equal(grouped[:32].view(16, 2), weight.blocks[:, :2])
+    words = grouped[16 * header:16 * header + 64].view(16, 4)
+    assert torch.equal(words, weight.blocks[:, header:header + 4])
+
+
+def test_only_whole_groups_of_grouped_types_group() -> None:
+    for weight in (make_weight(GGMLType.Q4_0, 40, 64), make_weight(GGMLType.Q6_K, 32, 256),
+                   make_weight(GGMLType.Q5_0, 32, 64)):
+        assert group_rows(weight) is weight
+        with pytest.raises(AssertionError, match="cannot be grouped"):
+            QuantizedWeight(weight.blocks, weight.ggml_type, weight.in_features,
+                            weight.out_features, grouped=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", sorted(GROUPED_TYPES), ids=lambda k: k.name)
+def test_quant_linear_of_grouped_rows(cpu_ops: Any, kind: GGMLType, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    for out_features, in_features in GROUPED_SHAPES:
+        weight = make_weight(kind, out_features, in_features)
+        grouped = group_rows(weight)
+        # The GEMV at every row count (its activations quantized), prefills too.
+        max_rows = cpu_ops.quant_gemv_max_rows(True)
+        assert max_rows > 10**6
+        check_quant_linear(grouped, dtype, max_rows, generator)
+        # The file's layout and the grouped one: the same integer sums, summed over blocks
+        # in another order.
+        x = torch.randn(5, in_features, generator=generator).to(dtype)
+        assert_rows_close(quant_linear(x, grouped), quant_linear(x, weight).double(),
+                          rounding(dtype))
+        got = cpu_ops.quant_dequantize(grouped.blocks, int(kind), out_features, in_features,
+                                       True)
+        assert torch.equal(got, cpu_ops.quant_dequantize(weight.blocks, int(kind),
+                                                         out_features, in_features))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -217,6 +287,9 @@ def test_quant_linear_names_what_is_wrong(cpu_ops: Any) -> None:
         cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks, 9, 8, 64)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu_ops.quant_linear(torch.randn(1, 64).double(), weight.blocks, 2, 8, 64)
+    with pytest.raises(RuntimeError, match="groups of 16 need type Q4_0, Q4_1 or Q8_0 and "
+                       "a multiple of 16 rows, not type 2 with 8"):
+        cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks, 2, 8, 64, True)
 
 
 def test_without_the_extension_quant_linear_runs_the_reference(kernels_backend: None) -> None:

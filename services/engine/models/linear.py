@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kernels.cpu_linear import cpu_layout, layout_name, linear, own_panels
-from kernels.quant import QuantizedWeight, dequantize_blocks, quant_linear
+from kernels.quant import QuantizedWeight, dequantize_blocks, quant_linear, weight_rows
 
 
 class Linear(nn.Linear):
@@ -82,7 +82,7 @@ class QuantizedEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.blocks[input_ids]
+        rows = weight_rows(self.weight, input_ids)
         return dequantize_blocks(rows, self.weight.ggml_type).to(self.dtype)
 
 
@@ -133,3 +133,11 @@ def panels_of(model: nn.Module) -> list[torch.Tensor]:
     streams through the C++ few-row kernel (they alias the packed weights, or are the
     weights)."""
     return [m.panels for m in model.modules() if isinstance(m, Linear) and m.panels is not None]
+
+
+def quantized_blocks(model: nn.Module) -> list[torch.Tensor]:
+    """The blocks of every quantized layer of `model` (`QuantizedLinear`,
+    `MixedQuantizedLinear`, `QuantizedEmbedding`): the rest of a decode step's bytes."""
+    kinds = QuantizedLinear | MixedQuantizedLinear | QuantizedEmbedding
+    return [b for m in model.modules() if isinstance(m, kinds)
+            for b in m.buffers(recurse=False)]

@@ -30,7 +30,7 @@ from services.common.sampling import SamplingParams
 from services.common.tiny_checkpoint import resolve_model
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
-from services.engine.models.linear import panels_of
+from services.engine.models.linear import panels_of, quantized_blocks
 from services.engine.models.loader import load_model, torch_dtype
 from services.engine.models.protocol import CausalLM, GreedyDecoder
 from services.engine.parallel.dp_group import current_dp_group
@@ -123,11 +123,14 @@ class ModelRunner:
                                               config.quantization)
         self.huge_pages: Future[HugePageReport] | None = None
         if self._on_cpu and config.huge_pages:
-            # Plain weights, and the panels of the packed ones (opaque to everything else)
-            # and of the panels-only ones (stand-ins, with nothing behind them).
+            # Plain weights, the panels of the packed ones (opaque to everything else)
+            # and of the panels-only ones (stand-ins, with nothing behind them), and the
+            # quantized layers' blocks (grouped copies on the heap; a file's memory map
+            # is not anonymous memory and stays as it is).
             weights = [p for p in self.model.parameters()
                        if not p.is_mkldnn and not is_panels_only(p)]
-            self.huge_pages = collapse_in_background([*weights, *panels_of(self.model)])
+            self.huge_pages = collapse_in_background(
+                [*weights, *panels_of(self.model), *quantized_blocks(self.model)])
         self.kv_caches = self._allocate_kv_cache(self.model.config)
         self.sampler = Sampler(self._device, config.seed)
         # A model that runs a whole greedy decode step from the scheduler's lists (the C++

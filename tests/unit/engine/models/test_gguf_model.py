@@ -58,9 +58,12 @@ NUM_TOKENS = 16
 DECODE_STEPS = 4
 # The issue's bar for the weights' resident bytes, against the file's size.
 MAX_WEIGHT_BYTES_PER_FILE_BYTE = 1.3
-# float32 on both sides, summed in another order (fused qkv, oneDNN, our attention).
-# Measured: at most 1.2e-4 over these prompts' logits, which reach 38 in magnitude.
-LOGITS_ATOL = 1e-3
+# Ours quantizes the activations of the Q4_1/Q8_0 projections to two 8-bit passes (about
+# 15 bits) at every row count (kernels/csrc/quant_groups.h); transformers multiplies the
+# dequantized weights in float32. Measured: at most 9.5e-3 over these prompts' logits,
+# which reach 38 in magnitude (1.2e-4 when the prefill multiplied float activations; one
+# 8-bit pass, as llama.cpp's, errs by about 100x more).
+LOGITS_ATOL = 2e-2
 
 
 @pytest.fixture(scope="module")

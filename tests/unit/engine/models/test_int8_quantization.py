@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.quant import GGMLType, dequantize
+from kernels.quant import GGMLType, dequantize, ungroup_rows
 from services.common.gguf_checkpoint import ensure_gguf_view
 from services.engine.models.linear import QuantizedLinear
 from services.engine.models.loader import load_model
@@ -56,7 +56,7 @@ def test_linear_layers_hold_int8_per_output_channel(checkpoint: tuple[Path, Any]
         assert module.weight.ggml_type == GGMLType.Q8_0
         prefix = "model.layers.0." + ("self_attn." if len(names) == 3 else "mlp.")
         float_weight = torch.cat([theirs[prefix + n + ".weight"] for n in names])
-        blocks = module.weight.blocks.view(module.out_features, -1, 34)
+        blocks = ungroup_rows(module.weight).blocks.view(module.out_features, -1, 34)
         scales = blocks[..., :2].contiguous().view(torch.float16)
         assert torch.equal(scales, scales[:, :1].expand_as(scales))  # one per row
         step = float_weight.abs().amax(1, keepdim=True) / 127

@@ -1,0 +1,309 @@
+// The decode GEMV of a grouped weight (Q4_0, Q4_1, Q8_0 rows interleaved in groups of 16:
+// quant_blocks.h): each vector lane computes one output feature, so that a block of 16
+// (or 8) rows costs what quant_dot.h spends on one row's block.
+//
+// Why: quant_dot.h's kernels dot one weight row's 32-value block with an activation
+// block in a vector of its own: unpack, two integer dot products, a conversion, the
+// scales read and multiplied as scalars, an FMA, a scalar offset; about 18 instructions
+// per block and activation row, then a horizontal sum per row. On SmolLM2-135M's
+// projections that ran at 10-30% of the machine's read bandwidth at one row, and grew
+// linearly with the rows (benchmarks/quant_gemv.py): bound by instructions, not memory.
+// Here a lane holds four values of one row, and the activation's matching four values
+// are broadcast to every lane (vpdpbusd's embedded broadcast), so the 8 dot products of a
+// block serve 16 rows, the 16 rows' scales convert in one instruction, and the sums stay
+// in their lanes until they are stored: about 22 instructions per block, row of
+// activations and 16 weight rows.
+//
+// The integer sums are exact and the same as quant_dot.h's (256 (w . q) + w . lo, in
+// int32); the float sums over blocks run in another order, so the two kernels agree to
+// float32 rounding, not bit for bit. Q8_0's signed bytes meet vpdpbusd (unsigned times
+// signed) as q + 128 (a flipped sign bit), whose extra 128 sum(x) is taken off in integers
+// (Q8Block::sum); without 512-bit VNNI they keep quant_dot.h's sign trick (vpmaddubsw
+// saturates at q + 128).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "quant_blocks.h"
+#include "quant_dot.h"
+#include "work_items.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define CORESTREAM_GROUPS_ZMM 1
+#endif
+
+namespace corestream_cpu::quant {
+
+namespace groups {
+
+inline int32_t word_at(const int8_t* p, int k) {
+  int32_t v;
+  std::memcpy(&v, p + 4 * k, sizeof(v));
+  return v;
+}
+
+// What differs between the grouped types: kHeader bytes before the payload (d, then m),
+// whether the payload is nibbles (4 words, each giving values 4k..4k+3 in its low
+// nibbles and 16+4k..16+4k+3 in its high ones, as GGUF's Q4 bytes do) or Q8_0's 8 words
+// of signed bytes, and the constant term: d (q - 8) for Q4_0, d q + m for Q4_1.
+template <GgmlType kType>
+struct Group {
+  static constexpr bool kMin = kType == GgmlType::Q4_1;
+  static constexpr bool kNibbles = kType != GgmlType::Q8_0;
+  static constexpr int64_t kHeader = kMin ? 4 : 2;
+  static constexpr int64_t kBlockBytes = kGroupRows * format_of(kType).bytes;
+  // The offset's weight per row: m (Q4_1), -8 d (Q4_0), none (Q8_0).
+  static constexpr float kCentre = kType == GgmlType::Q4_0 ? -8.0f : 1.0f;
+};
+
+#ifndef CORESTREAM_PREFETCH
+#define CORESTREAM_PREFETCH 2048
+#endif
+constexpr int64_t kPrefetchBytes = CORESTREAM_PREFETCH;
+
+#ifdef CORESTREAM_GROUPS_ZMM
+
+// Rows of 16 lanes: R activation rows times one group (blocks of 16 rows) into out[r][0,
+// 16).
+template <GgmlType kType, int R>
+void group_zmm(const uint8_t* group, int64_t blocks, const Q8Block* const (&x)[R],
+               float* const (&out)[R]) {
+  using G = Group<kType>;
+  __m512 acc[R], offset[R];
+  for (int r = 0; r < R; ++r) acc[r] = offset[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = group + b * G::kBlockBytes;
+    for (int64_t line = 0; line < G::kBlockBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + line), _MM_HINT_T0);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 m = G::kMin
+        ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)))
+        : d;
+    const uint8_t* payload = p + kGroupRows * G::kHeader;
+    // w[k] lane j: the four unsigned values of row j that meet activation word k.
+    __m512i w[8];
+    if constexpr (G::kNibbles) {
+      for (int i = 0; i < 4; ++i) {
+        const __m512i bytes = _mm512_loadu_si512(payload + 64 * i);
+        w[i] = _mm512_and_si512(bytes, low4);
+        w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      }
+    } else {
+      for (int k = 0; k < 8; ++k) {
+        w[k] = _mm512_xor_si512(_mm512_loadu_si512(payload + 64 * k), _mm512_set1_epi8(-128));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Q8Block& a = x[r][b];
+      // Two chains each for q and lo, so that consecutive products need not wait.
+      __m512i high[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      __m512i low[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int k = 0; k < 8; ++k) {
+        high[k & 1] = _mm512_dpbusd_epi32(high[k & 1], w[k], _mm512_set1_epi32(word_at(a.q, k)));
+        low[k & 1] = _mm512_dpbusd_epi32(low[k & 1], w[k], _mm512_set1_epi32(word_at(a.lo, k)));
+      }
+      __m512i sums = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(high[0], high[1]), 8),
+                                      _mm512_add_epi32(low[0], low[1]));
+      if constexpr (!G::kNibbles) {
+        sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(128 * a.sum));  // the q + 128
+      }
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.d * kLoStep));
+      acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums), acc[r]);
+      if constexpr (G::kNibbles) {
+        offset[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.d_sum), offset[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(out[r], _mm512_fmadd_ps(_mm512_set1_ps(G::kCentre), offset[r], acc[r]));
+  }
+}
+
+#endif  // CORESTREAM_GROUPS_ZMM
+
+#ifdef CORESTREAM_QUANT_AVX2
+
+// Rows of 8 lanes: half `part` (rows 8 part .. 8 part + 7) of a group, as group_zmm.
+template <GgmlType kType, int R>
+void group_ymm(const uint8_t* group, int64_t blocks, int part, const Q8Block* const (&x)[R],
+               float* const (&out)[R]) {
+  using G = Group<kType>;
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  constexpr bool kFlipSign = true;  // dpbusd does not saturate: Q8_0 as q + 128
+#else
+  constexpr bool kFlipSign = false;  // vpmaddubsw would: |q| times sign(q) x instead
+#endif
+  __m256 acc[R], offset[R];
+  for (int r = 0; r < R; ++r) acc[r] = offset[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = group + b * G::kBlockBytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * part)));
+    const __m256 m = G::kMin
+        ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * part)))
+        : d;
+    const uint8_t* payload = p + kGroupRows * G::kHeader + 32 * part;
+    __m256i high[R], low[R];
+    for (int r = 0; r < R; ++r) high[r] = low[r] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {
+      __m256i w, sign;
+      if constexpr (G::kNibbles) {
+        const __m256i bytes = load32(payload + 64 * (k & 3));
+        w = k < 4 ? _mm256_and_si256(bytes, low4)
+                  : _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      } else if constexpr (kFlipSign) {
+        w = _mm256_xor_si256(load32(payload + 64 * k), _mm256_set1_epi8(-128));
+      } else {
+        sign = load32(payload + 64 * k);
+        w = _mm256_sign_epi8(sign, sign);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m256i q = _mm256_set1_epi32(word_at(x[r][b].q, k));
+        __m256i lo = _mm256_set1_epi32(word_at(x[r][b].lo, k));
+        if constexpr (!G::kNibbles && !kFlipSign) {
+          q = _mm256_sign_epi8(q, sign);
+          lo = _mm256_sign_epi8(lo, sign);
+        }
+        high[r] = dot_u8s8(high[r], w, q);
+        low[r] = dot_u8s8(low[r], w, lo);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Q8Block& a = x[r][b];
+      __m256i sums = _mm256_add_epi32(_mm256_slli_epi32(high[r], 8), low[r]);
+      if constexpr (!G::kNibbles && kFlipSign) {
+        sums = _mm256_sub_epi32(sums, _mm256_set1_epi32(128 * a.sum));
+      }
+      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(a.d * kLoStep));
+      acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums), acc[r]);
+      if constexpr (G::kNibbles) {
+        offset[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.d_sum), offset[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out[r], _mm256_fmadd_ps(_mm256_set1_ps(G::kCentre), offset[r], acc[r]));
+  }
+}
+
+#endif  // CORESTREAM_QUANT_AVX2
+
+#ifdef CORESTREAM_GROUPS_ZMM
+constexpr int kRowsPerPass = 4;
+#else
+constexpr int kRowsPerPass = 2;  // 16 vector registers
+#endif
+
+// R activation rows from x row q0 times group g0 / 16, into out rows q0.. at columns g0...
+template <GgmlType kType, int R>
+void group_pass(const QuantMatrix& w, const QuantActivations& x, int64_t q0, int64_t g0,
+                float* out, int64_t out_stride) {
+  const uint8_t* group = w.blocks + g0 * w.row_bytes;
+  const int64_t blocks = w.cols / 32;
+  const Q8Block* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = x.blocks(q0 + r, static_cast<const Q8Block*>(nullptr));
+#if defined(CORESTREAM_GROUPS_ZMM)
+  float* outs[R];
+  for (int r = 0; r < R; ++r) outs[r] = out + (q0 + r) * out_stride + g0;
+  group_zmm<kType, R>(group, blocks, rows, outs);
+#elif defined(CORESTREAM_QUANT_AVX2)
+  for (int part = 0; part < 2; ++part) {
+    float* outs[R];
+    for (int r = 0; r < R; ++r) outs[r] = out + (q0 + r) * out_stride + g0 + 8 * part;
+    group_ymm<kType, R>(group, blocks, part, rows, outs);
+  }
+#else
+  (void)group;
+  (void)blocks;
+  static_assert(R > 0);
+#endif
+}
+
+// Activation rows per tile of a many-row call: their blocks (76 bytes per 32 values)
+// stay in L2 while the item's weight groups pass over them.
+constexpr int64_t kRowTile = 64;
+
+template <GgmlType kType>
+void grouped_rows(const QuantMatrix& w, const QuantActivations& x, int64_t n_begin,
+                  int64_t n_end, float* out, int64_t out_stride) {
+  const int64_t m = x.rows();
+  for (int64_t t = 0; t < m; t += kRowTile) {
+    const int64_t tile_end = std::min(m, t + kRowTile);
+    for (int64_t g = n_begin; g < n_end; g += kGroupRows) {
+      // The group's blocks stream from memory once; later passes find them in L1/L2.
+      for (int64_t q = t; q < tile_end; q += kRowsPerPass) {
+        switch (std::min<int64_t>(kRowsPerPass, tile_end - q)) {
+          case 1: group_pass<kType, 1>(w, x, q, g, out, out_stride); break;
+          case 2: group_pass<kType, 2>(w, x, q, g, out, out_stride); break;
+          case 3: group_pass<kType, 3>(w, x, q, g, out, out_stride); break;
+          default: group_pass<kType, kRowsPerPass>(w, x, q, g, out, out_stride); break;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace groups
+
+// out[r * out_stride + n] = w.row(n) . x.row(r) for n in [n_begin, n_end) (multiples of
+// kGroupRows) of a grouped w, every row of x. Builds without AVX2 gather each row into the
+// file's layout and take quant_dot.h's portable loops.
+inline void grouped_gemv_rows(const QuantMatrix& w, const QuantActivations& x,
+                              int64_t n_begin, int64_t n_end, float* out,
+                              int64_t out_stride) {
+#if defined(CORESTREAM_GROUPS_ZMM) || defined(CORESTREAM_QUANT_AVX2)
+  switch (w.type) {
+    case GgmlType::Q4_0:
+      groups::grouped_rows<GgmlType::Q4_0>(w, x, n_begin, n_end, out, out_stride);
+      return;
+    case GgmlType::Q4_1:
+      groups::grouped_rows<GgmlType::Q4_1>(w, x, n_begin, n_end, out, out_stride);
+      return;
+    case GgmlType::Q8_0:
+      groups::grouped_rows<GgmlType::Q8_0>(w, x, n_begin, n_end, out, out_stride);
+      return;
+    default:
+      break;
+  }
+#endif
+  thread_local std::vector<uint8_t> scratch;
+  scratch.resize(static_cast<size_t>(w.row_bytes));
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const QuantMatrix row{gguf_row(w, n, scratch.data()), w.type, 1, w.cols, w.row_bytes};
+    quant_gemv_rows(row, x, 0, 1, out + n, out_stride);
+  }
+}
+
+// Output features per GEMV item for `threads` threads: enough items for them to share out
+// (a preempted thread's share goes to the others), each long enough that taking it costs
+// nothing beside it; whole groups of a grouped weight.
+inline int64_t gemv_item_rows(const QuantMatrix& w, int64_t threads) {
+  const int64_t rows = std::clamp<int64_t>(w.rows / (8 * std::max<int64_t>(1, threads)), 4, 64);
+  return w.grouped ? (rows + kGroupRows - 1) / kGroupRows * kGroupRows : rows;
+}
+
+// The GEMV of w (either layout) by x (quantized for it) into out [x.rows(), w.rows] (row
+// stride out_stride) as work items for run_items or a StagePlan stage: (number of items,
+// item i computing outputs [i rows_per_item, (i + 1) rows_per_item)), rows_per_item from
+// gemv_item_rows. w, x and out must outlive the items.
+inline std::pair<int64_t, Item> quant_gemv_items(const QuantMatrix& w, const QuantActivations& x,
+                                                 float* out, int64_t out_stride,
+                                                 int64_t rows_per_item) {
+  const int64_t count = (w.rows + rows_per_item - 1) / rows_per_item;
+  return {count, [&w, &x, out, out_stride, rows_per_item](int64_t i) {
+            const int64_t begin = i * rows_per_item, end = std::min(w.rows, begin + rows_per_item);
+            if (w.grouped) {
+              grouped_gemv_rows(w, x, begin, end, out, out_stride);
+            } else {
+              quant_gemv_rows(w, x, begin, end, out, out_stride);
+            }
+          }};
+}
+
+}  // namespace corestream_cpu::quant
