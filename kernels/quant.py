@@ -9,11 +9,13 @@ multiplies activations by it without ever making a float copy of the whole weigh
   call, in two passes (the values, then their rounding residual: about 15 bits, where
   llama.cpp's one pass keeps 8), and takes integer dot products with each weight row's
   blocks (csrc/quant_dot.h): a pass over the packed weight at memory bandwidth. Where the
-  C++ kernels run, the loader groups the rows of Q4_0, Q4_1 and Q8_0 weights by 16
-  (`group_rows`: the same bytes, interleaved so that each vector lane computes one output
-  feature, csrc/quant_groups.h), 1.1-3x faster than one row at a time;
-- many rows (prefill): it dequantizes the weight for that call only (one layer's, freed
-  at its end) and multiplies by it (csrc/quant_cpu.cpp).
+  C++ kernels run, the loader groups the rows of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights
+  by 16 (`group_rows`: the same bytes, interleaved so that each vector lane computes one
+  output feature, csrc/quant_groups.h), 1.1-3x faster than one row at a time, and fast
+  enough at many rows that prefills take it too;
+- many rows (prefill) of a weight in the file's layout (the K-quants): it dequantizes the
+  weight for that call only (one layer's, freed at its end) and multiplies by it
+  (csrc/quant_cpu.cpp).
 
 Where the extension is not built (no compiler, CORESTREAM_KERNELS=torch) it runs the
 torch reference instead: `dequantize`, then `F.linear`, one weight at a time.
@@ -100,7 +102,8 @@ def row_bytes(ggml_type: GGMLType, in_features: int) -> int:
 GROUP_ROWS = 16
 """Rows per group of a grouped weight (see `group_rows`)."""
 
-GROUPED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
+GROUPED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+                           GGMLType.Q8_0})
 """The types whose rows can be grouped: the C++ GEMV has grouped kernels for them."""
 
 
@@ -146,10 +149,11 @@ class QuantizedWeight:
 #
 # The C++ decode GEMV computes 16 output features at once, one per vector lane
 # (csrc/quant_groups.h); it reads a weight whose rows are interleaved in groups of 16,
-# block by block: per block of a group, each header field (d, then m for Q4_1) of the 16
-# rows side by side, then the payload (nibbles, or Q8_0's bytes) as 4-byte words, word c of
-# the 16 rows side by side for c = 0, 1, ... (csrc/quant_blocks.h). A permutation of the
-# file's bytes, the same size: grouping at load time keeps no second copy.
+# block by block: per block of a group, each header field (d, then m, then qh, as the type
+# has them) of the 16 rows side by side, then the payload (nibbles, or Q8_0's bytes) as
+# 4-byte words, word c of the 16 rows side by side for c = 0, 1, ... (csrc/quant_blocks.h).
+# A permutation of the file's bytes, the same size: grouping at load time keeps no second
+# copy.
 
 
 def can_group(ggml_type: GGMLType, out_features: int) -> bool:
@@ -157,25 +161,34 @@ def can_group(ggml_type: GGMLType, out_features: int) -> bool:
     return ggml_type in GROUPED_TYPES and out_features % GROUP_ROWS == 0
 
 
+# A block's header fields (start byte, width) by type: d, m, qh; the payload follows.
+_GROUP_FIELDS = {
+    GGMLType.Q4_0: ((0, 2),),
+    GGMLType.Q4_1: ((0, 2), (2, 2)),
+    GGMLType.Q5_0: ((0, 2), (2, 4)),
+    GGMLType.Q5_1: ((0, 2), (2, 2), (4, 4)),
+    GGMLType.Q8_0: ((0, 2),),
+}
+
+
 @functools.cache
 def _group_positions(ggml_type: GGMLType, in_features: int) -> torch.Tensor:
     """int64 `[GROUP_ROWS, row_bytes]`: where byte i of a group's row j goes in the
     group's grouped bytes."""
     size = BLOCK_FORMATS[ggml_type][1]
-    header = 4 if ggml_type == GGMLType.Q4_1 else 2
-    offset = torch.arange(size)  # within a block
+    fields = _GROUP_FIELDS[ggml_type]
+    header = sum(width for _, width in fields)
+    # Every byte of a block, as (start, width) of the field or payload word it is in: a
+    # byte i of it sits at 16 start + width lane + i in the grouped block.
+    spans = [(start, width) for start, width in fields for _ in range(width)]
+    spans += [(start, 4) for start in range(header, size, 4) for _ in range(4)]
+    start, width = torch.tensor(spans).unbind(-1)
+    offset = torch.arange(size)
     lane = torch.arange(GROUP_ROWS).unsqueeze(-1)
-    in_header = (offset < header).long()
-    # A header byte of field f (2 bytes each) sits at 16 f' + 2 lane + (its byte in the
-    # field), f' = f's first byte; a payload byte of word c at 16 (header + 4 c) + 4 lane
-    # + (its byte in the word).
-    field_start = offset - offset % 2
-    word_start = offset - (offset - header) % 4
-    within = in_header * (GROUP_ROWS * field_start + 2 * lane + offset % 2) + (1 - in_header) * (
-        GROUP_ROWS * word_start + 4 * lane + (offset - header) % 4)
+    within = GROUP_ROWS * start + width * lane + (offset - start)  # [16, size]
     blocks = row_bytes(ggml_type, in_features) // size
-    start = (torch.arange(blocks) * GROUP_ROWS * size).view(1, -1, 1)
-    return (start + within.unsqueeze(1)).reshape(GROUP_ROWS, -1)
+    first = (torch.arange(blocks) * GROUP_ROWS * size).view(1, -1, 1)
+    return (first + within.unsqueeze(1)).reshape(GROUP_ROWS, -1)
 
 
 def group_rows(weight: QuantizedWeight) -> QuantizedWeight:

@@ -260,19 +260,34 @@ inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_
 // Rows in groups: a weight whose decode GEMV computes kGroupRows output features at once,
 // one per vector lane (quant_groups.h), has its rows' bytes interleaved in groups of
 // kGroupRows rows, block by block. Block b of a group holds, for each header field of the
-// type (d, then m), that field of every row of the group side by side, then the payload
-// (the nibbles, or Q8_0's bytes) as 4-byte words: word c of every row side by side, for c
-// = 0, 1, .... So one vector load takes the same four values of 16 (or 8) rows, and one
-// conversion the scales of all of them. It is a permutation of the file's bytes, of the
-// same size; kernels/quant.py's `group_rows` makes it, `gguf_row` undoes it for a row.
+// type (d, then m, then the Q5 types' 4 bytes qh), that field of every row of the group
+// side by side, then the payload (the nibbles, or Q8_0's bytes) as 4-byte words: word c of
+// every row side by side, for c = 0, 1, .... So one vector load takes the same four values
+// of 16 (or 8) rows, and one conversion the scales of all of them. It is a permutation of
+// the file's bytes, of the same size; kernels/quant.py's `group_rows` makes it, `gguf_row`
+// undoes it for a row.
 constexpr int64_t kGroupRows = 16;
 
 inline bool groupable(GgmlType type) {
-  return type == GgmlType::Q4_0 || type == GgmlType::Q4_1 || type == GgmlType::Q8_0;
+  return type == GgmlType::Q4_0 || type == GgmlType::Q4_1 || type == GgmlType::Q5_0 ||
+         type == GgmlType::Q5_1 || type == GgmlType::Q8_0;
 }
 
-// Bytes of a block's header fields, each 2 (f16 d and m), and of its payload.
-inline int64_t group_header_bytes(GgmlType type) { return type == GgmlType::Q4_1 ? 4 : 2; }
+// Bytes of a block's header: f16 d, f16 m (Q4_1, Q5_1), 4 bytes qh (Q5_0, Q5_1).
+constexpr int64_t group_header_bytes(GgmlType type) {
+  switch (type) {
+    case GgmlType::Q4_1: return 4;
+    case GgmlType::Q5_0: return 6;
+    case GgmlType::Q5_1: return 8;
+    default: return 2;
+  }
+}
+
+// The width of the header field that starts at byte `offset` of a block: qh's 4, else 2.
+constexpr int64_t group_field_bytes(GgmlType type, int64_t offset) {
+  const bool q5 = type == GgmlType::Q5_0 || type == GgmlType::Q5_1;
+  return q5 && offset + 4 == group_header_bytes(type) ? 4 : 2;
+}
 
 // A weight as its blocks: row n of `rows` (output features) starts at blocks + n
 // row_bytes and holds `cols` values (input features, whole blocks); or, `grouped`, rows
@@ -296,8 +311,9 @@ inline const uint8_t* gguf_row(const QuantMatrix& w, int64_t n, uint8_t* scratch
   for (int64_t b = 0; b < w.row_bytes / bytes; ++b) {
     const uint8_t* in = group + b * kGroupRows * bytes;
     uint8_t* out = scratch + b * bytes;
-    for (int64_t field = 0; field < header; field += 2) {
-      std::memcpy(out + field, in + kGroupRows * field + 2 * lane, 2);
+    for (int64_t field = 0, width; field < header; field += width) {
+      width = group_field_bytes(w.type, field);
+      std::memcpy(out + field, in + kGroupRows * field + width * lane, width);
     }
     for (int64_t word = 0; word < (bytes - header) / 4; ++word) {
       std::memcpy(out + header + 4 * word,

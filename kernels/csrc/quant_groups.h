@@ -1,5 +1,5 @@
-// The decode GEMV of a grouped weight (Q4_0, Q4_1, Q8_0 rows interleaved in groups of 16:
-// quant_blocks.h): each vector lane computes one output feature, so that a block of 16
+// The decode GEMV of a grouped weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 rows interleaved in
+// groups of 16: quant_blocks.h): each vector lane computes one output feature, so that a block of 16
 // (or 8) rows costs what quant_dot.h spends on one row's block.
 //
 // Why: quant_dot.h's kernels dot one weight row's 32-value block with an activation
@@ -52,13 +52,34 @@ inline int32_t word_at(const int8_t* p, int k) {
 // of signed bytes, and the constant term: d (q - 8) for Q4_0, d q + m for Q4_1.
 template <GgmlType kType>
 struct Group {
-  static constexpr bool kMin = kType == GgmlType::Q4_1;
+  static constexpr bool kMin = kType == GgmlType::Q4_1 || kType == GgmlType::Q5_1;
+  static constexpr bool kFifthBit = kType == GgmlType::Q5_0 || kType == GgmlType::Q5_1;
   static constexpr bool kNibbles = kType != GgmlType::Q8_0;
-  static constexpr int64_t kHeader = kMin ? 4 : 2;
+  static constexpr int64_t kHeader = group_header_bytes(kType);
+  static constexpr int64_t kQh = kHeader - 4;  // qh's offset in the header (Q5 types)
   static constexpr int64_t kBlockBytes = kGroupRows * format_of(kType).bytes;
-  // The offset's weight per row: m (Q4_1), -8 d (Q4_0), none (Q8_0).
-  static constexpr float kCentre = kType == GgmlType::Q4_0 ? -8.0f : 1.0f;
+  // The offset's weight per row: m (Q4_1, Q5_1), -8 d (Q4_0), -16 d (Q5_0), none (Q8_0).
+  static constexpr float kCentre = kType == GgmlType::Q4_0   ? -8.0f
+                                   : kType == GgmlType::Q5_0 ? -16.0f
+                                                             : 1.0f;
 };
+
+// Bit 4k + t of a lane's qh is the fifth bit of its value 4k + t, which word k of the
+// payload carries in byte t: for each word k, a shuffle puts qh's byte k / 2 in all four
+// bytes of the lane, and byte t tests bit t + 4 (k % 2) of it.
+inline int64_t qh_spread(int k) {  // shuffle indices within 128 bits: byte k / 2 of each dword
+  const int64_t b = k / 2;
+  const int64_t dword0 = 0x01010101 * b, dword1 = 0x01010101 * (4 + b);
+  return dword0 | (dword1 << 32);
+}
+inline int64_t qh_spread_high(int k) {
+  const int64_t b = k / 2;
+  return (0x01010101 * (8 + b)) | ((0x01010101 * (12 + b)) << 32);
+}
+inline int32_t qh_bits(int k) {  // byte t: bit t + 4 (k % 2)
+  const uint32_t shift = 4 * (k % 2);
+  return static_cast<int32_t>((0x08040201u << shift));
+}
 
 #ifndef CORESTREAM_PREFETCH
 #define CORESTREAM_PREFETCH 2048
@@ -93,6 +114,17 @@ void group_zmm(const uint8_t* group, int64_t blocks, const Q8Block* const (&x)[R
         const __m512i bytes = _mm512_loadu_si512(payload + 64 * i);
         w[i] = _mm512_and_si512(bytes, low4);
         w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      }
+      if constexpr (G::kFifthBit) {
+        const __m512i qh = _mm512_loadu_si512(p + kGroupRows * G::kQh);
+        for (int k = 0; k < 8; ++k) {
+          const __m512i spread = _mm512_shuffle_epi8(
+              qh, _mm512_set_epi64(qh_spread_high(k), qh_spread(k), qh_spread_high(k),
+                                   qh_spread(k), qh_spread_high(k), qh_spread(k),
+                                   qh_spread_high(k), qh_spread(k)));
+          const __mmask64 set = _mm512_test_epi8_mask(spread, _mm512_set1_epi32(qh_bits(k)));
+          w[k] = _mm512_mask_add_epi8(w[k], set, w[k], _mm512_set1_epi8(16));
+        }
       }
     } else {
       for (int k = 0; k < 8; ++k) {
@@ -149,7 +181,8 @@ void group_ymm(const uint8_t* group, int64_t blocks, int part, const Q8Block* co
         ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * part)))
         : d;
     const uint8_t* payload = p + kGroupRows * G::kHeader + 32 * part;
-    __m256i high[R], low[R];
+    __m256i high[R], low[R], qh;
+    if constexpr (G::kFifthBit) qh = load32(p + kGroupRows * G::kQh + 32 * part);
     for (int r = 0; r < R; ++r) high[r] = low[r] = _mm256_setzero_si256();
     for (int k = 0; k < 8; ++k) {
       __m256i w, sign;
@@ -157,6 +190,14 @@ void group_ymm(const uint8_t* group, int64_t blocks, int part, const Q8Block* co
         const __m256i bytes = load32(payload + 64 * (k & 3));
         w = k < 4 ? _mm256_and_si256(bytes, low4)
                   : _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        if constexpr (G::kFifthBit) {
+          const __m256i spread = _mm256_shuffle_epi8(
+              qh, _mm256_set_epi64x(qh_spread_high(k), qh_spread(k), qh_spread_high(k),
+                                    qh_spread(k)));
+          const __m256i bits = _mm256_set1_epi32(qh_bits(k));
+          const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
+          w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
       } else if constexpr (kFlipSign) {
         w = _mm256_xor_si256(load32(payload + 64 * k), _mm256_set1_epi8(-128));
       } else {
@@ -264,6 +305,12 @@ inline void grouped_gemv_rows(const QuantMatrix& w, const QuantActivations& x,
       return;
     case GgmlType::Q4_1:
       groups::grouped_rows<GgmlType::Q4_1>(w, x, n_begin, n_end, out, out_stride);
+      return;
+    case GgmlType::Q5_0:
+      groups::grouped_rows<GgmlType::Q5_0>(w, x, n_begin, n_end, out, out_stride);
+      return;
+    case GgmlType::Q5_1:
+      groups::grouped_rows<GgmlType::Q5_1>(w, x, n_begin, n_end, out, out_stride);
       return;
     case GgmlType::Q8_0:
       groups::grouped_rows<GgmlType::Q8_0>(w, x, n_begin, n_end, out, out_stride);

@@ -5,7 +5,7 @@ tests/unit/engine/models/test_gguf_model.py.)
 
 The model is quantized in process as the loader builds it from a GGUF file: the same
 projections fused, the same modules swapped in (`place_quantized`), the tied head over the
-table's blocks. Q8_0, Q4_0 and Q4_1 blocks come from the quantizers;
+table's blocks. Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 blocks come from the quantizers;
 the K-quants (256 values a block, hence the model's widths) from random bytes, as in
 test_quant.py.
 """
@@ -26,6 +26,8 @@ from kernels.quant import (
     QuantizedWeight,
     quantize_q4_0,
     quantize_q4_1,
+    quantize_q5_0,
+    quantize_q5_1,
     quantize_q8_0,
 )
 from services.engine.models.linear import QuantizedEmbedding, QuantizedLinear
@@ -37,10 +39,11 @@ from tests.kernels.quant_weights import random_k_blocks
 from tests.unit.engine.hf_checkpoints import VOCAB, make_checkpoint
 from tests.unit.engine.runner_driver import make_runner, random_prompts
 
-KINDS = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_K,
-         GGMLType.Q6_K]
+KINDS = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+         GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 QUANTIZERS = {GGMLType.Q8_0: quantize_q8_0, GGMLType.Q4_0: quantize_q4_0,
-              GGMLType.Q4_1: quantize_q4_1}
+              GGMLType.Q4_1: quantize_q4_1, GGMLType.Q5_0: quantize_q5_0,
+              GGMLType.Q5_1: quantize_q5_1}
 # Rows of whole K-quant blocks; head_dim 64. Tied, as SmolLM2's.
 SHAPES = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
           "num_key_value_heads": 2, "tie_word_embeddings": True}

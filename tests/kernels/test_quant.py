@@ -216,15 +216,18 @@ def test_grouping_permutes_the_file_bytes(kind: GGMLType) -> None:
     # Group 0's first block: the 16 rows' d side by side, then word 0 of their payloads.
     weight = make_weight(kind, 16, 32)
     grouped = group_rows(weight).blocks.flatten()
-    header = 4 if kind == GGMLType.Q4_1 else 2
+    header = {GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q5_1: 8}.get(kind, 2)
     assert torch.equal(grouped[:32].view(16, 2), weight.blocks[:, :2])
+    if kind in (GGMLType.Q5_0, GGMLType.Q5_1):  # qh: 4 bytes a row, before the payload
+        qh = grouped[16 * (header - 4):16 * header].view(16, 4)
+        assert torch.equal(qh, weight.blocks[:, header - 4:header])
     words = grouped[16 * header:16 * header + 64].view(16, 4)
     assert torch.equal(words, weight.blocks[:, header:header + 4])
 
 
 def test_only_whole_groups_of_grouped_types_group() -> None:
     for weight in (make_weight(GGMLType.Q4_0, 40, 64), make_weight(GGMLType.Q6_K, 32, 256),
-                   make_weight(GGMLType.Q5_0, 32, 64)):
+                   make_weight(GGMLType.F16, 32, 64)):
         assert group_rows(weight) is weight
         with pytest.raises(AssertionError, match="cannot be grouped"):
             QuantizedWeight(weight.blocks, weight.ggml_type, weight.in_features,
@@ -287,8 +290,8 @@ def test_quant_linear_names_what_is_wrong(cpu_ops: Any) -> None:
         cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks, 9, 8, 64)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu_ops.quant_linear(torch.randn(1, 64).double(), weight.blocks, 2, 8, 64)
-    with pytest.raises(RuntimeError, match="groups of 16 need type Q4_0, Q4_1 or Q8_0 and "
-                       "a multiple of 16 rows, not type 2 with 8"):
+    with pytest.raises(RuntimeError, match="groups of 16 need type Q4_0, Q4_1, Q5_0, Q5_1 "
+                       "or Q8_0 and a multiple of 16 rows, not type 2 with 8"):
         cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks, 2, 8, 64, True)
 
 
