@@ -413,6 +413,34 @@ def quantize_q5_1(weight: torch.Tensor) -> QuantizedWeight:
                               _pack_nibbles(q % 16)], -1), GGMLType.Q5_1, weight.shape[1])
 
 
+WIDENS_TO_Q8_0 = frozenset({GGMLType.Q4_0, GGMLType.Q5_0, GGMLType.Q8_0})
+"""The types whose blocks Q8_0 holds exactly: d (q - centre) with the same f16 d and
+q - centre within int8."""
+
+
+def widen_to_q8_0(weight: QuantizedWeight) -> QuantizedWeight:
+    """A Q4_0, Q5_0 (or Q8_0) weight as Q8_0 blocks of the same values, bit for bit: each
+    block's d as it is, its q - 8 (or q - 16) as int8. For fused projections whose parts a
+    file stores in two such types (a Q4_K_M file's q and k in Q5_0, v in Q8_0): one type,
+    so one weight, at 34 bytes per 32 values where Q5_0 had 22."""
+    kind = weight.ggml_type
+    if kind not in WIDENS_TO_Q8_0:
+        raise ValueError(f"{kind.name} blocks are not exactly Q8_0 blocks")
+    if kind == GGMLType.Q8_0:
+        return weight
+    file_layout = ungroup_rows(weight)
+    size = BLOCK_FORMATS[kind][1]
+    b = file_layout.blocks.reshape(weight.out_features, -1, size)
+    if kind == GGMLType.Q4_0:
+        q = _nibbles(b[..., 2:], 16).to(torch.int16) - 8
+    else:
+        qh = b[..., 2:6].contiguous().view(torch.int32)
+        fifth = ((qh >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
+        q = (_nibbles(b[..., 6:], 16) | (fifth << 4)).to(torch.int16) - 16
+    blocks = torch.cat([b[..., :2], q.to(torch.int8).view(torch.uint8)], dim=-1)
+    return _weight(blocks, GGMLType.Q8_0, weight.in_features)
+
+
 def as_float_weight(weight: torch.Tensor, kind: GGMLType) -> QuantizedWeight:
     """`weight` `[out, in]` stored as F32, F16 or BF16 blocks (as a GGUF file may)."""
     dtype = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16,

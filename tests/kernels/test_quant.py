@@ -29,6 +29,7 @@ import torch
 from kernels import backend
 from kernels.quant import (
     GROUPED_TYPES,
+    WIDENS_TO_Q8_0,
     GGMLType,
     QuantizedWeight,
     as_float_weight,
@@ -43,6 +44,7 @@ from kernels.quant import (
     row_bytes,
     ungroup_rows,
     weight_rows,
+    widen_to_q8_0,
 )
 from tests.kernels.quant_weights import random_k_blocks
 
@@ -223,6 +225,17 @@ def test_grouping_permutes_the_file_bytes(kind: GGMLType) -> None:
         assert torch.equal(qh, weight.blocks[:, header - 4:header])
     words = grouped[16 * header:16 * header + 64].view(16, 4)
     assert torch.equal(words, weight.blocks[:, header:header + 4])
+
+
+@pytest.mark.parametrize("kind", sorted(WIDENS_TO_Q8_0), ids=lambda k: k.name)
+def test_widening_to_q8_0_keeps_every_value(kind: GGMLType) -> None:
+    weight = make_weight(kind, 48, 96)
+    for layout in (weight, group_rows(weight)):
+        wide = widen_to_q8_0(layout)
+        assert wide.ggml_type == GGMLType.Q8_0 and wide.shape == weight.shape
+        assert torch.equal(dequantize(wide), dequantize(weight))
+    with pytest.raises(ValueError, match="Q4_1 blocks are not exactly Q8_0 blocks"):
+        widen_to_q8_0(make_weight(GGMLType.Q4_1, 16, 32))
 
 
 def test_only_whole_groups_of_grouped_types_group() -> None:

@@ -43,7 +43,14 @@ from torch import nn
 from kernels import cpu_isa
 from kernels.cpu_extension import cpu_ops
 from kernels.cpu_linear import why_no_onednn
-from kernels.quant import QuantizedWeight, dequantize, group_rows, quantize_int8_per_channel
+from kernels.quant import (
+    WIDENS_TO_Q8_0,
+    QuantizedWeight,
+    dequantize,
+    group_rows,
+    quantize_int8_per_channel,
+    widen_to_q8_0,
+)
 from services.common.gguf_checkpoint import GGUF_FILE_KEY
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.gguf_weights import read_gguf
@@ -276,8 +283,10 @@ def pack_projections(
     become `*.qkv_proj.weight` (biases likewise). An incomplete group is left as it is,
     so that loading names the missing tensors.
     Quantized parts (`QuantizedWeight`, same columns) of one type concatenate their rows of
-    blocks, which is exact; quantized parts of mixed types stay a list of the parts (each
-    keeps its blocks); parts mixed with float ones are dequantized into `dtype` first.
+    blocks, which is exact; so do parts of Q4_0, Q5_0 and Q8_0 mixed, widened to Q8_0
+    first (`widen_to_q8_0`, exact too); quantized parts of other mixed types stay a list of
+    the parts (each keeps its blocks); parts mixed with float ones are dequantized into
+    `dtype` first.
     """
     for fused, parts in packed.items():
         marker = f".{parts[0]}."
@@ -294,6 +303,10 @@ def _concat(parts: list[Weight], dtype: torch.dtype | None) -> Weight:
     """The rows of `parts` in order (see `pack_projections`)."""
     weights = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(weights) == len(parts):  # (a part is never a list: groups do not nest)
+        if len({w.ggml_type for w in weights}) > 1 and all(
+                w.ggml_type in WIDENS_TO_Q8_0 for w in weights):
+            # Exactly, one type: the one-call decode op takes a fused weight of one type.
+            weights = [widen_to_q8_0(w) for w in weights]
         if len({w.ggml_type for w in weights}) == 1:
             return QuantizedWeight(torch.cat([w.blocks for w in weights]),
                                    weights[0].ggml_type, weights[0].in_features,

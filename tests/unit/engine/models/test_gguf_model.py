@@ -22,10 +22,12 @@ from tokenizers import Tokenizer
 
 from kernels.cpu_extension import cpu_ops
 from kernels.quant import (
+    GGMLType,
     QuantizedWeight,
     dequantize,
     quantize_q4_1,
     quantize_q5_0,
+    quantize_q5_1,
     quantize_q8_0,
 )
 from services.common.gguf_checkpoint import ensure_gguf_view
@@ -203,11 +205,18 @@ def test_packing_concatenates_blocks_of_one_type_and_keeps_mixed_ones_apart() ->
     assert isinstance(fused, QuantizedWeight) and fused.shape == (96, 64)
     assert torch.equal(dequantize(fused),
                        torch.cat([dequantize(quantize_q4_1(q)), dequantize(quantize_q4_1(k))]))
-    # A Q4_K_M file's q and k in Q5_0, v in Q8_0: each part keeps its blocks.
-    mixed = {"l.q_proj.weight": quantize_q5_0(q), "l.k_proj.weight": quantize_q8_0(k)}
+    # A Q4_K_M file's q and k in Q5_0, v in Q8_0: widened to Q8_0 exactly, one weight.
+    widened = {"l.q_proj.weight": quantize_q5_0(q), "l.k_proj.weight": quantize_q8_0(k)}
+    pack_projections(widened, {"qk_proj": ("q_proj", "k_proj")}, torch.bfloat16)
+    fused = widened["l.qk_proj.weight"]
+    assert isinstance(fused, QuantizedWeight) and fused.ggml_type == GGMLType.Q8_0
+    assert torch.equal(dequantize(fused),
+                       torch.cat([dequantize(quantize_q5_0(q)), dequantize(quantize_q8_0(k))]))
+    # Types Q8_0 cannot hold exactly (a min, 6-bit scales): each part keeps its blocks.
+    mixed = {"l.q_proj.weight": quantize_q5_1(q), "l.k_proj.weight": quantize_q8_0(k)}
     pack_projections(mixed, {"qk_proj": ("q_proj", "k_proj")}, torch.bfloat16)
     parts = mixed["l.qk_proj.weight"]
-    assert isinstance(parts, list) and [p.ggml_type.name for p in parts] == ["Q5_0", "Q8_0"]
+    assert isinstance(parts, list) and [p.ggml_type.name for p in parts] == ["Q5_1", "Q8_0"]
     layer = MixedQuantizedLinear(parts, None)
     x = torch.randn(3, 64)
     want = x @ torch.cat([dequantize(p) for p in parts]).T
