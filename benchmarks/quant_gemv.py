@@ -4,8 +4,8 @@ read bandwidth and our float linear layers.
     .venv/bin/python benchmarks/quant_gemv.py [--rows 1,4,16] [--types Q4_0,Q4_K] [--llama]
 
 For each type and shape (SmolLM2-135M's projections and head, and a 4096 x 4096 matrix):
-the median time per call on the layout the loader serves (rows grouped by 16 for Q4_0,
-Q4_1 and Q8_0: kernels/quant.py's `group_rows`), the weight's bytes read per second (GB/s)
+the median time per call on the layout the loader serves (rows grouped by 16 for all but
+Q5_K: kernels/quant.py's `group_rows`), the weight's bytes read per second (GB/s)
 and that as a share of the read bandwidth measured here (a torch sum over a buffer eight
 times the last-level cache), the speed-up over the file's own layout (`x file`, grouped
 types only) and over our float32 and bfloat16 `linear` (kernels/cpu_linear.py, packed as

@@ -9,11 +9,11 @@ multiplies activations by it without ever making a float copy of the whole weigh
   call, in two passes (the values, then their rounding residual: about 15 bits, where
   llama.cpp's one pass keeps 8), and takes integer dot products with each weight row's
   blocks (csrc/quant_dot.h): a pass over the packed weight at memory bandwidth. Where the
-  C++ kernels run, the loader groups the rows of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights
-  by 16 (`group_rows`: the same bytes, interleaved so that each vector lane computes one
-  output feature, csrc/quant_groups.h), 1.1-3x faster than one row at a time, and fast
-  enough at many rows that prefills take it too;
-- many rows (prefill) of a weight in the file's layout (the K-quants): it dequantizes the
+  C++ kernels run, the loader groups the rows of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and
+  Q6_K weights by 16 (`group_rows`: the same bytes, interleaved so that each vector lane
+  computes one output feature, csrc/quant_groups.h), 1.1-3x faster than one row at a
+  time, and fast enough at many rows that prefills take it too;
+- many rows (prefill) of a weight in the file's layout (Q5_K): it dequantizes the
   weight for that call only (one layer's, freed at its end) and multiplies by it
   (csrc/quant_cpu.cpp).
 
@@ -103,7 +103,7 @@ GROUP_ROWS = 16
 """Rows per group of a grouped weight (see `group_rows`)."""
 
 GROUPED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
-                           GGMLType.Q8_0})
+                           GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K})
 """The types whose rows can be grouped: the C++ GEMV has grouped kernels for them."""
 
 
@@ -161,13 +161,16 @@ def can_group(ggml_type: GGMLType, out_features: int) -> bool:
     return ggml_type in GROUPED_TYPES and out_features % GROUP_ROWS == 0
 
 
-# A block's header fields (start byte, width) by type: d, m, qh; the payload follows.
+# A block's header fields (start byte, width) by type: d, m, qh; the payload follows, in
+# fields of 4 bytes. (Q6_K: fields of 4 bytes up to its d, last.)
 _GROUP_FIELDS = {
     GGMLType.Q4_0: ((0, 2),),
     GGMLType.Q4_1: ((0, 2), (2, 2)),
     GGMLType.Q5_0: ((0, 2), (2, 4)),
     GGMLType.Q5_1: ((0, 2), (2, 2), (4, 4)),
     GGMLType.Q8_0: ((0, 2),),
+    GGMLType.Q4_K: ((0, 2), (2, 2), (4, 4), (8, 4), (12, 4)),  # d, dmin, the 12 scale bytes
+    GGMLType.Q6_K: (*((start, 4) for start in range(0, 208, 4)), (208, 2)),
 }
 
 
@@ -177,7 +180,7 @@ def _group_positions(ggml_type: GGMLType, in_features: int) -> torch.Tensor:
     group's grouped bytes."""
     size = BLOCK_FORMATS[ggml_type][1]
     fields = _GROUP_FIELDS[ggml_type]
-    header = sum(width for _, width in fields)
+    header = sum(width for _, width in fields)  # Q6_K's fields cover its whole block
     # Every byte of a block, as (start, width) of the field or payload word it is in: a
     # byte i of it sits at 16 start + width lane + i in the grouped block.
     spans = [(start, width) for start, width in fields for _ in range(width)]

@@ -259,10 +259,10 @@ inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_
 
 // Rows in groups: a weight whose decode GEMV computes kGroupRows output features at once,
 // one per vector lane (quant_groups.h), has its rows' bytes interleaved in groups of
-// kGroupRows rows, block by block. Block b of a group holds, for each header field of the
-// type (d, then m, then the Q5 types' 4 bytes qh), that field of every row of the group
-// side by side, then the payload (the nibbles, or Q8_0's bytes) as 4-byte words: word c of
-// every row side by side, for c = 0, 1, .... So one vector load takes the same four values
+// kGroupRows rows, block by block. Block b of a group holds, field by field in the block's
+// order, that field of every row of the group side by side: each f16 (d, m, dmin) a field
+// of 2 bytes, and every other 4 bytes (the Q5 types' qh, Q4_K's scales, the payload: the
+// nibbles, Q8_0's bytes) a field of its own. So one vector load takes the same four values
 // of 16 (or 8) rows, and one conversion the scales of all of them. It is a permutation of
 // the file's bytes, of the same size; kernels/quant.py's `group_rows` makes it, `gguf_row`
 // undoes it for a row.
@@ -270,21 +270,29 @@ constexpr int64_t kGroupRows = 16;
 
 inline bool groupable(GgmlType type) {
   return type == GgmlType::Q4_0 || type == GgmlType::Q4_1 || type == GgmlType::Q5_0 ||
-         type == GgmlType::Q5_1 || type == GgmlType::Q8_0;
+         type == GgmlType::Q5_1 || type == GgmlType::Q8_0 || type == GgmlType::Q4_K ||
+         type == GgmlType::Q6_K;
 }
 
-// Bytes of a block's header: f16 d, f16 m (Q4_1, Q5_1), 4 bytes qh (Q5_0, Q5_1).
+// Bytes of a block's header: f16 d, f16 m (Q4_1, Q5_1), 4 bytes qh (Q5_0, Q5_1); Q4_K's
+// f16 d and dmin and 12 bytes of scales.
 constexpr int64_t group_header_bytes(GgmlType type) {
   switch (type) {
     case GgmlType::Q4_1: return 4;
     case GgmlType::Q5_0: return 6;
     case GgmlType::Q5_1: return 8;
+    case GgmlType::Q4_K: return 16;
+    case GgmlType::Q6_K: return 0;  // fields of 4 bytes, then d: group_field_bytes
     default: return 2;
   }
 }
 
-// The width of the header field that starts at byte `offset` of a block: qh's 4, else 2.
+// The width of the field that starts at byte `offset` of a block: an f16 (d, m, dmin) 2,
+// anything else (qh, Q4_K's scales, the payload's words) 4. Q6_K keeps its d last.
 constexpr int64_t group_field_bytes(GgmlType type, int64_t offset) {
+  if (type == GgmlType::Q6_K) return offset == 208 ? 2 : 4;
+  if (offset >= group_header_bytes(type)) return 4;
+  if (type == GgmlType::Q4_K) return offset < 4 ? 2 : 4;
   const bool q5 = type == GgmlType::Q5_0 || type == GgmlType::Q5_1;
   return q5 && offset + 4 == group_header_bytes(type) ? 4 : 2;
 }
@@ -305,19 +313,15 @@ struct QuantMatrix {
 // (row_bytes bytes).
 inline const uint8_t* gguf_row(const QuantMatrix& w, int64_t n, uint8_t* scratch) {
   if (!w.grouped) return w.blocks + n * w.row_bytes;
-  const int64_t bytes = format_of(w.type).bytes, header = group_header_bytes(w.type);
+  const int64_t bytes = format_of(w.type).bytes;
   const int64_t lane = n % kGroupRows;
   const uint8_t* group = w.blocks + (n - lane) * w.row_bytes;
   for (int64_t b = 0; b < w.row_bytes / bytes; ++b) {
     const uint8_t* in = group + b * kGroupRows * bytes;
     uint8_t* out = scratch + b * bytes;
-    for (int64_t field = 0, width; field < header; field += width) {
+    for (int64_t field = 0, width; field < bytes; field += width) {
       width = group_field_bytes(w.type, field);
       std::memcpy(out + field, in + kGroupRows * field + width * lane, width);
-    }
-    for (int64_t word = 0; word < (bytes - header) / 4; ++word) {
-      std::memcpy(out + header + 4 * word,
-                  in + kGroupRows * (header + 4 * word) + 4 * lane, 4);
     }
   }
   return scratch;

@@ -65,7 +65,7 @@ QuantMatrix checked_matrix(const at::Tensor& blocks, int64_t ggml_type, int64_t 
   TORCH_CHECK(!grouped || (corestream_cpu::quant::groupable(type) &&
                            out_features % corestream_cpu::quant::kGroupRows == 0),
               "quant_linear: rows in groups of ", corestream_cpu::quant::kGroupRows,
-              " need type Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 and a multiple of ",
+              " need type Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K and a multiple of ",
               corestream_cpu::quant::kGroupRows, " rows, not type ", ggml_type, " with ",
               out_features);
   return {blocks.const_data_ptr<uint8_t>(), type, out_features, in_features, row_bytes,

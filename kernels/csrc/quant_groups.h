@@ -1,6 +1,6 @@
-// The decode GEMV of a grouped weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 rows interleaved in
-// groups of 16: quant_blocks.h): each vector lane computes one output feature, so that a block of 16
-// (or 8) rows costs what quant_dot.h spends on one row's block.
+// The GEMV of a grouped weight (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K rows interleaved
+// in groups of 16: quant_blocks.h): each vector lane computes one output feature, so that
+// a block of 16 (or 8) rows costs what quant_dot.h spends on one row's block.
 //
 // Why: quant_dot.h's kernels dot one weight row's 32-value block with an activation
 // block in a vector of its own: unpack, two integer dot products, a conversion, the
@@ -235,6 +235,353 @@ void group_ymm(const uint8_t* group, int64_t blocks, int part, const Q8Block* co
 
 #endif  // CORESTREAM_QUANT_AVX2
 
+// Q4_K (256 values a block: 8 sub-blocks of 32, each with a six-bit scale and min, packed
+// in 12 bytes; quant_blocks.h). The header is d, dmin and the 12 scale bytes as three
+// words per row; the payload 32 words per row, word c of 64-value chunk j = c / 8 holding
+// values 64 j + 4 (c % 8) + t in its low nibbles and 64 j + 32 + 4 (c % 8) + t in its high
+// ones (sub-blocks 2 j and 2 j + 1). Each sub-block's integer sums are multiplied by its
+// scale per lane (vpmulld), the mins by the activation's sums per 16 values, both kept in
+// int32 until the block's end (at most 31M: no overflow), then scaled once by d and dmin.
+// The activations of a K-quant weight come in two quantized passes (QuantActivations):
+// R counts those rows, in pairs.
+constexpr int64_t kQ4KBlockBytes = kGroupRows * 144;
+
+inline int32_t k_sum(const Q8KBlock& a, int s) {  // the activation's q summed over sub-block s
+  return a.sums[2 * s] + a.sums[2 * s + 1];
+}
+
+#ifdef CORESTREAM_GROUPS_ZMM
+
+// Sub-block s's scale and min per lane, from the three scale words of 16 rows.
+inline void q4k_scale_zmm(const __m512i (&words)[3], int s, __m512i& scale, __m512i& min) {
+  const __m512i six = _mm512_set1_epi32(63), four = _mm512_set1_epi32(15);
+  const __m512i two = _mm512_set1_epi32(3);
+  if (s < 4) {
+    scale = _mm512_and_si512(_mm512_srli_epi32(words[0], 8 * s), six);
+    min = _mm512_and_si512(_mm512_srli_epi32(words[1], 8 * s), six);
+    return;
+  }
+  const unsigned t = 8 * (s - 4);
+  scale = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(words[2], t), four),
+                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words[0], t + 6), two), 4));
+  min = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(words[2], t + 4), four),
+                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words[1], t + 6), two), 4));
+}
+
+template <int R>
+void group_q4k_zmm(const uint8_t* group, int64_t blocks, const Q8KBlock* const (&x)[R],
+                   __m512 (&result)[R]) {
+  __m512 acc[R], offset[R];
+  for (int r = 0; r < R; ++r) acc[r] = offset[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = group + b * kQ4KBlockBytes;
+    for (int64_t line = 0; line < kQ4KBlockBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + line), _MM_HINT_T0);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 dmin =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    const __m512i words[3] = {_mm512_loadu_si512(p + 64), _mm512_loadu_si512(p + 128),
+                              _mm512_loadu_si512(p + 192)};
+    const uint8_t* payload = p + 256;
+    __m512i sums[R], mins[R];
+    for (int r = 0; r < R; ++r) sums[r] = mins[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i low[R], high[R];
+      for (int r = 0; r < R; ++r) low[r] = high[r] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i bytes = _mm512_loadu_si512(payload + 64 * (8 * j + c));
+        const __m512i lo = _mm512_and_si512(bytes, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          low[r] = _mm512_dpbusd_epi32(low[r], lo, _mm512_set1_epi32(word_at(x[r][b].q, 16 * j + c)));
+          high[r] = _mm512_dpbusd_epi32(high[r], hi,
+                                        _mm512_set1_epi32(word_at(x[r][b].q, 16 * j + 8 + c)));
+        }
+      }
+      __m512i scale[2], min[2];
+      q4k_scale_zmm(words, 2 * j, scale[0], min[0]);
+      q4k_scale_zmm(words, 2 * j + 1, scale[1], min[1]);
+      for (int r = 0; r < R; ++r) {
+        const Q8KBlock& a = x[r][b];
+        sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(_mm512_mullo_epi32(low[r], scale[0]),
+                                                             _mm512_mullo_epi32(high[r], scale[1])));
+        mins[r] = _mm512_add_epi32(
+            mins[r], _mm512_add_epi32(_mm512_mullo_epi32(min[0], _mm512_set1_epi32(k_sum(a, 2 * j))),
+                                      _mm512_mullo_epi32(min[1], _mm512_set1_epi32(k_sum(a, 2 * j + 1)))));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(x[r][b].d);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sums[r]), acc[r]);
+      offset[r] = _mm512_fmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(mins[r]), offset[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) result[r] = _mm512_sub_ps(acc[r], offset[r]);
+}
+
+#endif  // CORESTREAM_GROUPS_ZMM
+
+#ifdef CORESTREAM_QUANT_AVX2
+
+inline void q4k_scale_ymm(const __m256i (&words)[3], int s, __m256i& scale, __m256i& min) {
+  const __m256i six = _mm256_set1_epi32(63), four = _mm256_set1_epi32(15);
+  const __m256i two = _mm256_set1_epi32(3);
+  if (s < 4) {
+    scale = _mm256_and_si256(_mm256_srli_epi32(words[0], 8 * s), six);
+    min = _mm256_and_si256(_mm256_srli_epi32(words[1], 8 * s), six);
+    return;
+  }
+  const int t = 8 * (s - 4);
+  scale = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words[2], t), four),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(words[0], t + 6), two), 4));
+  min = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words[2], t + 4), four),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(words[1], t + 6), two), 4));
+}
+
+template <int R>
+void group_q4k_ymm(const uint8_t* group, int64_t blocks, int part,
+                   const Q8KBlock* const (&x)[R], __m256 (&result)[R]) {
+  __m256 acc[R], offset[R];
+  for (int r = 0; r < R; ++r) acc[r] = offset[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = group + b * kQ4KBlockBytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * part)));
+    const __m256 dmin =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * part)));
+    const __m256i words[3] = {load32(p + 64 + 32 * part), load32(p + 128 + 32 * part),
+                              load32(p + 192 + 32 * part)};
+    const uint8_t* payload = p + 256 + 32 * part;
+    __m256i sums[R], mins[R];
+    for (int r = 0; r < R; ++r) sums[r] = mins[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      __m256i low[R], high[R];
+      for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i bytes = load32(payload + 64 * (8 * j + c));
+        const __m256i lo = _mm256_and_si256(bytes, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          low[r] = dot_u8s8(low[r], lo, _mm256_set1_epi32(word_at(x[r][b].q, 16 * j + c)));
+          high[r] = dot_u8s8(high[r], hi, _mm256_set1_epi32(word_at(x[r][b].q, 16 * j + 8 + c)));
+        }
+      }
+      __m256i scale[2], min[2];
+      q4k_scale_ymm(words, 2 * j, scale[0], min[0]);
+      q4k_scale_ymm(words, 2 * j + 1, scale[1], min[1]);
+      for (int r = 0; r < R; ++r) {
+        const Q8KBlock& a = x[r][b];
+        sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(_mm256_mullo_epi32(low[r], scale[0]),
+                                                             _mm256_mullo_epi32(high[r], scale[1])));
+        mins[r] = _mm256_add_epi32(
+            mins[r], _mm256_add_epi32(_mm256_mullo_epi32(min[0], _mm256_set1_epi32(k_sum(a, 2 * j))),
+                                      _mm256_mullo_epi32(min[1], _mm256_set1_epi32(k_sum(a, 2 * j + 1)))));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(x[r][b].d);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sums[r]), acc[r]);
+      offset[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mins[r]), offset[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) result[r] = _mm256_sub_ps(acc[r], offset[r]);
+}
+
+#endif  // CORESTREAM_QUANT_AVX2
+
+// P x rows (2 P quantized rows, their passes) from x row x0 times group g0 / 16 of a
+// K-quant weight into out rows x0.. at columns g0..: each output its row's passes summed.
+template <GgmlType kType, int P>
+void k_pass(const QuantMatrix& w, const QuantActivations& x, int64_t x0, int64_t g0,
+            float* out, int64_t out_stride);
+
+// The K-quant grouped GEMV over x rows in tiles that stay in L2.
+template <GgmlType kType>
+void k_rows(const QuantMatrix& w, const QuantActivations& x, int64_t n_begin, int64_t n_end,
+            float* out, int64_t out_stride) {
+  const int64_t m = x.rows();
+  constexpr int64_t kTile = 32;  // x rows whose blocks (2 passes, 292 bytes a block) stay in L2
+  for (int64_t t = 0; t < m; t += kTile) {
+    const int64_t tile_end = std::min(m, t + kTile);
+    for (int64_t g = n_begin; g < n_end; g += kGroupRows) {
+      for (int64_t q = t; q < tile_end; q += 2) {
+        if (tile_end - q >= 2) {
+          k_pass<kType, 2>(w, x, q, g, out, out_stride);
+        } else {
+          k_pass<kType, 1>(w, x, q, g, out, out_stride);
+        }
+      }
+    }
+  }
+}
+
+// Q6_K (256 values a block: 16 sub-blocks of 16 with an int8 scale each, 6-bit values
+// q - 32 from 4 bits of ql and 2 of qh; quant_blocks.h). Grouped, every 4 bytes of the
+// block are a field (32 words of ql, 16 of qh, 4 of scales), then d. Word (h, t, c) of
+// values 128 h + 32 t + 4 c + (0..3): ql word 16 h + 8 (t % 2) + c, nibble t / 2, and qh
+// word 8 h + c, bits 2 t and 2 t + 1 of each byte; values 0..63, so the -32 is taken off
+// in integers with the activation's sums per 16 values. Sub-block i's sums times its
+// scale per lane (vpmulld), all in int32 (at most about 400M), then scaled once by d.
+constexpr int64_t kQ6KBlockBytes = kGroupRows * 210;
+
+#ifdef CORESTREAM_GROUPS_ZMM
+
+template <int R>
+void group_q6k_zmm(const uint8_t* group, int64_t blocks, const Q8KBlock* const (&x)[R],
+                   __m512 (&result)[R]) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(15), low2 = _mm512_set1_epi8(3);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = group + b * kQ6KBlockBytes;
+    for (int64_t line = 0; line < kQ6KBlockBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + line), _MM_HINT_T0);
+    }
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kGroupRows * 208)));
+    const uint8_t* ql = p;
+    const uint8_t* qh = p + kGroupRows * 128;
+    const uint8_t* scales = p + kGroupRows * 192;
+    __m512i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      for (int t = 0; t < 4; ++t) {
+        // Sub-blocks 8 h + 2 t (c < 4) and 8 h + 2 t + 1 (c >= 4).
+        __m512i part[2][R];
+        for (int r = 0; r < R; ++r) part[0][r] = part[1][r] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; ++c) {
+          const __m512i low_bytes = _mm512_loadu_si512(ql + 64 * (16 * h + 8 * (t % 2) + c));
+          const __m512i high_bytes = _mm512_loadu_si512(qh + 64 * (8 * h + c));
+          const __m512i low = _mm512_and_si512(_mm512_srli_epi16(low_bytes, 4 * (t / 2)), low4);
+          const __m512i high = _mm512_and_si512(_mm512_srli_epi16(high_bytes, 2 * t), low2);
+          const __m512i w = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+          for (int r = 0; r < R; ++r) {
+            __m512i& s = part[c / 4][r];
+            s = _mm512_dpbusd_epi32(s, w, _mm512_set1_epi32(word_at(x[r][b].q, 32 * h + 8 * t + c)));
+          }
+        }
+        for (int k = 0; k < 2; ++k) {
+          const int i = 8 * h + 2 * t + k;  // the sub-block
+          // Its int8 scale per lane: byte i % 4 of scale word i / 4, sign-extended.
+          const __m512i word = _mm512_loadu_si512(scales + 64 * (i / 4));
+          const __m512i scale = _mm512_srai_epi32(_mm512_slli_epi32(word, 24 - 8 * (i % 4)), 24);
+          for (int r = 0; r < R; ++r) {
+            const __m512i shifted = _mm512_sub_epi32(
+                part[k][r], _mm512_set1_epi32(32 * x[r][b].sums[i]));  // q - 32
+            sums[r] = _mm512_add_epi32(sums[r], _mm512_mullo_epi32(shifted, scale));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[r][b].d)),
+                               _mm512_cvtepi32_ps(sums[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) result[r] = acc[r];
+}
+
+#endif  // CORESTREAM_GROUPS_ZMM
+
+#ifdef CORESTREAM_QUANT_AVX2
+
+template <int R>
+void group_q6k_ymm(const uint8_t* group, int64_t blocks, int part_of_group,
+                   const Q8KBlock* const (&x)[R], __m256 (&result)[R]) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+  const int64_t lanes = 32 * part_of_group;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* p = group + b * kQ6KBlockBytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(p + kGroupRows * 208 + 16 * part_of_group)));
+    const uint8_t* ql = p + lanes;
+    const uint8_t* qh = p + kGroupRows * 128 + lanes;
+    const uint8_t* scales = p + kGroupRows * 192 + lanes;
+    __m256i sums[R];
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      for (int t = 0; t < 4; ++t) {
+        __m256i part[2][R];
+        for (int r = 0; r < R; ++r) part[0][r] = part[1][r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i low_bytes = load32(ql + 64 * (16 * h + 8 * (t % 2) + c));
+          const __m256i high_bytes = load32(qh + 64 * (8 * h + c));
+          const __m256i low = _mm256_and_si256(_mm256_srli_epi16(low_bytes, 4 * (t / 2)), low4);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(high_bytes, 2 * t), low2);
+          const __m256i w = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+          for (int r = 0; r < R; ++r) {
+            __m256i& s = part[c / 4][r];
+            s = dot_u8s8(s, w, _mm256_set1_epi32(word_at(x[r][b].q, 32 * h + 8 * t + c)));
+          }
+        }
+        for (int k = 0; k < 2; ++k) {
+          const int i = 8 * h + 2 * t + k;
+          const __m256i word = load32(scales + 64 * (i / 4));
+          const __m256i scale = _mm256_srai_epi32(_mm256_slli_epi32(word, 24 - 8 * (i % 4)), 24);
+          for (int r = 0; r < R; ++r) {
+            const __m256i shifted =
+                _mm256_sub_epi32(part[k][r], _mm256_set1_epi32(32 * x[r][b].sums[i]));
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(shifted, scale));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)),
+                               _mm256_cvtepi32_ps(sums[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) result[r] = acc[r];
+}
+
+#endif  // CORESTREAM_QUANT_AVX2
+
+template <GgmlType kType, int P>
+void k_pass(const QuantMatrix& w, const QuantActivations& x, int64_t x0, int64_t g0,
+            float* out, int64_t out_stride) {
+  constexpr int R = 2 * P;
+  static_assert(QuantActivations::kPasses == 2);
+  static_assert(kType == GgmlType::Q4_K || kType == GgmlType::Q6_K);
+  const uint8_t* group = w.blocks + g0 * w.row_bytes;
+  const int64_t blocks = w.cols / kQK;
+  const Q8KBlock* rows[R];
+  for (int r = 0; r < R; ++r) {
+    rows[r] = x.blocks(2 * x0 + r, static_cast<const Q8KBlock*>(nullptr));
+  }
+#if defined(CORESTREAM_GROUPS_ZMM)
+  __m512 result[R];
+  if constexpr (kType == GgmlType::Q4_K) {
+    group_q4k_zmm<R>(group, blocks, rows, result);
+  } else {
+    group_q6k_zmm<R>(group, blocks, rows, result);
+  }
+  for (int i = 0; i < P; ++i) {
+    _mm512_storeu_ps(out + (x0 + i) * out_stride + g0,
+                     _mm512_add_ps(result[2 * i], result[2 * i + 1]));
+  }
+#elif defined(CORESTREAM_QUANT_AVX2)
+  for (int part = 0; part < 2; ++part) {
+    __m256 result[R];
+    if constexpr (kType == GgmlType::Q4_K) {
+      group_q4k_ymm<R>(group, blocks, part, rows, result);
+    } else {
+      group_q6k_ymm<R>(group, blocks, part, rows, result);
+    }
+    for (int i = 0; i < P; ++i) {
+      _mm256_storeu_ps(out + (x0 + i) * out_stride + g0 + 8 * part,
+                       _mm256_add_ps(result[2 * i], result[2 * i + 1]));
+    }
+  }
+#else
+  (void)group;
+  (void)blocks;
+#endif
+}
+
 #ifdef CORESTREAM_GROUPS_ZMM
 constexpr int kRowsPerPass = 4;
 #else
@@ -314,6 +661,12 @@ inline void grouped_gemv_rows(const QuantMatrix& w, const QuantActivations& x,
       return;
     case GgmlType::Q8_0:
       groups::grouped_rows<GgmlType::Q8_0>(w, x, n_begin, n_end, out, out_stride);
+      return;
+    case GgmlType::Q4_K:
+      groups::k_rows<GgmlType::Q4_K>(w, x, n_begin, n_end, out, out_stride);
+      return;
+    case GgmlType::Q6_K:
+      groups::k_rows<GgmlType::Q6_K>(w, x, n_begin, n_end, out, out_stride);
       return;
     default:
       break;

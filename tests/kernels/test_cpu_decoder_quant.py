@@ -128,11 +128,11 @@ def test_quantized_layers_give_the_python_model_bits(
     assert fused.count == 2 * STEPS
 
 
-# One thread: a fork and join per op (quant_linear's own calls). 33 sequences of Q4_K
+# One thread: a fork and join per op (quant_linear's own calls). 33 sequences of Q5_K
 # (the file's layout): more rows than quant_linear quantizes the activations of, so it
 # multiplies the dequantized weight.
 @pytest.mark.parametrize("threads,sequences,kind", [(1, 3, GGMLType.Q4_1),
-                                                    (2, 33, GGMLType.Q4_K)],
+                                                    (2, 33, GGMLType.Q5_K)],
                          ids=["one-thread", "33-rows"])
 def test_quantized_steps_off_the_plan_give_the_python_model_bits(
     cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,

@@ -198,7 +198,7 @@ def test_quant_linear_of_integer_blocks(cpu_ops: Any, kind: GGMLType,
 
 # --- rows in groups of 16 (csrc/quant_groups.h) ----------------------------------------------
 
-GROUPED_SHAPES = [(16, 32), (48, 512), (112, 768), (256, 256)]
+GROUPED_SHAPES = [(16, 256), (48, 512), (112, 768), (256, 256)]
 
 
 @pytest.mark.parametrize("kind", sorted(GROUPED_TYPES), ids=lambda k: k.name)
@@ -215,16 +215,22 @@ def test_grouping_permutes_the_file_bytes(kind: GGMLType) -> None:
         ids = torch.tensor([[0, out_features - 1], [17 % out_features, 5]])
         assert torch.equal(weight_rows(grouped, ids), weight.blocks[ids])
         assert torch.equal(dequantize(grouped), dequantize(weight))
-    # Group 0's first block: the 16 rows' d side by side, then word 0 of their payloads.
-    weight = make_weight(kind, 16, 32)
+    # Group 0's first block: the 16 rows' d side by side (Q6_K: its first word, d last),
+    # then the words that follow the header.
+    weight = make_weight(kind, 16, 256)
     grouped = group_rows(weight).blocks.flatten()
-    header = {GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q5_1: 8}.get(kind, 2)
-    assert torch.equal(grouped[:32].view(16, 2), weight.blocks[:, :2])
+    first = 4 if kind == GGMLType.Q6_K else 2
+    assert torch.equal(grouped[:16 * first].view(16, first), weight.blocks[:, :first])
+    header = {GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q5_1: 8, GGMLType.Q4_K: 16,
+              GGMLType.Q6_K: 4}.get(kind, 2)
     if kind in (GGMLType.Q5_0, GGMLType.Q5_1):  # qh: 4 bytes a row, before the payload
         qh = grouped[16 * (header - 4):16 * header].view(16, 4)
         assert torch.equal(qh, weight.blocks[:, header - 4:header])
     words = grouped[16 * header:16 * header + 64].view(16, 4)
     assert torch.equal(words, weight.blocks[:, header:header + 4])
+    if kind == GGMLType.Q6_K:
+        d = grouped[16 * 208:16 * 210].view(16, 2)
+        assert torch.equal(d, weight.blocks[:, 208:210])
 
 
 @pytest.mark.parametrize("kind", sorted(WIDENS_TO_Q8_0), ids=lambda k: k.name)
@@ -239,7 +245,7 @@ def test_widening_to_q8_0_keeps_every_value(kind: GGMLType) -> None:
 
 
 def test_only_whole_groups_of_grouped_types_group() -> None:
-    for weight in (make_weight(GGMLType.Q4_0, 40, 64), make_weight(GGMLType.Q6_K, 32, 256),
+    for weight in (make_weight(GGMLType.Q4_0, 40, 64), make_weight(GGMLType.Q5_K, 32, 256),
                    make_weight(GGMLType.F16, 32, 64)):
         assert group_rows(weight) is weight
         with pytest.raises(AssertionError, match="cannot be grouped"):
@@ -303,8 +309,8 @@ def test_quant_linear_names_what_is_wrong(cpu_ops: Any) -> None:
         cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks, 9, 8, 64)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu_ops.quant_linear(torch.randn(1, 64).double(), weight.blocks, 2, 8, 64)
-    with pytest.raises(RuntimeError, match="groups of 16 need type Q4_0, Q4_1, Q5_0, Q5_1 "
-                       "or Q8_0 and a multiple of 16 rows, not type 2 with 8"):
+    with pytest.raises(RuntimeError, match="groups of 16 need type Q4_0, Q4_1, Q5_0, Q5_1, "
+                       "Q8_0, Q4_K or Q6_K and a multiple of 16 rows, not type 2 with 8"):
         cpu_ops.quant_linear(torch.randn(1, 64), weight.blocks, 2, 8, 64, True)
 
 
