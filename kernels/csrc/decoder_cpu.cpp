@@ -118,7 +118,8 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   if (!is_quantized(weight)) {
     return corestream_cpu::linear(x, weight, panels, bias);
   }
-  const corestream_cpu::quant::QuantMatrix w = corestream_cpu::quant_format(weight, panels, "a projection");
+  const corestream_cpu::quant::QuantMatrix w =
+      corestream_cpu::quant_format(weight, panels, "a projection");
   const at::Tensor y = ops().quant_linear.call(x, weight, static_cast<int64_t>(w.type), w.rows,
                                                w.cols, w.grouped);
   return present(bias) ? y + bias : y;

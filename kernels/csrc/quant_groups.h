@@ -176,7 +176,8 @@ void group_ymm(const uint8_t* group, int64_t blocks, int part, const Q8Block* co
   const __m256i low4 = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = group + b * G::kBlockBytes;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * part)));
+    const __m256 d =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * part)));
     const __m256 m = G::kMin
         ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * part)))
         : d;
@@ -262,10 +263,12 @@ inline void q4k_scale_zmm(const __m512i (&words)[3], int s, __m512i& scale, __m5
     return;
   }
   const unsigned t = 8 * (s - 4);
+  const __m512i scale_high = _mm512_and_si512(_mm512_srli_epi32(words[0], t + 6), two);
+  const __m512i min_high = _mm512_and_si512(_mm512_srli_epi32(words[1], t + 6), two);
   scale = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(words[2], t), four),
-                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words[0], t + 6), two), 4));
+                          _mm512_slli_epi32(scale_high, 4));
   min = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(words[2], t + 4), four),
-                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words[1], t + 6), two), 4));
+                        _mm512_slli_epi32(min_high, 4));
 }
 
 template <int R>
@@ -295,7 +298,8 @@ void group_q4k_zmm(const uint8_t* group, int64_t blocks, const Q8KBlock* const (
         const __m512i lo = _mm512_and_si512(bytes, low4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
         for (int r = 0; r < R; ++r) {
-          low[r] = _mm512_dpbusd_epi32(low[r], lo, _mm512_set1_epi32(word_at(x[r][b].q, 16 * j + c)));
+          low[r] = _mm512_dpbusd_epi32(low[r], lo,
+                                       _mm512_set1_epi32(word_at(x[r][b].q, 16 * j + c)));
           high[r] = _mm512_dpbusd_epi32(high[r], hi,
                                         _mm512_set1_epi32(word_at(x[r][b].q, 16 * j + 8 + c)));
         }
@@ -305,11 +309,13 @@ void group_q4k_zmm(const uint8_t* group, int64_t blocks, const Q8KBlock* const (
       q4k_scale_zmm(words, 2 * j + 1, scale[1], min[1]);
       for (int r = 0; r < R; ++r) {
         const Q8KBlock& a = x[r][b];
-        sums[r] = _mm512_add_epi32(sums[r], _mm512_add_epi32(_mm512_mullo_epi32(low[r], scale[0]),
-                                                             _mm512_mullo_epi32(high[r], scale[1])));
-        mins[r] = _mm512_add_epi32(
-            mins[r], _mm512_add_epi32(_mm512_mullo_epi32(min[0], _mm512_set1_epi32(k_sum(a, 2 * j))),
-                                      _mm512_mullo_epi32(min[1], _mm512_set1_epi32(k_sum(a, 2 * j + 1)))));
+        const __m512i scaled = _mm512_add_epi32(_mm512_mullo_epi32(low[r], scale[0]),
+                                                _mm512_mullo_epi32(high[r], scale[1]));
+        const __m512i mins_j =
+            _mm512_add_epi32(_mm512_mullo_epi32(min[0], _mm512_set1_epi32(k_sum(a, 2 * j))),
+                             _mm512_mullo_epi32(min[1], _mm512_set1_epi32(k_sum(a, 2 * j + 1))));
+        sums[r] = _mm512_add_epi32(sums[r], scaled);
+        mins[r] = _mm512_add_epi32(mins[r], mins_j);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -334,10 +340,12 @@ inline void q4k_scale_ymm(const __m256i (&words)[3], int s, __m256i& scale, __m2
     return;
   }
   const int t = 8 * (s - 4);
+  const __m256i scale_high = _mm256_and_si256(_mm256_srli_epi32(words[0], t + 6), two);
+  const __m256i min_high = _mm256_and_si256(_mm256_srli_epi32(words[1], t + 6), two);
   scale = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words[2], t), four),
-                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(words[0], t + 6), two), 4));
+                          _mm256_slli_epi32(scale_high, 4));
   min = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words[2], t + 4), four),
-                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(words[1], t + 6), two), 4));
+                        _mm256_slli_epi32(min_high, 4));
 }
 
 template <int R>
@@ -348,7 +356,8 @@ void group_q4k_ymm(const uint8_t* group, int64_t blocks, int part,
   const __m256i low4 = _mm256_set1_epi8(15);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = group + b * kQ4KBlockBytes;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * part)));
+    const __m256 d =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * part)));
     const __m256 dmin =
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * part)));
     const __m256i words[3] = {load32(p + 64 + 32 * part), load32(p + 128 + 32 * part),
@@ -373,11 +382,13 @@ void group_q4k_ymm(const uint8_t* group, int64_t blocks, int part,
       q4k_scale_ymm(words, 2 * j + 1, scale[1], min[1]);
       for (int r = 0; r < R; ++r) {
         const Q8KBlock& a = x[r][b];
-        sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(_mm256_mullo_epi32(low[r], scale[0]),
-                                                             _mm256_mullo_epi32(high[r], scale[1])));
-        mins[r] = _mm256_add_epi32(
-            mins[r], _mm256_add_epi32(_mm256_mullo_epi32(min[0], _mm256_set1_epi32(k_sum(a, 2 * j))),
-                                      _mm256_mullo_epi32(min[1], _mm256_set1_epi32(k_sum(a, 2 * j + 1)))));
+        const __m256i scaled = _mm256_add_epi32(_mm256_mullo_epi32(low[r], scale[0]),
+                                                _mm256_mullo_epi32(high[r], scale[1]));
+        const __m256i mins_j =
+            _mm256_add_epi32(_mm256_mullo_epi32(min[0], _mm256_set1_epi32(k_sum(a, 2 * j))),
+                             _mm256_mullo_epi32(min[1], _mm256_set1_epi32(k_sum(a, 2 * j + 1))));
+        sums[r] = _mm256_add_epi32(sums[r], scaled);
+        mins[r] = _mm256_add_epi32(mins[r], mins_j);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -459,7 +470,8 @@ void group_q6k_zmm(const uint8_t* group, int64_t blocks, const Q8KBlock* const (
           const __m512i w = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
           for (int r = 0; r < R; ++r) {
             __m512i& s = part[c / 4][r];
-            s = _mm512_dpbusd_epi32(s, w, _mm512_set1_epi32(word_at(x[r][b].q, 32 * h + 8 * t + c)));
+            s = _mm512_dpbusd_epi32(
+                s, w, _mm512_set1_epi32(word_at(x[r][b].q, 32 * h + 8 * t + c)));
           }
         }
         for (int k = 0; k < 2; ++k) {

@@ -9,8 +9,7 @@
 // bias): a quantized one puts its blocks, uint8 [out_features, row_bytes], in the weight
 // slot, and their format in the panels slot: int64 [ggml_type, in_features, grouped]
 // (kernels/decoder_layers.py `quant_format`; grouped: rows interleaved as quant_blocks.h
-// says). A quantized embedding table goes as
-// [blocks, format] likewise.
+// says). A quantized embedding table goes as [blocks, format] likewise.
 #pragma once
 
 #include <ATen/core/Tensor.h>
