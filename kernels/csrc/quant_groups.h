@@ -81,10 +81,10 @@ inline int32_t qh_bits(int k) {  // byte t: bit t + 4 (k % 2)
   return static_cast<int32_t>((0x08040201u << shift));
 }
 
-#ifndef CORESTREAM_PREFETCH
-#define CORESTREAM_PREFETCH 2048
-#endif
-constexpr int64_t kPrefetchBytes = CORESTREAM_PREFETCH;
+// How far ahead of the block being summed its successors are fetched. Measured on the
+// Zen 4 machine, Q4_1 at 4 rows: the 49152 x 576 head 1.79 -> 1.09 ms with 2 KB ahead, as
+// the hardware prefetcher alone left the loads waiting (1 row: 1.08 -> 1.01 ms).
+constexpr int64_t kPrefetchBytes = 2048;
 
 #ifdef CORESTREAM_GROUPS_ZMM
 
