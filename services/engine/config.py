@@ -11,6 +11,16 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+MAX_WEIGHT_VERSION_CHARS = 128
+
+
+def check_weight_version(version: str, field: str) -> None:
+    """A weight version is 1-128 printable characters (it goes on every output)."""
+    if not version or len(version) > MAX_WEIGHT_VERSION_CHARS or not version.isprintable():
+        raise ValueError(f"{field} must be 1-{MAX_WEIGHT_VERSION_CHARS} printable characters, "
+                         f"got {version!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     host: str = doc("Interface the EngineCoreService binds to.", default="127.0.0.1")
@@ -32,6 +42,10 @@ class EngineConfig:
     max_concurrent_batches: int = doc(
         "Depth of the batch queue: with 2 the next step is scheduled while the previous one "
         "executes; 1 runs schedule, execute, update one after another.", default=1
+    )
+    weight_version: str = doc(
+        "Version of the weights served at start, stamped on every output; each live weight "
+        "update sets a new one.", default="0"
     )
     profile_dir: str = doc(
         "Folder where the profile utility call writes torch profiler traces; empty means "
@@ -69,6 +83,7 @@ class EngineConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.engine_index < 0:
             raise ValueError(f"engine_index must be >= 0, got {self.engine_index}")
+        check_weight_version(self.weight_version, "weight_version")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -89,6 +89,8 @@ class StepOutputs:
     """Deliver to every open Session, even those without updates (state changes)."""
     kv_events: tuple[KvEvent, ...] = ()
     """The prefix-cache changes since the previous StepOutputs, for subscribers."""
+    weight_version: str = ""
+    """The version of the weights that computed the step's tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class SessionOutputs:
     timestamp: float
     session_id: str = field(default="")
     kv_events: tuple[KvEvent, ...] = ()
+    weight_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)

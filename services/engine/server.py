@@ -88,7 +88,7 @@ def logprobs_to_proto(lp: PositionLogprobs) -> common_pb2.PositionLogprobs:
     )
 
 
-def output_to_proto(u: RequestUpdate) -> pb.RequestOutput:
+def output_to_proto(u: RequestUpdate, weight_version: str = "") -> pb.RequestOutput:
     out = pb.RequestOutput(
         request_id=session_request_id(u.session_id, u.request_id),
         new_token_ids=list(u.new_token_ids),
@@ -98,6 +98,7 @@ def output_to_proto(u: RequestUpdate) -> pb.RequestOutput:
         error_message=u.error_message,
         new_logprobs=[logprobs_to_proto(lp) for lp in u.new_logprobs],
         prompt_logprobs=[logprobs_to_proto(lp) for lp in u.prompt_logprobs],
+        weight_version=weight_version,
     )
     if u.stop_token_id is not None:
         out.stop_token_id = u.stop_token_id
@@ -128,7 +129,7 @@ def response_to_proto(msg: SessionOutputs, engine_index: int) -> pb.SessionRespo
     s = msg.stats
     return pb.SessionResponse(
         engine_index=engine_index,
-        outputs=[output_to_proto(u) for u in msg.updates],
+        outputs=[output_to_proto(u, msg.weight_version) for u in msg.updates],
         scheduler_stats=pb.SchedulerStats(
             num_running=s.num_running, num_waiting=s.num_waiting,
             kv_cache_usage=s.kv_cache_usage, step_counter=s.step_counter,
@@ -137,6 +138,7 @@ def response_to_proto(msg: SessionOutputs, engine_index: int) -> pb.SessionRespo
         timestamp=msg.timestamp,
         engine_state=common_pb2.EngineState.ValueType(int(msg.state)),
         kv_cache_events=[kv_event_to_proto(e) for e in msg.kv_events],
+        weight_version=msg.weight_version,
     )
 
 
@@ -213,10 +215,13 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
                     utility_result=pb.UtilityResult(
                         call_id=item.call_id, result_json=item.result_json,
                         failure_message=item.failure_message),
+                    weight_version=self.core.weights.version,
                 )
                 continue
             if isinstance(item, KvSnapshot):
-                yield snapshot_to_proto(item, self.core.config.engine_index, self.core.state)
+                response = snapshot_to_proto(item, self.core.config.engine_index, self.core.state)
+                response.weight_version = self.core.weights.version
+                yield response
                 continue
             with session.lock:
                 session.unfinished.difference_update(
@@ -228,7 +233,8 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
                 self._abort_dead(context)
 
     def _state_only_response(self) -> pb.SessionResponse:
-        msg = SessionOutputs([], self.core.stats, self.core.state, time.time())
+        msg = SessionOutputs([], self.core.stats, self.core.state, time.time(),
+                             weight_version=self.core.weights.version)
         return response_to_proto(msg, self.core.config.engine_index)
 
     def _abort_dead(self, context: grpc.ServicerContext) -> None:
@@ -294,6 +300,7 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
             device=self.runner.device,
             state=common_pb2.EngineState.ValueType(int(self.core.state)),
             tensor_parallel_size=self.runner.tensor_parallel_size,
+            weight_version=self.core.weights.version,
         )
 
 

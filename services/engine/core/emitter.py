@@ -39,6 +39,11 @@ class OutputEmitter:
         # Held while one emit is routed: emits from several threads reach every Session
         # in one order. Routing only puts on unbounded queues; it never blocks.
         self._order = threading.Lock()
+        self._weight_version = ""
+
+    def set_weight_version(self, version: str) -> None:
+        """The version stamped on every output from now on (set between steps)."""
+        self._weight_version = version
 
     def emit(self, updates: list[RequestUpdate], kv_events: tuple[KvEvent, ...] = ()) -> None:
         """Route one StepOutputs. `kv_events` only from the loop thread: so the events
@@ -51,7 +56,7 @@ class OutputEmitter:
         for u in updates:
             by_session.setdefault(u.session_id, []).append(u)
         step = StepOutputs(by_session, self._scheduler.stats(), self._state(), time.time(),
-                           kv_events=kv_events)
+                           kv_events=kv_events, weight_version=self._weight_version)
         with self._order:
             self.sessions.route(step)
 
@@ -69,7 +74,7 @@ class OutputEmitter:
     def broadcast(self) -> None:
         """Tell every Session the engine's state (a state change)."""
         step = StepOutputs({}, self._scheduler.stats(), self._state(), time.time(),
-                           broadcast=True)
+                           broadcast=True, weight_version=self._weight_version)
         with self._order:
             self.sessions.route(step)
 

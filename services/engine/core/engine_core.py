@@ -45,6 +45,7 @@ from services.engine.core.lifecycle import Lifecycle
 from services.engine.core.observer import EngineObserver
 from services.engine.core.session_router import SessionRouter
 from services.engine.core.utilities import PauseMode, Utilities
+from services.engine.core.weight_updates import WeightUpdates
 from services.engine.executor.batch_queue import BatchQueue
 from services.engine.executor.protocol import Executor
 from services.engine.messages import EngineState, InputQueue, InputType, UtilityCall, utility_reply
@@ -96,8 +97,12 @@ class EngineCore:
         self.compiles = GrammarCompiles(
             config, info, self.scheduler, self.outputs,
             lambda rid: self.input_queue.put((InputType.GRAMMAR_READY, rid)))
+        self.weights = WeightUpdates(config.weight_version, executor, self.scheduler, self.name,
+                                     self.outputs.set_weight_version)
+        self.outputs.set_weight_version(config.weight_version)
         self.utilities = Utilities(config, self.scheduler, executor, self.lifecycle,
-                                   self.outputs, self._finish_all, lambda: self.wave)
+                                   self.outputs, self._finish_all, lambda: self.wave,
+                                   self.weights)
         self._observer = EngineObserver()
         self._stats = SchedulerStats()
         self._loop_thread = threading.Thread(target=self._run_busy_loop, name="engine-loop",
@@ -217,6 +222,8 @@ class EngineCore:
             while self.state in (EngineState.RUNNING, EngineState.DRAINING):
                 self.lifecycle.feed_watchdog()
                 self._process_input_queue()
+                if self.weights.commit_pending and not self._batch_queue:
+                    self.weights.run_commit()  # between steps, no batch in flight
                 if self._can_step():
                     self.step()
                 self.outputs.flush_kv_events()
@@ -262,6 +269,13 @@ class EngineCore:
             return True  # every rank steps while the wave runs, with or without work
         if self._batch_queue:
             return True  # its outputs must be collected, even if nobody waits for them
+        return self._may_schedule()
+
+    def _may_schedule(self) -> bool:
+        """Whether a new batch may start: there is work, and neither a pause nor a weight
+        update (held, or committing) stops it."""
+        if self.weights.blocks_scheduling:
+            return False
         paused = self.utilities.pause_mode
         if paused is None:
             return self.scheduler.has_work()
@@ -335,7 +349,10 @@ class EngineCore:
         self._update(out, self.executor.execute(out))
 
     def _schedule(self) -> SchedulerOutput | None:
-        """The next batch, its grammar mask building; None when nothing fits."""
+        """The next batch, its grammar mask building; None when nothing fits, or nothing
+        may start (batches in flight are still collected)."""
+        if not self._may_schedule():
+            return None
         out = self.scheduler.schedule()
         if out.is_empty:
             return None

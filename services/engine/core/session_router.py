@@ -74,7 +74,7 @@ class SessionRouter:
             events = step.kv_events if session_id in subscribers else ()
             if updates or events or step.broadcast:
                 q.put(SessionOutputs(updates or [], step.stats, step.state, step.timestamp,
-                                     session_id, events))
+                                     session_id, events, step.weight_version))
         # Updates for sessions that closed meanwhile are dropped: nobody is listening.
 
     def subscribe_kv(self, snapshot: KvSnapshot) -> None:

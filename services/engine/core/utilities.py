@@ -1,11 +1,13 @@
 """Utilities: the engine's utility calls (reset_prefix_cache, get_stats, pause,
-resume, profile).
+resume, profile, and the weights_* calls of live weight updates: weight_updates.py).
 
 They travel on the input queue like adds, so they run on the loop thread between
 steps, in order with the requests around them; each reply goes back to the calling
 Session. A failing or unknown call is answered with its error and changes nothing
-else. Pausing stops scheduling, not the engine: it stays RUNNING and healthy, and
-new requests queue up until `resume` (modes: abort = abort everything first; wait
+else. A handler whose work runs elsewhere (staging weights on a thread, a commit
+waiting for the batches in flight) returns a Future, and the reply goes when it is
+done. Pausing stops scheduling, not the engine: it stays RUNNING and healthy, and new
+requests queue up until `resume` (modes: abort = abort everything first; wait
 = admit nothing new but let running requests finish; keep = freeze all requests).
 """
 
@@ -15,13 +17,15 @@ import enum
 import logging
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.engine.config import EngineConfig
 from services.engine.core.emitter import OutputEmitter
+from services.engine.core.weight_updates import WeightUpdates
 from services.engine.executor.protocol import Executor
-from services.engine.messages import EngineState, UtilityCall, utility_reply
+from services.engine.messages import EngineState, UtilityCall, UtilityReply, utility_reply
 from services.engine.request import FinishReason
 from services.engine.scheduler.scheduler import Scheduler
 from services.engine.waves.state import WaveState
@@ -30,6 +34,9 @@ if TYPE_CHECKING:
     from services.engine.core.lifecycle import FinishAll, Lifecycle
 
 logger = logging.getLogger(__name__)
+
+
+Reply = dict[str, Any] | Future[dict[str, Any]]
 
 
 class PauseMode(enum.Enum):
@@ -41,7 +48,7 @@ class PauseMode(enum.Enum):
 class Utilities:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor,
                  lifecycle: Lifecycle, outputs: OutputEmitter, finish_all: FinishAll,
-                 wave: Callable[[], WaveState | None]) -> None:
+                 wave: Callable[[], WaveState | None], weights: WeightUpdates) -> None:
         self._config = config
         self._scheduler = scheduler
         self._executor = executor
@@ -49,31 +56,49 @@ class Utilities:
         self._outputs = outputs
         self._finish_all = finish_all
         self._wave = wave
+        self._weights = weights
         self.pause_mode: PauseMode | None = None
-        self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+        self._handlers: dict[str, Callable[[dict[str, Any]], Reply]] = {
             "reset_prefix_cache": self._reset_prefix_cache,
             "get_stats": self._get_stats,
             "pause": self._pause,
             "resume": self.resume,
             "profile": self._profile,
+            "weights_info": weights.info,
+            "weights_init_transfer": weights.init_transfer,
+            "weights_start": weights.start,
+            "weights_stage": weights.stage,
+            "weights_commit": weights.commit,
+            "weights_abort": weights.abort,
+            "weights_hold": weights.hold,
+            "weights_release": weights.release,
         }
 
     def run(self, call: UtilityCall) -> None:
         handler = self._handlers.get(call.method)
-        name = self._lifecycle.name
         if handler is None:
             known = ", ".join(sorted(self._handlers))
             reply = utility_reply(
                 call, failure=f"unknown utility method {call.method!r} (known: {known})")
         else:
             try:
-                reply = utility_reply(call, result=handler(call.args))
+                result = handler(call.args)
             except Exception as exc:
-                # A failing utility is the caller's error, never the engine's death.
-                logger.warning("%s: utility %r failed: %s", name, call.method, exc)
-                reply = utility_reply(
-                    call, failure=f"utility {call.method!r} failed on {name}: {exc}")
+                reply = self._failure(call, exc)
+            else:
+                if isinstance(result, Future):
+                    result.add_done_callback(lambda done: self._outputs.reply(
+                        self._failure(call, exc) if (exc := done.exception()) is not None
+                        else utility_reply(call, result=done.result())))
+                    return
+                reply = utility_reply(call, result=result)
         self._outputs.reply(reply)
+
+    def _failure(self, call: UtilityCall, exc: BaseException) -> UtilityReply:
+        # A failing utility is the caller's error, never the engine's death.
+        name = self._lifecycle.name
+        logger.warning("%s: utility %r failed: %s", name, call.method, exc)
+        return utility_reply(call, failure=f"utility {call.method!r} failed on {name}: {exc}")
 
     def resume(self, args: dict[str, Any] | None = None) -> dict[str, Any]:
         was = self.pause_mode
@@ -98,6 +123,7 @@ class Utilities:
             "engine_index": self._config.engine_index,
             "state": self._lifecycle.state.name,
             "paused": self.pause_mode.value if self.pause_mode else None,
+            "weight_version": self._weights.version,
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage,

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 from services.common.model_info import ModelInfo
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
+from services.engine.weights.sources import SourceSpec
+from services.engine.weights.transfer_group import TransferGroupSpec
 
 
 class Executor(Protocol):
@@ -71,6 +73,31 @@ class Executor(Protocol):
         ...
 
     def stop_profile(self) -> dict[str, Any]: ...
+
+    # Live weight updates (services/engine/weights, core/weight_updates.py): staged on
+    # every rank beside the serving weights, swapped in by `commit_weights` between steps.
+
+    def join_weight_transfer(self, spec: TransferGroupSpec) -> None:
+        """Every rank joins the trainer's weight-transfer group (any thread; blocks)."""
+        ...
+
+    def open_weight_update(self) -> None:
+        """Every rank starts staging an update (the loop thread)."""
+        ...
+
+    def stage_weights(self, spec: SourceSpec) -> dict[str, Any]:
+        """Every rank takes its shard of the source's tensors, while steps run on (a
+        thread of the engine's own; blocks). Raises WeightUpdateError naming the tensor
+        when the update does not fit."""
+        ...
+
+    def commit_weights(self) -> list[str]:
+        """Every rank swaps its staged tensors in (the loop thread, no batch in flight)."""
+        ...
+
+    def discard_weights(self) -> None:
+        """Every rank drops what it staged."""
+        ...
 
     def describe_stall(self) -> str:
         """For the watchdog, when a step never ends: what the executor waits for (e.g.

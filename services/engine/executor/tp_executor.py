@@ -60,6 +60,9 @@ from services.engine.executor.tp_worker import (
 )
 from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
+from services.engine.weights.sources import SourceSpec
+from services.engine.weights.staging import WeightUpdateError
+from services.engine.weights.transfer_group import TransferGroupSpec
 from services.engine.worker.batch import StepArrays
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import resolve_num_threads
@@ -72,6 +75,10 @@ STOP_GRACE_S = 2.0
 # How long a failed step waits for the watcher's account of a worker's failure, whose
 # message names the worker (the step's own error is a broken connection).
 FAILURE_ACCOUNT_WAIT_S = 1.0
+
+
+_NO_TP_UPDATES = ("live weight updates are not built for tensor-parallel engines yet "
+                  "(tensor_parallel_size > 1)")
 
 
 class WorkerFailure(RuntimeError):
@@ -213,6 +220,24 @@ class TensorParallelExecutor:
 
     def rank_progress(self) -> list[int]:
         return self._channel.progress()
+
+    # NOTE: live weight updates reach rank 0 only so far; every rank must stage and
+    # commit its own shard (a WEIGHTS call kind for the workers), so they are refused here.
+
+    def join_weight_transfer(self, spec: TransferGroupSpec) -> None:
+        raise WeightUpdateError(_NO_TP_UPDATES)
+
+    def open_weight_update(self) -> None:
+        raise WeightUpdateError(_NO_TP_UPDATES)
+
+    def stage_weights(self, spec: SourceSpec) -> dict[str, Any]:
+        raise WeightUpdateError(_NO_TP_UPDATES)
+
+    def commit_weights(self) -> list[str]:
+        raise WeightUpdateError(_NO_TP_UPDATES)
+
+    def discard_weights(self) -> None:
+        pass  # nothing was staged
 
     def describe_stall(self) -> str:
         """The ranks that have not finished the leader's last call (a hung worker)."""

@@ -13,7 +13,14 @@ from collections import Counter
 import torch
 from torch import nn
 
-from kernels.cpu_linear import cpu_layout, layout_name, linear, own_panels
+from kernels.cpu_linear import (
+    cpu_layout,
+    is_panels_only,
+    layout_name,
+    linear,
+    own_panels,
+    unpack_panels,
+)
 from kernels.quant import QuantizedWeight, dequantize_blocks, quant_linear, weight_rows
 
 
@@ -112,20 +119,40 @@ def lay_out_for_cpu(model: nn.Module) -> Counter[str]:
               for p in m.parameters(recurse=False)}
     layouts: Counter[str] = Counter()
     for module in model.modules():
-        if not isinstance(module, Linear):
-            continue
-        if id(module.weight) in shared:
-            # Tied to the embedding table: a second copy, in panels, for the head alone.
-            # Through F.linear the plain table streamed at under half the panels' speed
-            # (SmolLM2-135M: a 113 MB float32 head, a fifth of every decode step's bytes).
-            module.panels = own_panels(module.weight.detach())
-            if module.panels is not None:
-                layouts["tied head: C++ panels (a copy of the embedding)"] += 1
-            continue
-        stored, module.panels = cpu_layout(module.weight.detach())
-        module.weight = nn.Parameter(stored, requires_grad=False)
-        layouts[layout_name(stored, module.panels)] += 1
+        if isinstance(module, Linear):
+            layouts[lay_out_linear(module, tied=id(module.weight) in shared)] += 1
     return layouts
+
+
+def lay_out_linear(module: Linear, tied: bool = False) -> str:
+    """Give one `Linear`'s plain weight its CPU layout (see `lay_out_for_cpu`); `tied`:
+    another kind of module shares the weight, which then stays as it is. Returns the
+    layout's name."""
+    if tied:
+        # Tied to the embedding table: a second copy, in panels, for the head alone.
+        # Through F.linear the plain table streamed at under half the panels' speed
+        # (SmolLM2-135M: a 113 MB float32 head, a fifth of every decode step's bytes).
+        module.panels = own_panels(module.weight.detach())
+        if module.panels is not None:
+            return "tied head: C++ panels (a copy of the embedding)"
+        return "tied head: torch (F.linear)"
+    stored, module.panels = cpu_layout(module.weight.detach())
+    module.weight = nn.Parameter(stored, requires_grad=False)
+    return layout_name(stored, module.panels)
+
+
+def plain_weight(module: Linear) -> torch.Tensor:
+    """The `[out, in]` values of a `Linear`'s weight, whatever its layout (a view where
+    it can be one; clone before writing)."""
+    weight = module.weight.detach()
+    if module.panels is not None and (weight.is_mkldnn or is_panels_only(weight)):
+        return unpack_panels(module.panels, *weight.shape)
+    if weight.is_mkldnn:
+        # Opaque to everything but oneDNN: multiplying the identity reads it back, exactly
+        # (each output is one weight times 1 plus zeros).
+        eye = torch.eye(weight.shape[1], dtype=weight.dtype)
+        return linear(eye, weight).t().contiguous()
+    return weight
 
 
 def panels_of(model: nn.Module) -> list[torch.Tensor]:

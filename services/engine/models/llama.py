@@ -305,6 +305,13 @@ class LlamaModel(nn.Module):
             bound = self._decode = (backend, head, self._bind_decode_model(head))
         return bound[2]
 
+    def forget_decode_op(self) -> None:
+        """Its weights were replaced (a live update): bind the C++ decode op anew on its
+        next use, to the new tensors."""
+        if self._flat_weights:  # [] stays: sharded, or layers the op cannot take
+            self._flat_weights = None
+        self._decode = None
+
     def _decode_weights(self) -> list[torch.Tensor]:
         """The C++ decode op's `weights`, or [] where it cannot take the layers: ones not
         plain Llama-family."""
@@ -322,7 +329,7 @@ class LlamaModel(nn.Module):
     def _bind_decode_model(self, head: nn.Module | None) -> DecodeModel | None:
         if self._flat_weights is None:
             # Gathered on first use, once the loader has put the checkpoint's tensors in
-            # place (and laid them out); nothing replaces them after that.
+            # place (and laid them out), and again after a weight update.
             self._flat_weights = self._decode_weights()
         if not self._flat_weights:
             return None

@@ -52,6 +52,12 @@ from kernels.quant import (
     widen_to_q8_0,
 )
 from services.common.gguf_checkpoint import GGUF_FILE_KEY
+from services.engine.models.checkpoint_layout import (
+    SAFETENSORS_DTYPES,
+    CheckpointLayout,
+    Placement,
+    TensorSpec,
+)
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.gguf_weights import read_gguf
 from services.engine.models.linear import (
@@ -123,6 +129,9 @@ def load_model(
         return _model_tensor_name(name, renames, experts)
 
     state: dict[str, Weight]
+    # The way back from the model's parameters to the checkpoint's names, for live
+    # weight updates (services/engine/weights).
+    layout = CheckpointLayout(source="gguf" if hf_config.get(GGUF_FILE_KEY) else "safetensors")
     gguf_file = hf_config.get(GGUF_FILE_KEY)
     if quantization != "none" and (gguf_file or plan is not None):
         raise ValueError(
@@ -134,11 +143,12 @@ def load_model(
         state = read_gguf(Path(gguf_file), hf_config["model_type"], dtype, device, model_name,
                           plan, keep_quantized=lambda name: quantized and _linear_weight(name))
     else:
-        state = dict(_read_safetensors(folder, dtype, device, model_name, plan))
+        state = dict(_read_safetensors(folder, dtype, device, model_name, plan, layout.tensors))
     if experts is not None:
-        pack_experts(state, getattr(cls, "packed_experts", {}), experts)  # type: ignore[arg-type]
+        pack_experts(state, getattr(cls, "packed_experts", {}), experts,  # type: ignore[arg-type]
+                     layout.placements)
     # The fixed-logits stand-in has no projections, hence no packing to declare.
-    pack_projections(state, getattr(cls, "packed_projections", {}), dtype)
+    pack_projections(state, getattr(cls, "packed_projections", {}), dtype, layout.placements)
     if quantization == "int8":  # after packing: a fused weight's rows keep their scales
         quantize_linear_weights(model, state)
     kinds = place_quantized(model, state, dtype)
@@ -165,6 +175,7 @@ def load_model(
         kinds["tied head int8"] += 1
     else:
         model.tie_weights()
+    model.checkpoint_layout = layout
     if kinds:
         logger.info("quantized layers (%s): %s",
                     "int8 per output channel, quantized at load" if quantization == "int8"
@@ -274,7 +285,7 @@ def for_kernels(weight: QuantizedWeight) -> QuantizedWeight:
 
 def pack_projections(
     state: dict[str, Weight], packed: Mapping[str, Sequence[str]],
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, placements: dict[str, Placement] | None = None,
 ) -> None:
     """Replace, in `state`, each complete group of `packed` parts by their concatenation.
 
@@ -286,7 +297,7 @@ def pack_projections(
     blocks, which is exact; so do parts of Q4_0, Q5_0 and Q8_0 mixed, widened to Q8_0
     first (`widen_to_q8_0`, exact too); quantized parts of other mixed types stay a list of
     the parts (each keeps its blocks); parts mixed with float ones are dequantized into
-    `dtype` first.
+    `dtype` first. `placements` records the rows each part took in the fused tensor.
     """
     for fused, parts in packed.items():
         marker = f".{parts[0]}."
@@ -294,9 +305,28 @@ def pack_projections(
             prefix, suffix = name.rsplit(marker, 1)
             names = [f"{prefix}.{part}.{suffix}" for part in parts]
             if all(n in state for n in names):
+                fused_name = f"{prefix}.{fused}.{suffix}"
+                if placements is not None:
+                    _place_rows(placements, fused_name, names,
+                                [_num_rows(state[n]) for n in names])
                 # pop, so that each part is freed as soon as its group is packed.
-                state[f"{prefix}.{fused}.{suffix}"] = _concat([state.pop(n) for n in names],
-                                                               dtype)
+                state[fused_name] = _concat([state.pop(n) for n in names], dtype)
+
+
+def _num_rows(weight: Weight) -> int:
+    if isinstance(weight, torch.Tensor):
+        return weight.shape[0]
+    if isinstance(weight, QuantizedWeight):
+        return weight.out_features
+    return sum(w.out_features for w in weight)
+
+
+def _place_rows(placements: dict[str, Placement], param: str, names: Sequence[str],
+                rows: Sequence[int], *leading: int) -> None:
+    start = 0
+    for name, n in zip(names, rows, strict=True):
+        placements[name] = Placement(param, (*leading, slice(start, start + n)))
+        start += n
 
 
 def _concat(parts: list[Weight], dtype: torch.dtype | None) -> Weight:
@@ -335,7 +365,8 @@ def _model_tensor_name(
 
 
 def pack_experts(
-    state: dict[str, torch.Tensor], packed: Mapping[str, Sequence[str]], experts: range
+    state: dict[str, torch.Tensor], packed: Mapping[str, Sequence[str]], experts: range,
+    placements: dict[str, Placement] | None = None,
 ) -> None:
     """Replace, in `state`, each MoE layer's per-expert tensors by stacked ones.
 
@@ -343,13 +374,17 @@ def pack_experts(
     e.g. w13 to (gate_proj, up_proj): `*.experts.<e>.gate_proj.weight` and
     `*.experts.<e>.up_proj.weight` of every e in `experts` become `*.experts.w13`
     `[len(experts), 2I, H]`. An incomplete layer is left as it is, so that loading
-    names the missing tensors.
+    names the missing tensors. `placements` records each part's expert and rows.
     """
     prefixes = {m["prefix"] for name in state if (m := _EXPERT_TENSOR.match(name))}
     for prefix in sorted(prefixes):
         for stacked, parts in packed.items():
             names = [[f"{prefix}.experts.{e}.{part}.weight" for part in parts] for e in experts]
             if all(n in state for row in names for n in row):
+                if placements is not None:
+                    for local, row in enumerate(names):
+                        _place_rows(placements, f"{prefix}.experts.{stacked}", row,
+                                    [state[n].shape[0] for n in row], local)
                 state[f"{prefix}.experts.{stacked}"] = torch.stack(
                     [torch.cat([state.pop(n) for n in row]) for row in names]
                 )
@@ -361,7 +396,10 @@ def _read_safetensors(
     device: torch.device,
     model_name: Callable[[str], str | None] = lambda name: name,
     plan: ShardPlan | None = None,
+    specs: dict[str, TensorSpec] | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by the model's names (this rank's shards), in `dtype` on
+    `device`; `specs` records every tensor's full shape and stored dtype."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
@@ -373,13 +411,13 @@ def _read_safetensors(
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 ours = model_name(name)
+                part = f.get_slice(name)
+                shape = tuple(part.get_shape())
+                if specs is not None:
+                    specs[name] = TensorSpec(shape, SAFETENSORS_DTYPES[part.get_dtype()], ours)
                 if ours is None:
                     continue
-                if plan is None:
-                    tensor = f.get_tensor(name)
-                else:
-                    part = f.get_slice(name)
-                    tensor = plan.read(ours, part, tuple(part.get_shape()))
+                tensor = f.get_tensor(name) if plan is None else plan.read(ours, part, shape)
                 if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 state[ours] = tensor.to(device)

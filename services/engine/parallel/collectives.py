@@ -74,6 +74,22 @@ class Collectives:
         self._gloo.allgather([list(out.unbind(0))], [tensor.contiguous()]).wait()
         return out
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank `src`'s `tensor` on every rank, in place (every rank passes one of the same
+        shape and dtype); returns it."""
+        if not tensor.is_contiguous():
+            raise ValueError("broadcast needs a contiguous tensor (it fills it in place)")
+        if tensor.is_cuda:
+            if self._nccl is not None:
+                self._nccl.broadcast(tensor, src)
+            else:
+                tensor.copy_(self.broadcast(tensor.cpu(), src))
+            return tensor
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self._gloo.broadcast([tensor], options).wait()
+        return tensor
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
         if not tensor.is_contiguous():

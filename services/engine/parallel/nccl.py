@@ -59,3 +59,10 @@ class NcclCommunicator:
             tensor.data_ptr(), out.data_ptr(), tensor.numel(), _nccl_dtype(tensor.dtype),
             self._stream(tensor),
         )
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Rank `src`'s `tensor` into every rank's, in place."""
+        self._comm.broadcast(
+            tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), _nccl_dtype(tensor.dtype),
+            src, self._stream(tensor),
+        )

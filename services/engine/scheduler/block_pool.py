@@ -123,6 +123,17 @@ class BlockPool:
             self._events.cleared()
         return num_cached
 
+    def forget_hashes(self) -> int:
+        """Forget every cached block, held ones too, and return how many: their contents
+        no longer name what they hold (the weights that computed them changed). A held
+        block stays with its request, as a private block."""
+        num_cached = len(self._cached)
+        self._cached.clear()
+        self._hash_of.clear()
+        if self._events is not None:
+            self._events.cleared()
+        return num_cached
+
     def _evict(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id, None)
         if block_hash is not None:

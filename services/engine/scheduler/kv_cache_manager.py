@@ -20,6 +20,9 @@ from services.engine.request import Request
 from services.engine.scheduler.block_pool import BlockPool
 from services.engine.scheduler.kv_events import KvEventLog
 
+# A table's "already cached" mark past any length: its blocks are never published.
+_NEVER_CACHED = 1 << 62
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -145,6 +148,14 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Drop every cached block (none may be held); returns how many were dropped."""
         return self.pool.reset_cache()
+
+    def invalidate_prefix_cache(self) -> int:
+        """After a weight update: forget every cached block (held ones too) and keep the
+        requests that hold blocks from publishing any more of theirs, whose KV mixes the
+        old weights' with the new. Returns how many cached blocks were forgotten."""
+        for request_id in self._tables:
+            self._num_cached[request_id] = _NEVER_CACHED
+        return self.pool.forget_hashes()
 
     def _hash_up_to(self, request: Request, num_tokens: int) -> None:
         extend_block_hashes(request.block_hashes, request.token_slice, num_tokens,

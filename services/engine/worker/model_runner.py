@@ -29,10 +29,12 @@ from services.common.model_info import ModelInfo, load_model_info
 from services.common.sampling import SamplingParams
 from services.common.tiny_checkpoint import resolve_model
 from services.engine.models.attention_metadata import AttentionMetadata
+from services.engine.models.checkpoint_layout import CheckpointLayout
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import panels_of, quantized_blocks
 from services.engine.models.loader import load_model, torch_dtype
 from services.engine.models.protocol import CausalLM, GreedyDecoder
+from services.engine.parallel.collectives import Collectives
 from services.engine.parallel.dp_group import current_dp_group
 from services.engine.scheduler.output import (
     GrammarMask,
@@ -41,6 +43,9 @@ from services.engine.scheduler.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from services.engine.weights.sources import SourceSpec, open_source
+from services.engine.weights.staging import WeightStaging, WeightUpdateError
+from services.engine.weights.transfer_group import TransferGroupSpec, join_transfer_group
 from services.engine.worker.batch import (
     HostBatch,
     PromptRows,
@@ -140,6 +145,8 @@ class ModelRunner:
                                if followers is None and self._on_cpu
                                and isinstance(self.model, GreedyDecoder) else None)
         self._profiler: Profiler | None = None
+        self._staging: WeightStaging | None = None
+        self._transfer_group: Collectives | None = None
         logger.info(
             "model runner ready: %s on %s (%s, %d CPU threads), %d KV blocks of %d tokens",
             info.name, self.device, self.dtype, torch.get_num_threads(), self.num_blocks,
@@ -166,6 +173,52 @@ class ModelRunner:
 
     def rank_progress(self) -> list[int]:
         return []  # rank 0 of several reports through its TensorParallelExecutor
+
+    # ---- live weight updates (services/engine/weights) -----------------------------
+
+    def open_weight_update(self) -> None:
+        """Start staging an update (any earlier one not committed is dropped)."""
+        self._staging = WeightStaging(self.model, self._dtype, self._device)
+
+    def join_weight_transfer(self, spec: TransferGroupSpec) -> None:
+        """Join a trainer's weight-transfer group (blocks until every rank has); any thread.
+        A group joined before is dropped (its trainer may be gone)."""
+        self._transfer_group = None
+        tp = self.model.tp
+        self._transfer_group = join_transfer_group(
+            spec, tp.rank if tp is not None else 0, tp.world_size if tp is not None else 1,
+            self._device)
+
+    def stage_weights(self, spec: SourceSpec) -> dict[str, Any]:
+        """Check the source's announced tensors, then take them all; any thread (the model
+        serves on meanwhile). Raises WeightUpdateError (naming the tensor) for an update
+        that does not fit, after taking what the sender sends anyway."""
+        staging = self._staging
+        if staging is None:
+            raise WeightUpdateError("no weight update is open (start one first)")
+        source = open_source(spec, self._model_info.architectures, self._transfer_group)
+        try:
+            staging.check_all(source.wanted)
+        except WeightUpdateError:
+            source.drain()
+            raise
+        for name, tensor in source.tensors():
+            staging.add(name, tensor)
+        return {"num_tensors": staging.num_tensors, "num_bytes": staging.num_bytes}
+
+    def commit_weights(self) -> list[str]:
+        """Swap the staged tensors in; only between steps. Returns the parameters
+        replaced."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            raise WeightUpdateError("no weight update is open (start one first)")
+        return staging.commit()
+
+    def discard_weights(self) -> None:
+        self._staging = None
+
+    def weight_layout(self) -> CheckpointLayout | None:
+        return getattr(self.model, "checkpoint_layout", None)
 
     def limit_num_blocks(self, num_blocks: int) -> None:
         """Keep only the first `num_blocks` KV blocks: tensor-parallel ranks allocate

@@ -73,7 +73,7 @@ class UtilityCall(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., method: _Optional[str] = ..., args_json: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_result", "engine_state", "kv_cache_snapshot", "kv_cache_events")
+    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_result", "engine_state", "kv_cache_snapshot", "kv_cache_events", "weight_version")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_STATS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class SessionResponse(_message.Message):
     ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     scheduler_stats: SchedulerStats
@@ -90,7 +91,8 @@ class SessionResponse(_message.Message):
     engine_state: _common_pb2.EngineState
     kv_cache_snapshot: KvCacheSnapshot
     kv_cache_events: _containers.RepeatedCompositeFieldContainer[KvCacheEvent]
-    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_result: _Optional[_Union[UtilityResult, _Mapping]] = ..., engine_state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., kv_cache_snapshot: _Optional[_Union[KvCacheSnapshot, _Mapping]] = ..., kv_cache_events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_result: _Optional[_Union[UtilityResult, _Mapping]] = ..., engine_state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., kv_cache_snapshot: _Optional[_Union[KvCacheSnapshot, _Mapping]] = ..., kv_cache_events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class KvCacheSnapshot(_message.Message):
     __slots__ = ("epoch", "seq", "block_size", "block_hashes")
@@ -135,7 +137,7 @@ class CacheCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "num_cached_tokens", "error_code", "error_message", "new_logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "num_cached_tokens", "error_code", "error_message", "new_logprobs", "prompt_logprobs", "weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,7 @@ class RequestOutput(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -154,7 +157,8 @@ class RequestOutput(_message.Message):
     error_message: str
     new_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., new_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., new_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "step_counter", "prefix_cache_queries", "prefix_cache_hits")
@@ -187,7 +191,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetEngineInfoResponse(_message.Message):
-    __slots__ = ("engine_index", "model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "device", "state", "tensor_parallel_size")
+    __slots__ = ("engine_index", "model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "device", "state", "tensor_parallel_size", "weight_version")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +202,7 @@ class GetEngineInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     model: str
     max_model_len: int
@@ -208,4 +213,5 @@ class GetEngineInfoResponse(_message.Message):
     device: str
     state: _common_pb2.EngineState
     tensor_parallel_size: int
-    def __init__(self, engine_index: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, engine_index: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., tensor_parallel_size: _Optional[int] = ..., weight_version: _Optional[str] = ...) -> None: ...

@@ -121,3 +121,135 @@ class StopProfileResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[EngineResult]
     def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class IsPausedRequest(_message.Message):
+    __slots__ = ("engine_index",)
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
+
+class IsPausedResponse(_message.Message):
+    __slots__ = ("is_paused", "results")
+    IS_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    is_paused: bool
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, is_paused: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class UpdateWeightsFromDiskRequest(_message.Message):
+    __slots__ = ("path", "weight_version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    weight_version: str
+    def __init__(self, path: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsFromDiskResponse(_message.Message):
+    __slots__ = ("ok", "weight_version", "results")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    weight_version: str
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, ok: _Optional[bool] = ..., weight_version: _Optional[str] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class InitWeightTransferRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "timeout_s")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightTransferResponse(_message.Message):
+    __slots__ = ("ok", "results")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, ok: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class StartWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartWeightUpdateResponse(_message.Message):
+    __slots__ = ("ok", "results")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, ok: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class TensorShape(_message.Message):
+    __slots__ = ("dims",)
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("names", "dtype_names", "shapes", "shared_memory_path", "offsets")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    dtype_names: _containers.RepeatedScalarFieldContainer[str]
+    shapes: _containers.RepeatedCompositeFieldContainer[TensorShape]
+    shared_memory_path: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., dtype_names: _Optional[_Iterable[str]] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., shared_memory_path: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("ok", "results")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, ok: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class FinishWeightUpdateRequest(_message.Message):
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+
+class FinishWeightUpdateResponse(_message.Message):
+    __slots__ = ("ok", "weight_version", "results")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    weight_version: str
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, ok: _Optional[bool] = ..., weight_version: _Optional[str] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class AbortWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortWeightUpdateResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class GetWeightInfoRequest(_message.Message):
+    __slots__ = ("engine_index",)
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
+
+class GetWeightInfoResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...

@@ -68,6 +68,46 @@ class AdminServiceStub:
                 request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileRequest.SerializeToString,
                 response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileResponse.FromString,
                 _registered_method=True)
+        self.IsPaused = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/IsPaused',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsPausedRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsPausedResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromDisk = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/UpdateWeightsFromDisk',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsFromDiskResponse.FromString,
+                _registered_method=True)
+        self.InitWeightTransfer = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/InitWeightTransfer',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.InitWeightTransferRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.InitWeightTransferResponse.FromString,
+                _registered_method=True)
+        self.StartWeightUpdate = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/StartWeightUpdate',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartWeightUpdateRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/UpdateWeights',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.FinishWeightUpdate = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/FinishWeightUpdate',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.FinishWeightUpdateRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.FinishWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.AbortWeightUpdate = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/AbortWeightUpdate',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortWeightUpdateRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.GetWeightInfo = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/GetWeightInfo',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -121,6 +161,73 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IsPaused(self, request, context):
+        """Whether each engine is paused, and in which mode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromDisk(self, request, context):
+        """Live weight updates (the rollout engine of RL trainers). An update is atomic:
+        tensors are staged beside the serving weights on every engine (and every
+        tensor-parallel rank), and only when all have them does each engine swap them in,
+        between two steps, all engines at one moment (held, switched, released). Any
+        failure before that drops the update everywhere: the engines serve on the old
+        weights and version. Every output then carries the new weight_version.
+
+        One call: a safetensors checkpoint folder (all of the model's tensors or some).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightTransfer(self, request, context):
+        """Join the trainer's weight-transfer group (gloo on CPU, NCCL on CUDA); returns
+        once every rank joined. Each engine's ranks take consecutive ranks from
+        rank_offset on, engines in index order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartWeightUpdate(self, request, context):
+        """Open an update on every engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeights(self, request, context):
+        """Receive tensors into the open update: broadcast by the trainer over the group, or
+        from a shared-memory file. Returns once they all arrived (or the update failed).
+        May be called several times per update (chunks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishWeightUpdate(self, request, context):
+        """Swap the received tensors in, on every engine at once, as weight_version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortWeightUpdate(self, request, context):
+        """Drop the open update everywhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightInfo(self, request, context):
+        """Each engine's weight version and update state, as JSON.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +260,46 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.StopProfile,
                     request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileRequest.FromString,
                     response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileResponse.SerializeToString,
+            ),
+            'IsPaused': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsPaused,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsPausedRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsPausedResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromDisk': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromDisk,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsFromDiskRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsFromDiskResponse.SerializeToString,
+            ),
+            'InitWeightTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightTransfer,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.InitWeightTransferRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.InitWeightTransferResponse.SerializeToString,
+            ),
+            'StartWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartWeightUpdate,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartWeightUpdateRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartWeightUpdateResponse.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'FinishWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishWeightUpdate,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.FinishWeightUpdateRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.FinishWeightUpdateResponse.SerializeToString,
+            ),
+            'AbortWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortWeightUpdate,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortWeightUpdateRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortWeightUpdateResponse.SerializeToString,
+            ),
+            'GetWeightInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightInfo,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -321,6 +468,222 @@ class AdminService:
             '/corestream.generate.v1.AdminService/StopProfile',
             corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileRequest.SerializeToString,
             corestream_dot_generate_dot_v1_dot_admin__service__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsPaused(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/IsPaused',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsPausedRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsPausedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDisk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/UpdateWeightsFromDisk',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsFromDiskRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsFromDiskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/InitWeightTransfer',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.InitWeightTransferRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.InitWeightTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/StartWeightUpdate',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartWeightUpdateRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.StartWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/UpdateWeights',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/FinishWeightUpdate',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.FinishWeightUpdateRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.FinishWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/AbortWeightUpdate',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortWeightUpdateRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/GetWeightInfo',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,183 @@
+"""WeightStaging: a live update's tensors, checked and held beside the serving weights
+until the update commits, then swapped in between two steps.
+
+An update names tensors as the checkpoint does (the model's `CheckpointLayout`). Each
+is checked against the checkpoint's spec (known name, same shape, a floating dtype),
+cut to this rank's tensor-parallel shard, converted to the model's dtype and device,
+and kept; the serving weights are not touched until `commit`. That builds every
+changed parameter anew first (a fused one from its current values with the new rows
+written in) and only then swaps them all in, so an update that fails anywhere before
+the swap leaves the model exactly as it was. Linear weights get their CPU layout again
+(oneDNN packing, panels), a tied head its own panels, and the C++ decode op is bound
+anew to the new tensors on its next call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.engine.models.checkpoint_layout import CheckpointLayout, TensorSpec
+from services.engine.models.linear import (
+    Linear,
+    has_quantized_layers,
+    lay_out_linear,
+    plain_weight,
+)
+from services.engine.models.tp_sharding import ShardPlan
+
+logger = logging.getLogger(__name__)
+
+# Precomputed RoPE tables of old checkpoints: ours come from the config (the loader
+# skips them too).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightUpdateError(ValueError):
+    """An update the model cannot take; the message names the tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class WantedTensor:
+    """One tensor an update announces: its checkpoint name, dtype and full shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def why_not_updatable(model: nn.Module) -> str:
+    """Why `model`'s weights cannot be updated live; "" when they can."""
+    layout: CheckpointLayout | None = getattr(model, "checkpoint_layout", None)
+    if layout is None or not layout.tensors:
+        return (f"{type(model).__name__} records no checkpoint layout: its weights were not "
+                "read from a safetensors checkpoint")
+    if layout.source == "gguf":
+        return ("the weights come from a GGUF file; live updates take a safetensors "
+                "checkpoint's tensors (serve one in Hugging Face layout to update it)")
+    if has_quantized_layers(model):
+        return ("the linear weights are quantized (int8); live updates replace float "
+                "weights (serve without --quantization to update them)")
+    return ""
+
+
+class WeightStaging:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        why = why_not_updatable(model)
+        if why:
+            raise WeightUpdateError(f"this engine cannot update its weights: {why}")
+        self._model = model
+        self._layout: CheckpointLayout = model.checkpoint_layout
+        self._dtype = dtype
+        self._device = device
+        tp = getattr(model, "tp", None)
+        self._plan = (ShardPlan(model.config, tp.rank, tp.world_size)  # type: ignore[arg-type]
+                      if tp is not None else None)
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+        self._staged: dict[str, torch.Tensor] = {}
+        self.num_tensors = 0
+        """Checkpoint tensors taken so far (this rank's share of each)."""
+        self.num_bytes = 0
+        """Bytes of those tensors as they arrived (full, before sharding)."""
+
+    def check(self, wanted: WantedTensor) -> TensorSpec | None:
+        """The spec of a tensor the update may carry; None for one it may carry but that
+        changes nothing here (a RoPE table, a tied head, another rank's experts).
+        Raises WeightUpdateError for one the model does not have or that does not fit."""
+        name = wanted.name
+        if name.endswith(_IGNORED_SUFFIXES) or (self._tied and name == "lm_head.weight"):
+            return None
+        spec = self._layout.tensors.get(name)
+        if spec is None:
+            examples = ", ".join(list(self._layout.tensors)[:3])
+            raise WeightUpdateError(
+                f"tensor {name!r}: the model has no such tensor (its checkpoint has "
+                f"{len(self._layout.tensors)}, e.g. {examples})")
+        if wanted.shape != spec.shape:
+            raise WeightUpdateError(
+                f"tensor {name!r}: shape {list(wanted.shape)} differs from the checkpoint's "
+                f"{list(spec.shape)}")
+        if not wanted.dtype.is_floating_point:
+            raise WeightUpdateError(
+                f"tensor {name!r}: dtype {str(wanted.dtype).removeprefix('torch.')} is not "
+                f"a floating-point type (the checkpoint stores "
+                f"{str(spec.dtype).removeprefix('torch.')})")
+        return spec if spec.model_name is not None else None
+
+    def check_all(self, wanted: Iterable[WantedTensor]) -> None:
+        """Check a whole announced update before any of it arrives."""
+        for tensor in wanted:
+            self.check(tensor)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Take one checkpoint tensor (copied: the caller may reuse its buffer)."""
+        spec = self.check(WantedTensor(name, tensor.dtype, tuple(tensor.shape)))
+        self.num_tensors += 1
+        self.num_bytes += tensor.numel() * tensor.element_size()
+        if spec is None:
+            return
+        ours = spec.model_name
+        assert ours is not None
+        with torch.inference_mode():
+            shard = tensor if self._plan is None else self._plan.read(ours, tensor, spec.shape)
+            shard = shard.to(device=self._device, dtype=self._dtype, copy=True)
+        placement = self._layout.placement(ours)
+        param = self._params.get(placement.param)
+        if param is None:
+            raise WeightUpdateError(f"tensor {name!r}: its parameter {placement.param!r} "
+                                    "is not in the model")
+        target = torch.empty(param.shape, device="meta")[placement.index].shape
+        if shard.shape != target:
+            raise WeightUpdateError(
+                f"tensor {name!r}: this rank's part has shape {list(shard.shape)}, where "
+                f"{placement.param} takes {list(target)}")
+        self._staged[ours] = shard
+
+    def commit(self) -> list[str]:
+        """Swap every staged tensor into the model; returns the parameters replaced.
+        Call it between steps, with no forward running."""
+        pieces: dict[str, list[tuple[tuple[int | slice, ...], torch.Tensor]]] = {}
+        for ours, shard in self._staged.items():
+            placement = self._layout.placement(ours)
+            pieces.setdefault(placement.param, []).append((placement.index, shard))
+        with torch.inference_mode():
+            values = {param: self._new_value(param, parts) for param, parts in pieces.items()}
+            for param, value in values.items():
+                self._assign(param, value)
+            embedding = "model.embed_tokens.weight"
+            if self._tied and embedding in values:
+                self._model.tie_weights()
+                head = self._model.lm_head
+                if isinstance(head, Linear) and head.weight.device.type == "cpu":
+                    lay_out_linear(head, tied=True)
+        self._model.model.forget_decode_op()
+        self._staged.clear()
+        return sorted(values)
+
+    def _new_value(self, param: str, parts: list[tuple[tuple[int | slice, ...], torch.Tensor]]
+                   ) -> torch.Tensor:
+        whole = [shard for index, shard in parts if index == ()]
+        if whole:
+            return whole[-1]
+        module_name, _, attr = param.rpartition(".")
+        module = self._model.get_submodule(module_name)
+        current = (plain_weight(module) if isinstance(module, Linear) and attr == "weight"
+                   else getattr(module, attr).detach())
+        value = current.clone()
+        for index, shard in parts:
+            value[index] = shard
+        return value
+
+    def _assign(self, param: str, value: torch.Tensor) -> None:
+        module_name, _, attr = param.rpartition(".")
+        module = self._model.get_submodule(module_name)
+        setattr(module, attr, nn.Parameter(value, requires_grad=False))
+        if isinstance(module, Linear) and attr == "weight":
+            module.panels = None
+            if value.device.type == "cpu":
+                lay_out_linear(module)
