@@ -6,19 +6,10 @@ import math
 from dataclasses import dataclass
 
 from services.common.config import doc
+from services.common.weight_version import check_weight_version
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-MAX_WEIGHT_VERSION_CHARS = 128
-
-
-def check_weight_version(version: str, field: str) -> None:
-    """A weight version is 1-128 printable characters (it goes on every output)."""
-    if not version or len(version) > MAX_WEIGHT_VERSION_CHARS or not version.isprintable():
-        raise ValueError(f"{field} must be 1-{MAX_WEIGHT_VERSION_CHARS} printable characters, "
-                         f"got {version!r}")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """The public AdminService: operator calls fanned out to the engines as utility calls.
 
+Live weight updates go through `weight_sync.WeightSync`, which makes them atomic
+across the engines (staged everywhere, then switched everywhere at once).
+
 Each RPC picks the engines (all those the balancer knows, or the one whose DP rank
 the request names), sends the utility over each engine's Session concurrently and
 returns one EngineResult per engine. One engine failing, refusing or not answering
@@ -13,22 +16,22 @@ as a failed result of its own: it is gone for good, not merely slow to answer.
 
 from __future__ import annotations
 
-import asyncio
+import json
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
 
 from services.common.restart_status import PartStatus, read_status
+from services.common.weight_version import check_weight_version
 from services.frontend.errors import RequestError
 from services.frontend.routing.balancer import Balancer
-from services.frontend.routing.engine_client import EngineClient
+from services.frontend.weight_sync import UTILITY_TIMEOUT_S, WeightSync, all_ok, result_json
 
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
-# Utilities run between two steps, so an engine normally answers within one step.
-UTILITY_TIMEOUT_S = 10.0
 
 _PAUSE_MODES = {
     admin_pb2.PAUSE_MODE_UNSPECIFIED: "wait",
@@ -36,6 +39,16 @@ _PAUSE_MODES = {
     admin_pb2.PAUSE_MODE_WAIT: "wait",
     admin_pb2.PAUSE_MODE_KEEP: "keep",
 }
+
+
+T = TypeVar("T")
+
+
+class _VersionCarrier(Protocol):
+    def HasField(self, field_name: str) -> bool: ...  # noqa: N802 (protobuf API)
+
+    @property
+    def weight_version(self) -> str: ...
 
 
 class _EngineFilter(Protocol):
@@ -47,9 +60,10 @@ class _EngineFilter(Protocol):
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(self, balancer: Balancer, timeout_s: float = UTILITY_TIMEOUT_S,
-                 restart_status_file: str = "") -> None:
+                 restart_status_file: str = "", weight_sync: WeightSync | None = None) -> None:
         self._balancer = balancer
         self._timeout_s = timeout_s
+        self._sync = weight_sync or WeightSync(balancer, timeout_s)
         self._restart_status = Path(restart_status_file) if restart_status_file else None
 
     async def ResetPrefixCache(  # noqa: N802 (gRPC method name)
@@ -103,41 +117,105 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         results = await self._call_all(request, context, "profile", {"action": "stop"})
         return admin_pb2.StopProfileResponse(results=results)
 
+    async def IsPaused(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.IsPausedRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.IsPausedResponse:
+        stats = await self._call_all(request, context, "get_stats", {})
+        results = [admin_pb2.EngineResult(
+            engine_index=r.engine_index, address=r.address, ok=r.ok, code=r.code,
+            message=r.message, result_json=json.dumps(
+                {"paused": result_json(r).get("paused")}) if r.ok else "") for r in stats]
+        return admin_pb2.IsPausedResponse(
+            results=results,
+            is_paused=all_ok(results) and all(result_json(r)["paused"] for r in results))
+
+    # ---- live weight updates (weight_sync.py) ------------------------------------
+
+    async def UpdateWeightsFromDisk(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.UpdateWeightsFromDiskRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> admin_pb2.UpdateWeightsFromDiskResponse:
+        if not request.path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "path is required (a folder of *.safetensors files)")
+        version = await self._version(request, context)
+        results, served = await self._weights(context, self._sync.update_from_disk(
+            request.path, version))
+        return admin_pb2.UpdateWeightsFromDiskResponse(ok=all_ok(results), results=results,
+                                                       weight_version=served)
+
+    async def InitWeightTransfer(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.InitWeightTransferRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.InitWeightTransferResponse:
+        results = await self._weights(context, self._sync.init_transfer(
+            request.master_address, request.master_port, request.rank_offset,
+            request.world_size, request.timeout_s if request.HasField("timeout_s") else None))
+        return admin_pb2.InitWeightTransferResponse(ok=all_ok(results), results=results)
+
+    async def StartWeightUpdate(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.StartWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.StartWeightUpdateResponse:
+        results = await self._weights(context, self._sync.start())
+        return admin_pb2.StartWeightUpdateResponse(ok=all_ok(results), results=results)
+
+    async def UpdateWeights(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.UpdateWeightsResponse:
+        args: dict[str, Any] = {
+            "source": "shared_memory" if request.shared_memory_path else "broadcast",
+            "names": list(request.names), "dtype_names": list(request.dtype_names),
+            "shapes": [list(s.dims) for s in request.shapes]}
+        if request.shared_memory_path:
+            args.update(path=request.shared_memory_path, offsets=list(request.offsets))
+        results = await self._weights(context, self._sync.stage(args))
+        return admin_pb2.UpdateWeightsResponse(ok=all_ok(results), results=results)
+
+    async def FinishWeightUpdate(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.FinishWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.FinishWeightUpdateResponse:
+        version = await self._version(request, context)
+        results, served = await self._weights(context, self._sync.finish(version))
+        return admin_pb2.FinishWeightUpdateResponse(ok=all_ok(results), results=results,
+                                                    weight_version=served)
+
+    async def AbortWeightUpdate(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.AbortWeightUpdateRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AbortWeightUpdateResponse:
+        return admin_pb2.AbortWeightUpdateResponse(
+            results=await self._weights(context, self._sync.abort()))
+
+    async def GetWeightInfo(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.GetWeightInfoRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetWeightInfoResponse:
+        return admin_pb2.GetWeightInfoResponse(
+            results=await self._call_all(request, context, "weights_info", {}))
+
+    async def _weights(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+        try:
+            return await work
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+            raise  # not reached: abort raises
+
+    @staticmethod
+    async def _version(request: _VersionCarrier, context: grpc.aio.ServicerContext
+                       ) -> str | None:
+        if not request.HasField("weight_version"):
+            return None
+        try:
+            check_weight_version(request.weight_version, "weight_version")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return request.weight_version
+
     async def _call_all(self, request: _EngineFilter, context: grpc.aio.ServicerContext,
                         method: str, args: dict[str, Any]) -> list[admin_pb2.EngineResult]:
-        clients = [c for c in self._balancer.clients if c.connected]
-        if request.HasField("engine_index"):
-            clients = [c for c in clients if c.engine_index == request.engine_index]
-            if not clients:
-                await context.abort(grpc.StatusCode.NOT_FOUND,
-                                    f"no connected engine has index {request.engine_index}")
-        if not clients:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no engine is connected")
-        results = await asyncio.gather(*(self._call_one(c, method, args) for c in clients))
-        return sorted(results, key=lambda r: r.engine_index)
-
-    async def _call_one(self, client: EngineClient, method: str,
-                        args: dict[str, Any]) -> admin_pb2.EngineResult:
-        result = admin_pb2.EngineResult(engine_index=client.engine_index or 0,
-                                        address=client.address)
+        engine_index = request.engine_index if request.HasField("engine_index") else None
         try:
-            outcome = await client.call_utility(method, args, self._timeout_s)
-        except TimeoutError:
-            result.code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-            result.message = (f"{client.name} did not answer {method!r} within "
-                              f"{self._timeout_s:g} s")
-            return result
+            clients = self._sync.clients(engine_index)
         except RequestError as e:
-            result.code = e.code.value[0]
-            result.message = e.message
-            return result
-        if outcome.failure_message:
-            result.code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
-            result.message = outcome.failure_message
-        else:
-            result.ok = True
-            result.result_json = outcome.result_json
-        return result
+            await context.abort(e.code, e.message)
+        return await self._sync.call(clients, method, args, self._timeout_s)
 
 
 def _given_up_result(part: PartStatus) -> admin_pb2.EngineResult:

@@ -22,6 +22,10 @@ async def collect_generate(
         texts.setdefault(chunk.index, []).append(chunk.text)
         completion.token_ids.extend(chunk.token_ids)
         completion.logprobs.extend(chunk.logprobs)
+        if chunk.token_ids and chunk.weight_version:
+            completion.first_weight_version = (completion.first_weight_version
+                                               or chunk.weight_version)
+            completion.weight_version = chunk.weight_version
         response.prompt_logprobs.extend(chunk.prompt_logprobs)
         response.warnings.extend(chunk.warnings)
         if chunk.finish_reason:
@@ -50,6 +54,9 @@ async def collect_chat(
         content.append(delta.content)
         reasoning.append(delta.reasoning)
         choice.logprobs.extend(delta.logprobs)
+        if delta.weight_version:
+            choice.first_weight_version = choice.first_weight_version or delta.weight_version
+            choice.weight_version = delta.weight_version
         for call in delta.tool_calls:
             if call.id:  # a call's first delta
                 choice.tool_calls.add(id=call.id, name=call.name)

@@ -92,6 +92,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             degraded=self._balancer.degraded,
             tensor_parallel_size=self._balancer.tensor_parallel_size,
             engines_given_up=given_up_engines(self._config.restart_status_file),
+            weight_version=self._balancer.weight_version,
         )
         if model.bos_token_id is not None:
             response.bos_token_id = model.bos_token_id

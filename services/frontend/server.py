@@ -50,6 +50,7 @@ from services.frontend.routing.load_watcher import LoadWatcher
 from services.frontend.routing.policies import RoutingPolicy
 from services.frontend.routing.prefix_index import PrefixIndex
 from services.frontend.tokenizer import TextTokenizer
+from services.frontend.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class FrontendServer:
             if policy is RoutingPolicy.CACHE_AWARE else None,
             prefill_tokens_per_request=config.prefill_tokens_per_request,
         )
+        self._weight_sync = WeightSync(self.balancer)
         self._model = model
         self._pipeline = Pipeline(config, tokenizer, model, self.balancer, self.observability)
         self._servicer = GenerateServicer(config, self._pipeline, tokenizer, model,
@@ -113,7 +115,8 @@ class FrontendServer:
         chat_pb2_grpc.add_ChatServiceServicer_to_server(self._chat, server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             admin.AdminServicer(self.balancer,
-                                restart_status_file=self._config.restart_status_file), server)
+                                restart_status_file=self._config.restart_status_file,
+                                weight_sync=self._weight_sync), server)
         self._health = await add_aio_health_and_reflection(
             server, [generate_service.SERVICE_NAME, chat_service.SERVICE_NAME,
                      admin.SERVICE_NAME],
@@ -123,8 +126,9 @@ class FrontendServer:
         address = host_port(self._config.host, self._config.port)
         self.port = bind(server, address, self._security)
         if self._config.http_port >= 0:
-            # The HTTP API serves no admin calls: any key the gRPC API takes is good there.
-            http_api = self._http_api(frozenset(api_keys + admin_keys))
+            # Any key the gRPC API takes is good for the HTTP API; its RL routes (pause,
+            # weight updates) need an admin key where there are any, as AdminService does.
+            http_api = self._http_api(frozenset(api_keys + admin_keys), frozenset(admin_keys))
             self._http = HttpServer(http_api, self._config.host, self._config.http_port,
                                     self._security)
         await server.start()
@@ -165,14 +169,16 @@ class FrontendServer:
             await self._watcher.close()
         await self.balancer.close()
 
-    def _http_api(self, keys: frozenset[bytes]) -> OpenAIApi:
+    def _http_api(self, keys: frozenset[bytes], admin_keys: frozenset[bytes]) -> OpenAIApi:
         config = self._config
         names = tuple(dict.fromkeys(n for n in (config.served_model_name, self._model.name,
                                                 self._model.path) if n))
         settings = HttpSettings(model_names=names, max_model_len=self._model.max_model_len,
-                                max_body_bytes=config.max_message_bytes, api_keys=keys)
+                                max_body_bytes=config.max_message_bytes, api_keys=keys,
+                                admin_keys=admin_keys)
         return OpenAIApi(settings, self._pipeline, self._answering,
-                         lambda: self.balancer.ready, self.observability.registry)
+                         lambda: self.balancer.ready, self.observability.registry,
+                         self._weight_sync)
 
     async def _wait_until_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

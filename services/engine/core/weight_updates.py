@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from services.common.weight_version import check_weight_version, next_version
 from services.engine.executor.protocol import Executor
 from services.engine.scheduler.scheduler import Scheduler
 from services.engine.weights.sources import SOURCE_KINDS, SourceSpec, wanted_tensors
@@ -37,12 +38,6 @@ from services.engine.weights.transfer_group import TransferGroupSpec
 logger = logging.getLogger(__name__)
 
 Result = dict[str, Any]
-
-
-def next_version(version: str) -> str:
-    """The version an update gets when it names none: a number counts up, anything else
-    gets "+1" appended."""
-    return str(int(version) + 1) if version.isdigit() else f"{version}+1"
 
 
 class WeightUpdates:
@@ -78,6 +73,7 @@ class WeightUpdates:
 
     def info(self, args: dict[str, Any]) -> Result:
         return {"weight_version": self.version, "update": self._phase(),
+                "tensor_parallel_size": self._executor.tensor_parallel_size,
                 "num_updates": self.num_updates, "last_update_s": self.last_update_s,
                 "held": self.held,
                 "transfer_group": (None if self._group is None else {
@@ -160,6 +156,7 @@ class WeightUpdates:
             raise WeightUpdateError("the update is already committing")
         version = args.get("weight_version")
         version = next_version(self.version) if version in (None, "") else str(version)
+        check_weight_version(version, "weight_version")
         future: Future[Result] = Future()
         self._commit = (future, version)
         return future

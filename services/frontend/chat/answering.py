@@ -132,7 +132,7 @@ class ChatAnswering:
         response = chat_pb2.ChatStreamResponse(
             request_id=chunk.request_id, index=chunk.index, content=delta.content,
             reasoning=delta.reasoning, finish_reason=finish_reason, logprobs=chunk.logprobs,
-            warnings=chunk.warnings,
+            warnings=chunk.warnings, weight_version=chunk.weight_version,
             tool_calls=[chat_pb2.ToolCallDelta(index=d.index, id=d.id or "", name=d.name or "",
                                                arguments=d.arguments)
                         for d in delta.tool_calls],

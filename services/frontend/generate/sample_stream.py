@@ -64,6 +64,7 @@ class SampleStream:
         chunk = generate_pb2.GenerateStreamResponse(
             request_id=request_id, index=self.index, text=text, token_ids=token_ids,
             logprobs=with_token_text(self._tokenizer, output.new_logprobs),
+            weight_version=output.weight_version,
         )
         if stop is not None:
             self.stopped_by_string = True

@@ -5,7 +5,8 @@ request protos the gRPC API takes and run them on the same request path (pipelin
 and, for chat, chat/answering.py: validation, limits, routing, telemetry, abort), in
 process: no loopback gRPC call.
 Errors come back in OpenAI's shape with the HTTP status matching the gRPC code.
-`/health` and `/metrics` (the frontend's Prometheus registry) sit beside the API.
+`/health` and `/metrics` (the frontend's Prometheus registry) sit beside the API, and
+vLLM's routes for RL trainers (pause, resume, live weight updates: rl_routes.py).
 
 Starlette serves it under uvicorn, on the frontend's own event loop. A client that
 disconnects cancels its request's task, which aborts the request in the engine.
@@ -52,6 +53,7 @@ from services.frontend.openai_api.http_errors import (
     http_exception,
     internal_error,
 )
+from services.frontend.openai_api.rl_routes import RlRoutes
 from services.frontend.openai_api.schemas import (
     CHAT_NAMES,
     COMPLETION_NAMES,
@@ -63,6 +65,7 @@ from services.frontend.openai_api.schemas import (
     completion_requests,
 )
 from services.frontend.pipeline import Pipeline
+from services.frontend.weight_sync import WeightSync
 
 T = TypeVar("T")
 
@@ -77,12 +80,15 @@ class HttpSettings:
     max_body_bytes: int
     api_keys: frozenset[bytes]
     """Empty: no authentication."""
+    admin_keys: frozenset[bytes] = frozenset()
+    """Keys the RL routes (rl_routes.py) take when there are any; else those take the
+    API keys, as the gRPC AdminService does."""
 
 
 class OpenAIApi:
     def __init__(self, settings: HttpSettings, pipeline: Pipeline,
                  chat: ChatAnswering, is_ready: Callable[[], bool],
-                 registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry, weight_sync: WeightSync | None = None) -> None:
         self._settings = settings
         self._pipeline = pipeline
         self._chat = chat
@@ -96,6 +102,8 @@ class OpenAIApi:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
+                *(RlRoutes(weight_sync, self._authenticate_admin).routes()
+                  if weight_sync is not None else []),
             ],
             middleware=[Middleware(RequestIds)],
             exception_handlers={HTTPException: http_exception, Exception: internal_error},
@@ -230,8 +238,14 @@ class OpenAIApi:
             yield responses.usage_chunk(usage, id=rid, model=self.model, created=created,
                                         object="chat.completion.chunk")
 
-    def _authenticate(self, request: Request) -> None:
-        keys = self._settings.api_keys
+    def _authenticate_admin(self, request: Request) -> None:
+        admin_keys = self._settings.admin_keys
+        self._authenticate(request, admin_keys or self._settings.api_keys,
+                           "an admin key" if admin_keys else "a valid API key")
+
+    def _authenticate(self, request: Request, keys: frozenset[bytes] | None = None,
+                      what: str = "a valid API key") -> None:
+        keys = self._settings.api_keys if keys is None else keys
         if not keys:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -239,7 +253,7 @@ class OpenAIApi:
         # Compared in constant time, as the gRPC interceptor does.
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in keys):
             raise RequestError(grpc.StatusCode.UNAUTHENTICATED,
-                               "a valid API key is required: 'Authorization: Bearer <key>'",
+                               f"{what} is required: 'Authorization: Bearer <key>'",
                                reason="UNAUTHENTICATED")
 
     async def _body(self, request: Request, schema: type[T]) -> T:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from corestream.common.v1 import common_pb2
 from corestream.generate.v1 import chat_service_pb2 as chat_pb2
@@ -69,6 +69,11 @@ def sum_usage(usages: Iterable[common_pb2.Usage]) -> common_pb2.Usage:
         total.completion_tokens += usage.completion_tokens
         total.cached_tokens += usage.cached_tokens
     return total
+
+
+class _Versioned(Protocol):
+    @property
+    def weight_version(self) -> str: ...
 
 
 def _stop_reason(message: _StopCarrier) -> str | int | None:
@@ -161,8 +166,9 @@ def completion_chunk(
     }
     if token_ids:
         choice["token_ids"] = list(chunk.token_ids)
-    return _with_warnings({"id": id, "object": "text_completion", "created": created,
-                           "model": model, "choices": [choice]}, chunk.warnings)
+    return _with_warnings(_with_version({"id": id, "object": "text_completion",
+                                         "created": created, "model": model,
+                                         "choices": [choice]}, [chunk]), chunk.warnings)
 
 
 def completion_response(
@@ -190,9 +196,10 @@ def completion_response(
             choice["prompt_logprobs"] = (prompt_logprobs_json(positions)
                                          if positions is not None else None)
         choices.append(choice)
-    return _with_warnings({"id": id, "object": "text_completion", "created": created,
-                           "model": model, "choices": choices, "usage": usage_json(usage)},
-                          warnings)
+    return _with_warnings(_with_version(
+        {"id": id, "object": "text_completion", "created": created, "model": model,
+         "choices": choices, "usage": usage_json(usage)}, [c for _, c in completions]),
+        warnings)
 
 
 def chat_logprobs(positions: Positions) -> Json:
@@ -234,8 +241,9 @@ def chat_chunk(
         "logprobs": chat_logprobs(chunk.logprobs) if chunk.logprobs else None,
         "finish_reason": CHAT_FINISH_REASONS.get(chunk.finish_reason),
     }
-    return _with_warnings({"id": id, "object": "chat.completion.chunk", "created": created,
-                           "model": model, "choices": [choice]}, chunk.warnings)
+    return _with_warnings(_with_version({"id": id, "object": "chat.completion.chunk",
+                                         "created": created, "model": model,
+                                         "choices": [choice]}, [chunk]), chunk.warnings)
 
 
 def usage_chunk(usage: common_pb2.Usage, *, id: str, model: str, created: int,
@@ -279,9 +287,26 @@ def chat_response(
         }
         for choice in sorted(response.choices, key=lambda c: c.index)
     ]
-    return _with_warnings({"id": id, "object": "chat.completion", "created": created,
-                           "model": model, "choices": choices,
-                           "usage": usage_json(response.usage)}, response.warnings)
+    return _with_warnings(_with_version(
+        {"id": id, "object": "chat.completion", "created": created, "model": model,
+         "choices": choices, "usage": usage_json(response.usage)}, response.choices),
+        response.warnings)
+
+
+def _with_version(body: Json, parts: Sequence[_Versioned]) -> Json:
+    """`metadata.weight_version` (SGLang's place for it): the version of the weights that
+    produced the body's tokens; with `first_weight_version` too where a sample began on
+    other weights (a live update while it ran)."""
+    last = next((p.weight_version for p in reversed(parts) if p.weight_version), "")
+    if not last:
+        return body
+    metadata: Json = {"weight_version": last}
+    firsts = [p.first_weight_version for p in parts
+              if getattr(p, "first_weight_version", "")]
+    if firsts and firsts[0] != last:
+        metadata["first_weight_version"] = firsts[0]
+    body["metadata"] = metadata
+    return body
 
 
 def _with_warnings(body: Json, warnings: Sequence[str]) -> Json:

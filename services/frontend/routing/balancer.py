@@ -159,6 +159,14 @@ class Balancer:
         engines, engines too old to report it)."""
         return max((e.tensor_parallel_size for e in self._loads.values()), default=0)
 
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights the connected engines serve; several, sorted and
+        comma-separated, while an update is switching them; "" before any engine said."""
+        versions = sorted({c.weight_version for c in self.clients
+                           if c.connected and c.weight_version})
+        return ",".join(versions)
+
     async def set_static(self, addresses: Iterable[str]) -> None:
         await self._apply([EngineLoadInfo(a, routable=True, alive=True) for a in addresses])
         self._has_load_figures = False

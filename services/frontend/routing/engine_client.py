@@ -109,6 +109,7 @@ class EngineClient:
         self._channel: grpc.aio.Channel | None = None
         self._call_ids = itertools.count(1)
         self._utility_calls: dict[int, asyncio.Future[UtilityOutcome]] = {}
+        self._weight_version = ""
 
     @property
     def connected(self) -> bool:
@@ -305,7 +306,14 @@ class EngineClient:
                         f"requests in flight (limit {self._watchdog_timeout_s:g} s); "
                         "treating the engine as dead")
 
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights the engine serves, as of its latest message."""
+        return self._weight_version
+
     def _on_response(self, response: engine_pb2.SessionResponse) -> None:
+        if response.weight_version:
+            self._weight_version = response.weight_version
         if response.HasField("utility_result"):
             result = response.utility_result
             future = self._utility_calls.pop(result.call_id, None)

@@ -185,23 +185,27 @@ class ChatResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[ChatChoice, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ChatChoice(_message.Message):
-    __slots__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "logprobs")
+    __slots__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "logprobs", "first_weight_version", "weight_version")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     index: int
     content: str
     reasoning: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     finish_reason: ChatFinishReason
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
-    def __init__(self, index: _Optional[int] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., finish_reason: _Optional[_Union[ChatFinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ...) -> None: ...
+    first_weight_version: str
+    weight_version: str
+    def __init__(self, index: _Optional[int] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., finish_reason: _Optional[_Union[ChatFinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., first_weight_version: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class ChatStreamResponse(_message.Message):
-    __slots__ = ("request_id", "index", "content", "reasoning", "tool_calls", "finish_reason", "usage", "logprobs", "warnings")
+    __slots__ = ("request_id", "index", "content", "reasoning", "tool_calls", "finish_reason", "usage", "logprobs", "warnings", "weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +215,7 @@ class ChatStreamResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     content: str
@@ -220,7 +225,8 @@ class ChatStreamResponse(_message.Message):
     usage: _common_pb2.Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
     warnings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[_Union[ChatFinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[_Union[ChatFinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")

@@ -1,0 +1,203 @@
+"""vLLM's routes for RL trainers on the HTTP door: pause and resume generation, and
+live weight updates, so that a trainer written against vLLM (TRL, verl, OpenRLHF)
+drives corestream unchanged.
+
+    POST /pause?mode=abort|wait|keep      GET /is_paused       POST /resume
+    POST /init_weight_transfer_engine     {"init_info": {master_address, master_port,
+                                           rank_offset, world_size}}
+    POST /start_weight_update             {"is_checkpoint_format": bool} (ignored: names
+                                           are always the checkpoint's)
+    POST /update_weights                  {"update_info": {names, dtype_names, shapes}};
+                                           ours: "shared_memory_path" + "offsets" read a
+                                           file instead of broadcasts
+    POST /finish_weight_update            ours: {"weight_version": "..."} (optional)
+    POST /abort_weight_update             ours
+    POST /update_weights_from_disk        SGLang's: {"model_path", "weight_version"}
+    GET  /weight_info                     ours: {"weight_version", "engines": [...]}
+
+Each reaches every engine through `WeightSync` (an update is atomic across them). They
+need an admin key when the frontend has any (else an API key when it has those), as
+the gRPC AdminService does. A call that fails on any engine answers with the first
+failure's status and every engine's message; the engines keep serving on the old
+weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.common.weight_version import check_weight_version
+from services.frontend.errors import RequestError, invalid_argument
+from services.frontend.openai_api.http_errors import error_response
+from services.frontend.weight_sync import Results, WeightSync, all_ok, result_json
+
+PAUSE_MODES = ("abort", "wait", "keep")
+_MAX_BODY_BYTES = 64 << 20
+
+Handler = Callable[[Request], Awaitable[dict[str, Any]]]
+
+
+class RlRoutes:
+    def __init__(self, sync: WeightSync, authenticate: Callable[[Request], None]) -> None:
+        self._sync = sync
+        self._authenticate = authenticate
+
+    def routes(self) -> list[Route]:
+        return [Route(path, self._wrap(handler), methods=[method]) for path, method, handler in (
+            ("/pause", "POST", self.pause),
+            ("/resume", "POST", self.resume),
+            ("/is_paused", "GET", self.is_paused),
+            ("/init_weight_transfer_engine", "POST", self.init_weight_transfer_engine),
+            ("/start_weight_update", "POST", self.start_weight_update),
+            ("/update_weights", "POST", self.update_weights),
+            ("/finish_weight_update", "POST", self.finish_weight_update),
+            ("/abort_weight_update", "POST", self.abort_weight_update),
+            ("/update_weights_from_disk", "POST", self.update_weights_from_disk),
+            ("/weight_info", "GET", self.weight_info),
+        )]
+
+    def _wrap(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                self._authenticate(request)
+                return JSONResponse(await handler(request))
+            except RequestError as e:
+                return error_response(e)
+        return endpoint
+
+    async def pause(self, request: Request) -> dict[str, Any]:
+        mode = request.query_params.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise invalid_argument("mode", f"mode must be one of {', '.join(PAUSE_MODES)}, "
+                                   f"got {mode!r}")
+        results = _checked(await self._sync.call(self._sync.clients(), "pause", {"mode": mode}))
+        return {"paused": True, "mode": mode, "engines": _engines(results)}
+
+    async def resume(self, request: Request) -> dict[str, Any]:
+        results = _checked(await self._sync.call(self._sync.clients(), "resume", {}))
+        return {"paused": False, "engines": _engines(results)}
+
+    async def is_paused(self, request: Request) -> dict[str, Any]:
+        results = _checked(await self._sync.call(self._sync.clients(), "get_stats", {}))
+        return {"is_paused": all(result_json(r).get("paused") for r in results)}
+
+    async def init_weight_transfer_engine(self, request: Request) -> dict[str, Any]:
+        info = _object(await _json(request), "init_info")
+        timeout_s = info.get("timeout_s")
+        results = _checked(await self._sync.init_transfer(
+            _str(info, "init_info.master_address"), _int(info, "init_info.master_port"),
+            _int(info, "init_info.rank_offset"), _int(info, "init_info.world_size"),
+            float(timeout_s) if isinstance(timeout_s, int | float) else None))
+        return {"message": "Weight transfer initialized", "engines": _engines(results)}
+
+    async def start_weight_update(self, request: Request) -> dict[str, Any]:
+        await _json(request, required=False)
+        results = _checked(await self._sync.start())
+        return {"message": "Weight update started", "engines": _engines(results)}
+
+    async def update_weights(self, request: Request) -> dict[str, Any]:
+        info = _object(await _json(request), "update_info")
+        args: dict[str, Any] = {"source": "broadcast", "names": info.get("names") or [],
+                                "dtype_names": info.get("dtype_names") or [],
+                                "shapes": info.get("shapes") or []}
+        if info.get("shared_memory_path"):
+            args.update(source="shared_memory", path=_str(info, "update_info.shared_memory_path"),
+                        offsets=info.get("offsets") or [])
+        results = _checked(await self._sync.stage(args))
+        return {"message": "Weights received", "engines": _engines(results)}
+
+    async def finish_weight_update(self, request: Request) -> dict[str, Any]:
+        body = await _json(request, required=False)
+        results, version = await self._sync.finish(_version(body, "weight_version"))
+        _checked(results)
+        return {"message": "Weight update finished", "weight_version": version,
+                "engines": _engines(results)}
+
+    async def abort_weight_update(self, request: Request) -> dict[str, Any]:
+        results = _checked(await self._sync.abort())
+        return {"message": "Weight update aborted", "engines": _engines(results)}
+
+    async def update_weights_from_disk(self, request: Request) -> dict[str, Any]:
+        body = await _json(request)
+        results, version = await self._sync.update_from_disk(
+            _str(body, "model_path"), _version(body, "weight_version"))
+        _checked(results)
+        return {"success": True, "message": "Weights updated", "weight_version": version,
+                "engines": _engines(results)}
+
+    async def weight_info(self, request: Request) -> dict[str, Any]:
+        results = _checked(await self._sync.call(self._sync.clients(), "weights_info", {}))
+        versions = sorted({result_json(r)["weight_version"] for r in results})
+        return {"weight_version": ",".join(versions), "engines": _engines(results)}
+
+
+def _checked(results: Results) -> Results:
+    """`results` when every engine succeeded; else the first failure's RequestError."""
+    if all_ok(results):
+        return results
+    failed = [r for r in results if not r.ok]
+    code = next((c for c in grpc.StatusCode if c.value[0] == failed[0].code),
+                grpc.StatusCode.INTERNAL)
+    raise RequestError(code, "; ".join(f"engine {r.engine_index}: {r.message}" for r in failed))
+
+
+def _engines(results: Results) -> list[dict[str, Any]]:
+    return [{"engine_index": r.engine_index, **result_json(r)} for r in results]
+
+
+async def _json(request: Request, required: bool = True) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > _MAX_BODY_BYTES:
+        raise invalid_argument("body", f"the request body has {len(raw)} bytes, at most "
+                               f"{_MAX_BODY_BYTES} are allowed")
+    if not raw.strip():
+        if required:
+            raise invalid_argument("body", "a JSON object body is required")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid_argument("body", f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid_argument("body", "the request body must be a JSON object")
+    return body
+
+
+def _object(body: dict[str, Any], key: str) -> dict[str, Any]:
+    value = body.get(key)
+    if not isinstance(value, dict):
+        raise invalid_argument(key, f"{key} (an object) is required")
+    return value
+
+
+def _str(body: dict[str, Any], field: str) -> str:
+    value = body.get(field.rpartition(".")[2])
+    if not isinstance(value, str) or not value:
+        raise invalid_argument(field, f"{field} (a string) is required")
+    return value
+
+
+def _int(body: dict[str, Any], field: str) -> int:
+    value = body.get(field.rpartition(".")[2])
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise invalid_argument(field, f"{field} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _version(body: dict[str, Any], field: str) -> str | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    try:
+        check_weight_version(str(value), field)
+    except ValueError as e:
+        raise invalid_argument(field, str(e)) from None
+    return str(value)
+
