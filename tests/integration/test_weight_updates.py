@@ -1,0 +1,228 @@
+"""Live weight updates through a real cluster (`corestream serve`, two DP engines): from
+disk, from a trainer process over gloo, from shared memory; through AdminService and
+vLLM's HTTP routes. Afterwards greedy outputs equal transformers' on the new weights,
+and every output carries the version of the weights that made it.
+
+The tests share one cluster and run in file order; each update perturbs the weights
+again, so each test checks against its own reference model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import torch
+from corestream.generate.v1 import admin_service_pb2 as admin_pb
+from corestream.generate.v1 import admin_service_pb2_grpc as admin_grpc
+from corestream.generate.v1 import generate_service_pb2 as pb
+from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+
+from services.common.ports import free_port
+from services.common.tiny_checkpoint import ensure_tiny_checkpoint
+from services.engine.weights.trainer import update_info, write_shared_tensors
+from tests.integration.cluster import REPO, Cluster
+from tests.unit.engine.hf_checkpoints import hf_greedy, make_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[5, 17, 42, 9, 100], [7, 7, 31, 200, 3, 64, 12]]
+NUM_TOKENS = 6
+
+
+class Setup:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        tiny = ensure_tiny_checkpoint()
+        vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+        self.hf = make_checkpoint(root / "v0", "llama", vocab_size=vocab)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (tiny / name).exists():
+                shutil.copy(tiny / name, root / "v0" / name)
+        self.http_port = free_port()
+        self.cluster = Cluster(["--model", str(root / "v0"), "--engines", "2",
+                                "--http-port", str(self.http_port), "--weight-version", "v0",
+                                "--kv-cache-memory", "16MiB"])
+        self.channel = grpc.insecure_channel(self.cluster.address)
+        self.generate = pb_grpc.GenerateServiceStub(self.channel)
+        self.admin = admin_grpc.AdminServiceStub(self.channel)
+        self.seed = 0
+
+    def perturb(self, folder: str, names: set[str] | None = None) -> tuple[Path, PreTrainedModel]:
+        """A new checkpoint folder (all tensors, or `names`) and the model it makes."""
+        self.seed += 1
+        gen = torch.Generator().manual_seed(self.seed)
+        state = self.hf.state_dict()
+        new = {n: (t + 0.05 * torch.randn(t.shape, generator=gen)).contiguous()
+               for n, t in state.items() if names is None or n in names}
+        self.hf.load_state_dict(new, strict=False)
+        (self.root / folder).mkdir()
+        save_file(new, self.root / folder / "model.safetensors")
+        return self.root / folder, self.hf
+
+    def outputs(self, engine: int) -> list[tuple[list[int], set[str]]]:
+        """Greedy tokens of every prompt on one engine, with the versions their chunks
+        carried."""
+        found = []
+        for prompt in PROMPTS:
+            tokens: list[int] = []
+            versions: set[str] = set()
+            for chunk in self.generate.GenerateStream(pb.GenerateStreamRequest(
+                    token_ids=pb.TokenIds(ids=prompt), data_parallel_rank=engine,
+                    sampling={"temperature": 0.0, "max_tokens": NUM_TOKENS, "ignore_eos": True}),
+                    timeout=60):
+                tokens += chunk.token_ids
+                if chunk.token_ids:
+                    versions.add(chunk.weight_version)
+            found.append((tokens, versions))
+        return found
+
+    def expect(self, model: PreTrainedModel, version: str) -> None:
+        want = [hf_greedy(model, p, NUM_TOKENS) for p in PROMPTS]
+        for engine in (0, 1):
+            assert self.outputs(engine) == [(w, {version}) for w in want], engine
+        info = self.generate.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.weight_version == version
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    s = Setup(tmp_path_factory.mktemp("weights"))
+    try:
+        yield s
+    finally:
+        s.channel.close()
+        s.cluster.stop()
+
+
+def test_serves_the_start_version(setup: Setup) -> None:
+    setup.expect(setup.hf, "v0")
+    unary = setup.generate.Generate(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=PROMPTS[0]), sampling={"temperature": 0.0, "max_tokens": 3}))
+    assert unary.completions[0].weight_version == "v0"
+    assert unary.completions[0].first_weight_version == "v0"
+
+
+def test_update_from_disk_switches_every_engine(setup: Setup) -> None:
+    folder, model = setup.perturb("v1")
+    reply = setup.admin.UpdateWeightsFromDisk(admin_pb.UpdateWeightsFromDiskRequest(
+        path=str(folder), weight_version="v1"), timeout=120)
+    assert reply.ok, reply
+    assert reply.weight_version == "v1"
+    assert [json.loads(r.result_json)["weight_version"] for r in reply.results] == ["v1", "v1"]
+    setup.expect(model, "v1")
+
+
+def test_partial_update_from_disk_over_http(setup: Setup) -> None:
+    folder, model = setup.perturb("v2", {"model.layers.0.self_attn.v_proj.weight",
+                                         "model.layers.1.mlp.down_proj.weight"})
+    response = httpx.post(f"http://127.0.0.1:{setup.http_port}/update_weights_from_disk",
+                          json={"model_path": str(folder)}, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["weight_version"] == "v1+1"
+    setup.expect(model, "v1+1")
+
+
+def test_a_bad_update_changes_nothing(setup: Setup) -> None:
+    folder = setup.root / "bad"
+    folder.mkdir()
+    good = setup.hf.state_dict()["model.norm.weight"] * 2
+    save_file({"model.norm.weight": good.contiguous(),
+               "model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)},
+              folder / "model.safetensors")
+    reply = setup.admin.UpdateWeightsFromDisk(admin_pb.UpdateWeightsFromDiskRequest(
+        path=str(folder)), timeout=120)
+    assert not reply.ok
+    assert all("tensor 'model.layers.0.mlp.up_proj.weight': shape [3, 3] differs from the "
+               "checkpoint's [172, 64]" in r.message for r in reply.results), reply
+    setup.expect(setup.hf, "v1+1")
+    response = httpx.post(f"http://127.0.0.1:{setup.http_port}/update_weights_from_disk",
+                          json={"model_path": str(setup.root / "nowhere")}, timeout=60)
+    assert response.status_code == 400
+    assert "is not a folder" in response.json()["error"]["message"]
+
+
+def _trainer(port: int, folder: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.rl_trainer", str(port), "3", str(folder),
+         *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _init_group(setup: Setup, port: int) -> None:
+    reply = setup.admin.InitWeightTransfer(admin_pb.InitWeightTransferRequest(
+        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=3,
+        timeout_s=30), timeout=120)
+    assert reply.ok, reply
+
+
+def _announce(folder: Path) -> admin_pb.UpdateWeightsRequest:
+    info = update_info(list(load_file(folder / "model.safetensors").items()))
+    return admin_pb.UpdateWeightsRequest(
+        names=info["names"], dtype_names=info["dtype_names"],
+        shapes=[admin_pb.TensorShape(dims=s) for s in info["shapes"]])
+
+
+def test_a_trainer_dying_mid_broadcast_leaves_the_old_weights(setup: Setup) -> None:
+    before = {n: t.clone() for n, t in setup.hf.state_dict().items()}
+    folder, _ = setup.perturb("dies")
+    setup.hf.load_state_dict(before)  # the engines must keep these
+    port = free_port()
+    trainer = _trainer(port, folder, "--die-after", "3")
+    _init_group(setup, port)
+    assert setup.admin.StartWeightUpdate(admin_pb.StartWeightUpdateRequest()).ok
+    reply = setup.admin.UpdateWeights(_announce(folder), timeout=120)
+    assert trainer.wait(60) == 3
+    assert not reply.ok
+    info = setup.admin.GetWeightInfo(admin_pb.GetWeightInfoRequest())
+    assert [json.loads(r.result_json)["update"] for r in info.results] == ["none", "none"]
+    setup.expect(setup.hf, "v1+1")
+
+
+def test_update_from_a_trainer_over_gloo(setup: Setup) -> None:
+    folder, model = setup.perturb("v3")
+    port = free_port()
+    trainer = _trainer(port, folder)
+    _init_group(setup, port)
+    assert setup.admin.StartWeightUpdate(admin_pb.StartWeightUpdateRequest()).ok
+    reply = setup.admin.UpdateWeights(_announce(folder), timeout=120)
+    assert reply.ok, reply
+    assert trainer.wait(60) == 0, trainer.stdout.read() if trainer.stdout else ""
+    finish = setup.admin.FinishWeightUpdate(admin_pb.FinishWeightUpdateRequest(
+        weight_version="v3"))
+    assert finish.ok and finish.weight_version == "v3", finish
+    setup.expect(model, "v3")
+
+
+def test_update_from_shared_memory_over_http(setup: Setup) -> None:
+    folder, model = setup.perturb("v4")
+    body = write_shared_tensors(list(load_file(folder / "model.safetensors").items()))
+    base = f"http://127.0.0.1:{setup.http_port}"
+    try:
+        for path, payload in (
+                ("/start_weight_update", {"is_checkpoint_format": True}),
+                ("/update_weights", {"update_info": {
+                    "names": body["names"], "dtype_names": body["dtype_names"],
+                    "shapes": body["shapes"], "shared_memory_path": body["path"],
+                    "offsets": body["offsets"]}}),
+                ("/finish_weight_update", {"weight_version": "v4"})):
+            response = httpx.post(base + path, json=payload, timeout=120)
+            assert response.status_code == 200, (path, response.text)
+    finally:
+        Path(body["path"]).unlink()
+    setup.expect(model, "v4")
+    info = httpx.get(base + "/weight_info", timeout=30).json()
+    assert info["weight_version"] == "v4"
+    completion = httpx.post(base + "/v1/completions", json={
+        "model": str(setup.root / "v0"), "prompt": [5, 6, 7], "max_tokens": 2,
+        "temperature": 0}, timeout=60).json()
+    assert completion["metadata"] == {"weight_version": "v4"}, completion
+
