@@ -33,7 +33,13 @@ COMMANDS: dict[str, tuple[str, type[Any]]] = {
     "resume": ("ResumeScheduling", admin_pb2.ResumeSchedulingRequest),
     "profile-start": ("StartProfile", admin_pb2.StartProfileRequest),
     "profile-stop": ("StopProfile", admin_pb2.StopProfileRequest),
+    "is-paused": ("IsPaused", admin_pb2.IsPausedRequest),
+    "update-weights": ("UpdateWeightsFromDisk", admin_pb2.UpdateWeightsFromDiskRequest),
+    "weight-info": ("GetWeightInfo", admin_pb2.GetWeightInfoRequest),
+    "abort-weight-update": ("AbortWeightUpdate", admin_pb2.AbortWeightUpdateRequest),
 }
+# Calls that reach every engine: no --engine.
+_ALL_ENGINES = ("update-weights", "abort-weight-update")
 PAUSE_MODES = {"abort": admin_pb2.PAUSE_MODE_ABORT, "wait": admin_pb2.PAUSE_MODE_WAIT,
                "keep": admin_pb2.PAUSE_MODE_KEEP}
 
@@ -50,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=tuple(PAUSE_MODES), default="wait",
                         help="For pause: abort all requests, let running ones finish "
                         "(wait, the default), or freeze them (keep).")
+    parser.add_argument("--path", default="", metavar="FOLDER",
+                        help="For update-weights: a folder of *.safetensors files (all of the "
+                        "model's tensors or some) that every engine swaps in at once.")
+    parser.add_argument("--weight-version", default=None, metavar="VERSION",
+                        help="For update-weights: the version the new weights serve as "
+                        "(default: the old one plus one).")
     parser.add_argument("--engine", type=int, default=None, metavar="N",
                         help="Only the engine with this data-parallel rank (default: all).")
     parser.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds.")
@@ -97,9 +109,14 @@ def run(args: argparse.Namespace) -> int:
         channel = with_api_key(plain, args.api_key_file) if args.api_key_file else plain
         stub = admin_pb2_grpc.AdminServiceStub(channel)
         method, request_class = COMMANDS[args.action]
-        fields: dict[str, Any] = {} if args.engine is None else {"engine_index": args.engine}
+        fields: dict[str, Any] = ({} if args.engine is None or args.action in _ALL_ENGINES
+                                  else {"engine_index": args.engine})
         if args.action == "pause":
             fields["mode"] = PAUSE_MODES[args.mode]
+        if args.action == "update-weights":
+            fields["path"] = args.path
+            if args.weight_version is not None:
+                fields["weight_version"] = args.weight_version
         try:
             reply = getattr(stub, method)(request_class(**fields), timeout=args.timeout)
         except grpc.RpcError as e:
