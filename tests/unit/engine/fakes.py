@@ -4,9 +4,12 @@ outputs (in process, and over gRPC)."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import queue
 import threading
 import time
+from typing import Any
 
 import grpc
 from corestream.common.v1 import common_pb2
@@ -18,7 +21,7 @@ from services.common.sampling import SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
 from services.engine.executor.protocol import Executor
-from services.engine.messages import SessionItem, SessionOutputs
+from services.engine.messages import SessionItem, SessionOutputs, UtilityCall, UtilityReply
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 
@@ -78,6 +81,34 @@ def collect(q: queue.Queue[SessionItem], until: set[str],
             if u.finished:
                 pending.discard(u.request_id)
     return by_id, messages
+
+
+_call_ids = itertools.count(1)
+
+
+def call(core: EngineCore, q: queue.Queue[SessionItem], method: str,
+         args: dict[str, Any] | None = None,
+         seen: list[SessionOutputs] | None = None) -> UtilityReply:
+    """Make a utility call from session "s" and wait for its reply; outputs that
+    arrive first are appended to `seen`."""
+    call_id = next(_call_ids)
+    core.call_utility(UtilityCall("s", call_id, method, args or {}))
+    while True:
+        item = q.get(timeout=10)
+        if isinstance(item, UtilityReply):
+            assert item.call_id == call_id
+            return item
+        if item is None:  # the engine closed the Session's queue; the reply may follow
+            continue
+        assert isinstance(item, SessionOutputs)
+        if seen is not None:
+            seen.append(item)
+
+
+def ok(reply: UtilityReply) -> dict[str, Any]:
+    assert not reply.failure_message, reply.failure_message
+    result: dict[str, Any] = json.loads(reply.result_json)
+    return result
 
 
 def tokens(updates: list[RequestUpdate]) -> list[int]:

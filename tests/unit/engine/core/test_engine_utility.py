@@ -3,9 +3,7 @@ Session): stats, prefix-cache reset, pause modes and resume, failures."""
 
 from __future__ import annotations
 
-import itertools
 import json
-import queue
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,36 +13,9 @@ import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
-from services.engine.messages import SessionItem, SessionOutputs, UtilityCall, UtilityReply
+from services.engine.messages import SessionOutputs
 from services.engine.request import FinishReason, RequestUpdate
-from tests.unit.engine.fakes import FakeRunner, collect, request, tokens
-
-_call_ids = itertools.count(1)
-
-
-def call(core: EngineCore, q: queue.Queue[SessionItem], method: str,
-         args: dict[str, Any] | None = None,
-         seen: list[SessionOutputs] | None = None) -> UtilityReply:
-    """Make a utility call from session "s" and wait for its reply; outputs that
-    arrive first are appended to `seen`."""
-    call_id = next(_call_ids)
-    core.call_utility(UtilityCall("s", call_id, method, args or {}))
-    while True:
-        item = q.get(timeout=10)
-        if isinstance(item, UtilityReply):
-            assert item.call_id == call_id
-            return item
-        if item is None:  # the engine closed the Session's queue; the reply may follow
-            continue
-        assert isinstance(item, SessionOutputs)
-        if seen is not None:
-            seen.append(item)
-
-
-def ok(reply: UtilityReply) -> dict[str, Any]:
-    assert not reply.failure_message, reply.failure_message
-    result: dict[str, Any] = json.loads(reply.result_json)
-    return result
+from tests.unit.engine.fakes import FakeRunner, call, collect, ok, request, tokens
 
 
 def wait_until(predicate: Any, timeout: float = 10) -> None:
