@@ -40,8 +40,9 @@ NUM_TOKENS = 6
 
 
 class Setup:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, engines: int = 2, tensor_parallel_size: int = 1) -> None:
         self.root = root
+        self.engines = tuple(range(engines))
         tiny = ensure_tiny_checkpoint()
         vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
         self.hf = make_checkpoint(root / "v0", "llama", vocab_size=vocab)
@@ -49,7 +50,8 @@ class Setup:
             if (tiny / name).exists():
                 shutil.copy(tiny / name, root / "v0" / name)
         self.http_port = free_port()
-        self.cluster = Cluster(["--model", str(root / "v0"), "--engines", "2",
+        self.cluster = Cluster(["--model", str(root / "v0"), "--engines", str(engines),
+                                "--tensor-parallel-size", str(tensor_parallel_size),
                                 "--http-port", str(self.http_port), "--weight-version", "v0",
                                 "--kv-cache-memory", "16MiB"])
         self.channel = grpc.insecure_channel(self.cluster.address)
@@ -88,7 +90,7 @@ class Setup:
 
     def expect(self, model: PreTrainedModel, version: str) -> None:
         want = [hf_greedy(model, p, NUM_TOKENS) for p in PROMPTS]
-        for engine in (0, 1):
+        for engine in self.engines:
             assert self.outputs(engine) == [(w, {version}) for w in want], engine
         info = self.generate.GetModelInfo(pb.GetModelInfoRequest())
         assert info.weight_version == version
@@ -151,15 +153,20 @@ def test_a_bad_update_changes_nothing(setup: Setup) -> None:
     assert "is not a folder" in response.json()["error"]["message"]
 
 
+# The trainer and two engine ranks: two DP engines, or one engine over two TP ranks.
+WORLD_SIZE = 3
+
+
 def _trainer(port: int, folder: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.rl_trainer", str(port), "3", str(folder),
-         *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [sys.executable, "-m", "tests.integration.rl_trainer", str(port), str(WORLD_SIZE),
+         str(folder), *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
 
 
 def _init_group(setup: Setup, port: int) -> None:
     reply = setup.admin.InitWeightTransfer(admin_pb.InitWeightTransferRequest(
-        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=3,
+        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=WORLD_SIZE,
         timeout_s=30), timeout=120)
     assert reply.ok, reply
 
@@ -226,3 +233,41 @@ def test_update_from_shared_memory_over_http(setup: Setup) -> None:
         "temperature": 0}, timeout=60).json()
     assert completion["metadata"] == {"weight_version": "v4"}, completion
 
+
+
+def test_tensor_parallel_ranks_each_take_their_shard(tmp_path: Path) -> None:
+    """One engine over two TP ranks: from disk, then from a trainer (whose group holds both
+    ranks); each rank stages its own slices, both switch together, and the tokens are a
+    single device's on the new weights."""
+    tp = Setup(tmp_path, engines=1, tensor_parallel_size=2)
+    try:
+        tp.expect(tp.hf, "v0")
+        folder, model = tp.perturb("v1")
+        reply = tp.admin.UpdateWeightsFromDisk(admin_pb.UpdateWeightsFromDiskRequest(
+            path=str(folder), weight_version="v1"), timeout=120)
+        assert reply.ok, reply
+        tp.expect(model, "v1")
+
+        folder, model = tp.perturb("v2")
+        port = free_port()
+        trainer = _trainer(port, folder)
+        _init_group(tp, port)
+        assert tp.admin.StartWeightUpdate(admin_pb.StartWeightUpdateRequest()).ok
+        reply = tp.admin.UpdateWeights(_announce(folder), timeout=120)
+        assert reply.ok, reply
+        assert trainer.wait(60) == 0, trainer.stdout.read() if trainer.stdout else ""
+        assert tp.admin.FinishWeightUpdate(admin_pb.FinishWeightUpdateRequest(
+            weight_version="v2")).ok
+        tp.expect(model, "v2")
+
+        # A tensor that fits no rank fails the whole update on every rank.
+        bad = tmp_path / "bad"
+        bad.mkdir()
+        save_file({"model.norm.weight": torch.ones(7)}, bad / "model.safetensors")
+        reply = tp.admin.UpdateWeightsFromDisk(admin_pb.UpdateWeightsFromDiskRequest(
+            path=str(bad)), timeout=120)
+        assert not reply.ok and "model.norm.weight" in reply.results[0].message, reply
+        tp.expect(model, "v2")
+    finally:
+        tp.channel.close()
+        tp.cluster.stop()

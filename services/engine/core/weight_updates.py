@@ -32,7 +32,7 @@ from services.common.weight_version import check_weight_version, next_version
 from services.engine.executor.protocol import Executor
 from services.engine.scheduler.scheduler import Scheduler
 from services.engine.weights.sources import SOURCE_KINDS, SourceSpec, wanted_tensors
-from services.engine.weights.staging import WeightUpdateError
+from services.engine.weights.staging import MixedWeightsError, WeightUpdateError
 from services.engine.weights.transfer_group import TransferGroupSpec
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,8 @@ class WeightUpdates:
             logger.exception("%s: committing the weight update failed", self._name)
             self._drop("commit failed")
             future.set_exception(exc)
+            if isinstance(exc, MixedWeightsError):
+                raise  # tensor-parallel ranks now hold different versions: never serve on
             return
         seconds = time.monotonic() - started
         # Cached KV was computed by the old weights; requests that run on keep their own

@@ -19,8 +19,13 @@ follower is done reading. A batch larger than the segment moves to a new, larger
 named in the header; the old file is unlinked one call later, when every follower has
 certainly mapped the new one.
 
+A call that needs no arrays but some words (a live weight update's step, `WEIGHTS`)
+carries them in its header, `text`: a call without a collective must not leave anything
+in the segment that the next call could overwrite before the follower read it.
+
 The pipes carry the other direction too: a follower's one startup report (the KV
-blocks it can afford, or why it could not start) and, if it fails, why. A follower
+blocks it can afford, or why it could not start), the outcome of each weight-update
+step, and, if it fails, why. A follower
 counts the calls it has finished in a shared progress slot, so that a stall names the
 rank that is behind.
 """
@@ -33,6 +38,7 @@ import json
 import mmap
 import os
 import tempfile
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
@@ -57,6 +63,8 @@ class CallKind(enum.IntEnum):
     NUM_BLOCKS = 4
     """Startup: the KV blocks every rank allocates (the least any can afford)."""
     STOP = 5
+    WEIGHTS = 6
+    """A step of a live weight update (JSON in the call's text); answered by a report."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class Call:
     kind: CallKind
     arrays: dict[str, np.ndarray]
     value: int = 0
+    text: str = ""
 
 
 def _shm_dir() -> str:
@@ -117,6 +126,9 @@ class LeaderChannel:
         self._retired: list[_Segment] = []
         self._new_path: str | None = self._segment.path
         self._closed = False
+        # Model calls come from the loop (or execute) thread; a weight update's steps
+        # from other threads too: one call's header and arrays at a time.
+        self._sending = threading.Lock()
 
     def follower_end(self, rank: int) -> FollowerChannel:
         """What follower `rank` (1..N-1) needs, picklable, for its process's arguments."""
@@ -141,10 +153,15 @@ class LeaderChannel:
         self._progress_segment.unlink()
 
     def send(self, kind: CallKind, arrays: Mapping[str, np.ndarray] | None = None,
-             value: int = 0) -> None:
+             value: int = 0, text: str = "") -> None:
         """Hand one model call to every follower."""
-        layout = self._write(arrays or {})
-        header = json.dumps((int(kind), value, self._new_path, layout)).encode()
+        with self._sending:
+            self._send(kind, arrays or {}, value, text)
+
+    def _send(self, kind: CallKind, arrays: Mapping[str, np.ndarray], value: int,
+              text: str) -> None:
+        layout = self._write(arrays)
+        header = json.dumps((int(kind), value, self._new_path, layout, text)).encode()
         for conn in self.connections:
             conn.send_bytes(header)
         # Every follower maps a new segment before it joins this call's collective;
@@ -183,7 +200,7 @@ class LeaderChannel:
         if self._closed:
             return
         self._closed = True
-        header = json.dumps((int(CallKind.STOP), 0, None, [])).encode()
+        header = json.dumps((int(CallKind.STOP), 0, None, [], "")).encode()
         for conn in self.connections:
             with contextlib.suppress(OSError):  # a dead follower's pipe
                 conn.send_bytes(header)
@@ -210,6 +227,7 @@ class FollowerChannel:
 
     def open(self) -> None:
         """Map the shared memory; first thing in the follower's process."""
+        self._reporting = threading.Lock()
         self._segment = _Segment(self.segment_path, self.segment_size, create=False)
         progress = _Segment(self.progress_path, 8 * _PROGRESS_SLOTS, create=False)
         self._progress = np.frombuffer(progress.map, dtype=np.int64)
@@ -217,7 +235,7 @@ class FollowerChannel:
     def receive(self) -> Call:
         """The leader's next call; blocks (no CPU) until it comes. Raises EOFError when
         the leader is gone."""
-        kind, value, new_path, layout = json.loads(self.conn.recv_bytes())
+        kind, value, new_path, layout, text = json.loads(self.conn.recv_bytes())
         if new_path is not None and new_path != self._segment.path:
             self._segment.close()
             size = os.stat(new_path).st_size
@@ -226,14 +244,17 @@ class FollowerChannel:
         # Copied out: the leader overwrites the segment on its next call.
         arrays = {name: np.ndarray(shape, dtype=dtype, buffer=buffer, offset=start).copy()
                   for name, dtype, shape, start in layout}
-        return Call(CallKind(kind), arrays, value)
+        return Call(CallKind(kind), arrays, value, text)
 
     def done(self) -> None:
         """Count one finished call (the leader reads it to name a rank that stalls)."""
         self._progress[self.rank] += 1
 
     def report(self, message: tuple[str, Any]) -> None:
-        """Send the leader a startup report or a failure: ("ready", num_blocks) or
-        ("error", text)."""
-        with contextlib.suppress(OSError):  # the leader is gone; nothing to tell
-            self.conn.send_bytes(json.dumps(message).encode())
+        """Send the leader a startup report, a weight-update step's outcome or a failure:
+        ("ready", num_blocks), ("weights", {...}) or ("error", text). Any thread."""
+        data = json.dumps(message).encode()
+        # No lock before `open` (a failure that early): no other thread reports yet.
+        lock = getattr(self, "_reporting", None) or contextlib.nullcontext()
+        with lock, contextlib.suppress(OSError):  # the leader is gone; nothing to tell
+            self.conn.send_bytes(data)

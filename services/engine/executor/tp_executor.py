@@ -53,6 +53,7 @@ from services.common.ports import free_port
 from services.common.thread_names import name_native_thread
 from services.engine.executor.fault_injection import FaultSpec
 from services.engine.executor.step_channel import CallKind, LeaderChannel, read_report
+from services.engine.executor.tp_weights import LeaderWeights
 from services.engine.executor.tp_worker import (
     ExpertParallelRendezvous,
     WorkerSpec,
@@ -60,8 +61,7 @@ from services.engine.executor.tp_worker import (
 )
 from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
-from services.engine.weights.sources import SourceSpec
-from services.engine.weights.staging import WeightUpdateError
+from services.engine.weights.sources import SourceSpec, spec_to_json
 from services.engine.weights.transfer_group import TransferGroupSpec
 from services.engine.worker.batch import StepArrays
 from services.engine.worker.config import RunnerConfig
@@ -77,8 +77,9 @@ STOP_GRACE_S = 2.0
 FAILURE_ACCOUNT_WAIT_S = 1.0
 
 
-_NO_TP_UPDATES = ("live weight updates are not built for tensor-parallel engines yet "
-                  "(tensor_parallel_size > 1)")
+# A stage waits on the trainer's broadcast (or reads a checkpoint): the workers' shards
+# take as long as rank 0's, and rank 0 has had its share of this already.
+STAGE_ANSWER_TIMEOUT_S = 600.0
 
 
 class WorkerFailure(RuntimeError):
@@ -147,6 +148,9 @@ class TensorParallelExecutor:
         except BaseException:
             self.close()
             raise
+        self._weights = LeaderWeights(
+            lambda text: self._channel.send(CallKind.WEIGHTS, text=text), size - 1,
+            lambda: self._failure)
         self._watcher = threading.Thread(target=self._watch, name="tp-workers-watcher",
                                          daemon=True)
         self._watcher.start()
@@ -221,23 +225,23 @@ class TensorParallelExecutor:
     def rank_progress(self) -> list[int]:
         return self._channel.progress()
 
-    # NOTE: live weight updates reach rank 0 only so far; every rank must stage and
-    # commit its own shard (a WEIGHTS call kind for the workers), so they are refused here.
+    # ---- live weight updates: every rank its own shard (tp_weights) ------------------
 
     def join_weight_transfer(self, spec: TransferGroupSpec) -> None:
-        raise WeightUpdateError(_NO_TP_UPDATES)
+        self._weights.join(spec, lambda: self._runner.join_weight_transfer(spec))
 
     def open_weight_update(self) -> None:
-        raise WeightUpdateError(_NO_TP_UPDATES)
+        self._weights.step("open", self._runner.open_weight_update)
 
     def stage_weights(self, spec: SourceSpec) -> dict[str, Any]:
-        raise WeightUpdateError(_NO_TP_UPDATES)
+        return self._weights.step("stage", lambda: self._runner.stage_weights(spec),
+                                  {"spec": spec_to_json(spec)}, STAGE_ANSWER_TIMEOUT_S)
 
     def commit_weights(self) -> list[str]:
-        raise WeightUpdateError(_NO_TP_UPDATES)
+        return self._weights.step("commit", self._runner.commit_weights, all_or_none=True)
 
     def discard_weights(self) -> None:
-        pass  # nothing was staged
+        self._weights.step("discard", self._runner.discard_weights)
 
     def describe_stall(self) -> str:
         """The ranks that have not finished the leader's last call (a hung worker)."""
@@ -324,6 +328,8 @@ class TensorParallelExecutor:
             return self._describe_exit(rank, process)
         if kind == "error":
             return f"tensor-parallel worker {rank} (pid {process.pid}) raised {value}"
+        if kind == "weights":
+            self._weights.on_report(rank, value)
         return ""
 
     @staticmethod

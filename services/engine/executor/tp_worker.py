@@ -106,6 +106,7 @@ def run_worker(spec: WorkerSpec, channel: FollowerChannel) -> None:
 def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
     import torch
 
+    from services.engine.executor.tp_weights import FollowerWeights
     from services.engine.parallel.tp_group import init_tp_group
     from services.engine.worker.batch import StepArrays
     from services.engine.worker.model_runner import ModelRunner
@@ -127,6 +128,7 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
         config = dataclasses.replace(config, device=f"cuda:{spec.device_index}")
     runner = ModelRunner(config)
     channel.report(("ready", runner.num_blocks))
+    weights = FollowerWeights(runner, channel.report)
     forwards = 0
     hidden: torch.Tensor | None = None
     with torch.inference_mode():
@@ -142,6 +144,8 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
                 runner.logits_at(hidden, call.arrays["rows"].tolist())
             elif call.kind is CallKind.DUMMY:
                 runner.execute_dummy()
+            elif call.kind is CallKind.WEIGHTS:
+                weights.handle(call.text)
             elif call.kind is CallKind.NUM_BLOCKS:
                 runner.limit_num_blocks(call.value)
             elif call.kind is CallKind.STOP:

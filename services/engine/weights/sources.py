@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -208,6 +208,19 @@ class SourceSpec:
 
 
 SOURCE_KINDS = ("disk", "broadcast", "shared_memory")
+
+
+def spec_to_json(spec: SourceSpec) -> dict[str, Any]:
+    """`spec` as JSON, for a tensor-parallel worker (`spec_from_json`)."""
+    return {"kind": spec.kind, "path": spec.path, "offsets": list(spec.offsets),
+            "wanted": [[w.name, str(w.dtype).removeprefix("torch."), list(w.shape)]
+                       for w in spec.wanted]}
+
+
+def spec_from_json(data: dict[str, Any]) -> SourceSpec:
+    wanted = wanted_tensors([w[0] for w in data["wanted"]], [w[1] for w in data["wanted"]],
+                            [w[2] for w in data["wanted"]])
+    return SourceSpec(data["kind"], data["path"], tuple(wanted), tuple(data["offsets"]))
 
 
 def open_source(spec: SourceSpec, architectures: Sequence[str],

@@ -41,6 +41,11 @@ class WeightUpdateError(ValueError):
     """An update the model cannot take; the message names the tensor."""
 
 
+class MixedWeightsError(RuntimeError):
+    """Some tensor-parallel ranks swapped their new weights in and others did not: the
+    model mixes two versions, and the engine must not serve on."""
+
+
 @dataclass(frozen=True, slots=True)
 class WantedTensor:
     """One tensor an update announces: its checkpoint name, dtype and full shape."""
