@@ -37,6 +37,9 @@ COMMANDS: dict[str, tuple[str, type[Any]]] = {
     "update-weights": ("UpdateWeightsFromDisk", admin_pb2.UpdateWeightsFromDiskRequest),
     "weight-info": ("GetWeightInfo", admin_pb2.GetWeightInfoRequest),
     "abort-weight-update": ("AbortWeightUpdate", admin_pb2.AbortWeightUpdateRequest),
+    "sleep": ("Sleep", admin_pb2.SleepRequest),
+    "wake-up": ("WakeUp", admin_pb2.WakeUpRequest),
+    "is-sleeping": ("IsSleeping", admin_pb2.IsSleepingRequest),
 }
 # Calls that reach every engine: no --engine.
 _ALL_ENGINES = ("update-weights", "abort-weight-update")
@@ -62,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-version", default=None, metavar="VERSION",
                         help="For update-weights: the version the new weights serve as "
                         "(default: the old one plus one).")
+    parser.add_argument("--level", type=int, choices=(1, 2), default=1,
+                        help="For sleep: 1 frees the KV cache (the default), 2 the weights too "
+                        "(wake-up reloads them, or an update replaces them).")
+    parser.add_argument("--tags", nargs="+", choices=("kv_cache", "weights"), default=[],
+                        help="For wake-up: what to restore (default: both).")
     parser.add_argument("--engine", type=int, default=None, metavar="N",
                         help="Only the engine with this data-parallel rank (default: all).")
     parser.add_argument("--timeout", type=float, default=30.0, help="RPC deadline in seconds.")
@@ -113,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
                                   else {"engine_index": args.engine})
         if args.action == "pause":
             fields["mode"] = PAUSE_MODES[args.mode]
+        if args.action == "sleep":
+            fields["level"] = args.level
+        if args.action == "wake-up":
+            fields["tags"] = args.tags
         if args.action == "update-weights":
             fields["path"] = args.path
             if args.weight_version is not None:

@@ -38,6 +38,8 @@ class EngineEntry:
     """Expert-parallel groups: the engine's wave and whether it runs."""
     tensor_parallel_size: int = 0
     """Ranks the engine's model runs over (0 = not told)."""
+    sleep_level: int = 0
+    """0 awake; 1 or 2 asleep (alive, queueing requests until woken)."""
     last_report: float = field(default=0.0, compare=False)
     """When the lease was last renewed (the registry's clock)."""
 
@@ -91,6 +93,7 @@ class EngineRegistry:
         step_counter: int,
         wave: int = 0,
         wave_running: bool = False,
+        sleep_level: int = 0,
     ) -> bool:
         """Record a load report; False if the engine is not registered."""
         with self._changed:
@@ -106,14 +109,17 @@ class EngineRegistry:
                 step_counter=step_counter,
                 wave=wave,
                 wave_running=wave_running,
+                sleep_level=sleep_level,
                 last_report=self._clock(),
             )
             # Only real changes wake watchers; a heartbeat with equal load does not.
-            changed = (new.num_waiting, new.num_running, new.kv_cache_usage, new.state) != (
+            changed = (new.num_waiting, new.num_running, new.kv_cache_usage, new.state,
+                       new.sleep_level) != (
                 entry.num_waiting,
                 entry.num_running,
                 entry.kv_cache_usage,
                 entry.state,
+                entry.sleep_level,
             )
             self._engines[engine_id] = new
             if changed:

@@ -36,6 +36,7 @@ def snapshot_to_engines(snapshot: Snapshot) -> list[pb.EngineLoad]:
             wave_running=e.wave_running,
             max_num_seqs=e.max_num_seqs,
             tensor_parallel_size=e.tensor_parallel_size,
+            sleep_level=e.sleep_level,
         )
         for e in snapshot.engines
     ]
@@ -88,6 +89,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                     step_counter=report.step_counter,
                     wave=report.wave,
                     wave_running=report.wave_running,
+                    sleep_level=report.sleep_level,
                 )
                 if not known:
                     context.abort(

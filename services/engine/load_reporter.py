@@ -44,11 +44,13 @@ class LoadReporter:
         load: Callable[[], tuple[SchedulerStats, EngineState]],
         security: SecurityConfig = PLAINTEXT,
         wave: Callable[[], WaveState | None] = lambda: None,
+        sleep_level: Callable[[], int] = lambda: 0,
     ) -> None:
         self._coordinator = coordinator
         self._registration = registration
         self._load = load
         self._wave = wave
+        self._sleep_level = sleep_level
         self._stop = threading.Event()
         self._channel = make_channel(coordinator, security)
         self._stub = coordinator_service_pb2_grpc.CoordinatorServiceStub(self._channel)
@@ -122,8 +124,9 @@ class LoadReporter:
             stats, state = self._load()
             wave = self._wave()
             wave_key = (wave.wave, wave.running) if wave is not None else (0, False)
+            sleep_level = self._sleep_level()
             key = (stats.num_waiting, stats.num_running, round(stats.kv_cache_usage, 3), state,
-                   wave_key)
+                   wave_key, sleep_level)
             now = time.monotonic()
             if key != last or now - last_sent >= interval_s:
                 last, last_sent = key, now
@@ -136,5 +139,6 @@ class LoadReporter:
                     step_counter=stats.step_counter,
                     wave=wave_key[0],
                     wave_running=wave_key[1],
+                    sleep_level=sleep_level,
                 )
             self._stop.wait(POLL_S)

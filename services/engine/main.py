@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
         )
         reporter = LoadReporter(config.coordinator, registration,
                                 lambda: (core.stats, core.state), security,
-                                wave=lambda: core.wave)
+                                wave=lambda: core.wave,
+                                sleep_level=lambda: core.sleep.level)
         reporter.start()
 
     shutdown.wait()

@@ -38,6 +38,8 @@ class InputType(enum.Enum):
     START_WAVE = enum.auto()
     GRAMMAR_READY = enum.auto()
     KV_SUBSCRIBE = enum.auto()
+    CALL = enum.auto()
+    """A function to run on the loop thread (the loop's own continuations)."""
 
 
 InputQueue: TypeAlias = queue.SimpleQueue[tuple[InputType, Any]]

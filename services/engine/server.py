@@ -301,6 +301,7 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
             state=common_pb2.EngineState.ValueType(int(self.core.state)),
             tensor_parallel_size=self.runner.tensor_parallel_size,
             weight_version=self.core.weights.version,
+            sleep_level=self.core.sleep.level,
         )
 
 

@@ -190,6 +190,31 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.GetWeightInfoResponse(
             results=await self._call_all(request, context, "weights_info", {}))
 
+    # ---- sleep ----------------------------------------------------------------------
+
+    async def Sleep(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.SleepResponse:
+        results = await self._weights(context, self._sync.sleep(
+            request.level if request.HasField("level") else 1, _engine_index(request)))
+        return admin_pb2.SleepResponse(ok=all_ok(results), results=results)
+
+    async def WakeUp(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.WakeUpRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.WakeUpResponse:
+        results = await self._weights(context, self._sync.wake_up(
+            list(request.tags), _engine_index(request)))
+        return admin_pb2.WakeUpResponse(ok=all_ok(results), results=results)
+
+    async def IsSleeping(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.IsSleepingRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.IsSleepingResponse:
+        results = await self._weights(context, self._sync.sleep_info(_engine_index(request)))
+        return admin_pb2.IsSleepingResponse(
+            results=results,
+            is_sleeping=all_ok(results) and all(result_json(r)["is_sleeping"]
+                                                for r in results))
+
     async def _weights(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
         try:
             return await work
@@ -216,6 +241,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
         return await self._sync.call(clients, method, args, self._timeout_s)
+
+
+def _engine_index(request: _EngineFilter) -> int | None:
+    return request.engine_index if request.HasField("engine_index") else None
 
 
 def _given_up_result(part: PartStatus) -> admin_pb2.EngineResult:

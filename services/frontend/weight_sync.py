@@ -20,7 +20,7 @@ import grpc
 from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 
 from services.common.weight_version import next_version
-from services.frontend.errors import RequestError, unavailable
+from services.frontend.errors import RequestError, invalid_argument, unavailable
 from services.frontend.routing.balancer import Balancer
 from services.frontend.routing.engine_client import EngineClient
 
@@ -28,6 +28,8 @@ from services.frontend.routing.engine_client import EngineClient
 UTILITY_TIMEOUT_S = 10.0
 # Receiving tensors, or joining a trainer's group, waits on the trainer.
 TRANSFER_TIMEOUT_S = 3600.0
+SLEEP_LEVELS = (1, 2)
+WAKE_TAGS = ("kv_cache", "weights")
 
 Results = list[admin_pb2.EngineResult]
 
@@ -130,6 +132,29 @@ class WeightSync:
     async def abort(self) -> Results:
         async with self._lock:
             return await self.call(self.clients(), "weights_abort", {})
+
+    # ---- sleep (services/engine/core/sleep.py) -------------------------------------
+
+    async def sleep(self, level: int, engine_index: int | None = None) -> Results:
+        """Level 1 frees every engine's KV cache, level 2 its weights too."""
+        if level not in SLEEP_LEVELS:
+            raise invalid_argument("level", f"level must be 1 (free the KV cache) or 2 (the "
+                                   f"weights too), got {level}")
+        async with self._lock:  # not in the middle of an update's steps
+            return await self.call(self.clients(engine_index), "sleep", {"level": level})
+
+    async def wake_up(self, tags: list[str], engine_index: int | None = None) -> Results:
+        """Restore what sleep freed, by tag (both when `tags` is empty)."""
+        if unknown := [t for t in tags if t not in WAKE_TAGS]:
+            raise invalid_argument("tags", f"unknown tag {unknown[0]!r}: tags are "
+                                   f"{', '.join(WAKE_TAGS)}")
+        async with self._lock:
+            # Dropped weights come back by a reload of the checkpoint: an update's time.
+            return await self.call(self.clients(engine_index), "wake_up",
+                                   {"tags": tags or list(WAKE_TAGS)}, self._transfer_timeout_s)
+
+    async def sleep_info(self, engine_index: int | None = None) -> Results:
+        return await self.call(self.clients(engine_index), "sleep_info", {})
 
     async def _switch(self, clients: list[EngineClient], version: str | None
                       ) -> tuple[Results, str]:

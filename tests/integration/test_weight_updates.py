@@ -10,90 +10,21 @@ again, so each test checks against its own reference model.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
 import torch
 from corestream.generate.v1 import admin_service_pb2 as admin_pb
-from corestream.generate.v1 import admin_service_pb2_grpc as admin_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
-from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedModel
 
 from services.common.ports import free_port
-from services.common.tiny_checkpoint import ensure_tiny_checkpoint
-from services.engine.weights.trainer import update_info, write_shared_tensors
-from tests.integration.cluster import REPO, Cluster
-from tests.unit.engine.hf_checkpoints import hf_greedy, make_checkpoint
+from services.engine.weights.trainer import write_shared_tensors
+from tests.integration.rl_cluster import PROMPTS, Setup, announce, init_group, start_trainer
 
 pytestmark = pytest.mark.timeout(300)
-
-PROMPTS = [[5, 17, 42, 9, 100], [7, 7, 31, 200, 3, 64, 12]]
-NUM_TOKENS = 6
-
-
-class Setup:
-    def __init__(self, root: Path, *, engines: int = 2, tensor_parallel_size: int = 1) -> None:
-        self.root = root
-        self.engines = tuple(range(engines))
-        tiny = ensure_tiny_checkpoint()
-        vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
-        self.hf = make_checkpoint(root / "v0", "llama", vocab_size=vocab)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            if (tiny / name).exists():
-                shutil.copy(tiny / name, root / "v0" / name)
-        self.http_port = free_port()
-        self.cluster = Cluster(["--model", str(root / "v0"), "--engines", str(engines),
-                                "--tensor-parallel-size", str(tensor_parallel_size),
-                                "--http-port", str(self.http_port), "--weight-version", "v0",
-                                "--kv-cache-memory", "16MiB"])
-        self.channel = grpc.insecure_channel(self.cluster.address)
-        self.generate = pb_grpc.GenerateServiceStub(self.channel)
-        self.admin = admin_grpc.AdminServiceStub(self.channel)
-        self.seed = 0
-
-    def perturb(self, folder: str, names: set[str] | None = None) -> tuple[Path, PreTrainedModel]:
-        """A new checkpoint folder (all tensors, or `names`) and the model it makes."""
-        self.seed += 1
-        gen = torch.Generator().manual_seed(self.seed)
-        state = self.hf.state_dict()
-        new = {n: (t + 0.05 * torch.randn(t.shape, generator=gen)).contiguous()
-               for n, t in state.items() if names is None or n in names}
-        self.hf.load_state_dict(new, strict=False)
-        (self.root / folder).mkdir()
-        save_file(new, self.root / folder / "model.safetensors")
-        return self.root / folder, self.hf
-
-    def outputs(self, engine: int) -> list[tuple[list[int], set[str]]]:
-        """Greedy tokens of every prompt on one engine, with the versions their chunks
-        carried."""
-        found = []
-        for prompt in PROMPTS:
-            tokens: list[int] = []
-            versions: set[str] = set()
-            for chunk in self.generate.GenerateStream(pb.GenerateStreamRequest(
-                    token_ids=pb.TokenIds(ids=prompt), data_parallel_rank=engine,
-                    sampling={"temperature": 0.0, "max_tokens": NUM_TOKENS, "ignore_eos": True}),
-                    timeout=60):
-                tokens += chunk.token_ids
-                if chunk.token_ids:
-                    versions.add(chunk.weight_version)
-            found.append((tokens, versions))
-        return found
-
-    def expect(self, model: PreTrainedModel, version: str) -> None:
-        want = [hf_greedy(model, p, NUM_TOKENS) for p in PROMPTS]
-        for engine in self.engines:
-            assert self.outputs(engine) == [(w, {version}) for w in want], engine
-        info = self.generate.GetModelInfo(pb.GetModelInfoRequest())
-        assert info.weight_version == version
 
 
 @pytest.fixture(scope="module")
@@ -153,40 +84,15 @@ def test_a_bad_update_changes_nothing(setup: Setup) -> None:
     assert "is not a folder" in response.json()["error"]["message"]
 
 
-# The trainer and two engine ranks: two DP engines, or one engine over two TP ranks.
-WORLD_SIZE = 3
-
-
-def _trainer(port: int, folder: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.rl_trainer", str(port), str(WORLD_SIZE),
-         str(folder), *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
-
-
-def _init_group(setup: Setup, port: int) -> None:
-    reply = setup.admin.InitWeightTransfer(admin_pb.InitWeightTransferRequest(
-        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=WORLD_SIZE,
-        timeout_s=30), timeout=120)
-    assert reply.ok, reply
-
-
-def _announce(folder: Path) -> admin_pb.UpdateWeightsRequest:
-    info = update_info(list(load_file(folder / "model.safetensors").items()))
-    return admin_pb.UpdateWeightsRequest(
-        names=info["names"], dtype_names=info["dtype_names"],
-        shapes=[admin_pb.TensorShape(dims=s) for s in info["shapes"]])
-
-
 def test_a_trainer_dying_mid_broadcast_leaves_the_old_weights(setup: Setup) -> None:
     before = {n: t.clone() for n, t in setup.hf.state_dict().items()}
     folder, _ = setup.perturb("dies")
     setup.hf.load_state_dict(before)  # the engines must keep these
     port = free_port()
-    trainer = _trainer(port, folder, "--die-after", "3")
-    _init_group(setup, port)
+    trainer = start_trainer(port, folder, "--die-after", "3")
+    init_group(setup, port)
     assert setup.admin.StartWeightUpdate(admin_pb.StartWeightUpdateRequest()).ok
-    reply = setup.admin.UpdateWeights(_announce(folder), timeout=120)
+    reply = setup.admin.UpdateWeights(announce(folder), timeout=120)
     assert trainer.wait(60) == 3
     assert not reply.ok
     info = setup.admin.GetWeightInfo(admin_pb.GetWeightInfoRequest())
@@ -197,10 +103,10 @@ def test_a_trainer_dying_mid_broadcast_leaves_the_old_weights(setup: Setup) -> N
 def test_update_from_a_trainer_over_gloo(setup: Setup) -> None:
     folder, model = setup.perturb("v3")
     port = free_port()
-    trainer = _trainer(port, folder)
-    _init_group(setup, port)
+    trainer = start_trainer(port, folder)
+    init_group(setup, port)
     assert setup.admin.StartWeightUpdate(admin_pb.StartWeightUpdateRequest()).ok
-    reply = setup.admin.UpdateWeights(_announce(folder), timeout=120)
+    reply = setup.admin.UpdateWeights(announce(folder), timeout=120)
     assert reply.ok, reply
     assert trainer.wait(60) == 0, trainer.stdout.read() if trainer.stdout else ""
     finish = setup.admin.FinishWeightUpdate(admin_pb.FinishWeightUpdateRequest(
@@ -238,8 +144,9 @@ def test_update_from_shared_memory_over_http(setup: Setup) -> None:
 def test_tensor_parallel_ranks_each_take_their_shard(tmp_path: Path) -> None:
     """One engine over two TP ranks: from disk, then from a trainer (whose group holds both
     ranks); each rank stages its own slices, both switch together, and the tokens are a
-    single device's on the new weights."""
+    single device's on the new weights. Sleep and wake reach both ranks too."""
     tp = Setup(tmp_path, engines=1, tensor_parallel_size=2)
+    original = {n: t.clone() for n, t in tp.hf.state_dict().items()}
     try:
         tp.expect(tp.hf, "v0")
         folder, model = tp.perturb("v1")
@@ -250,10 +157,10 @@ def test_tensor_parallel_ranks_each_take_their_shard(tmp_path: Path) -> None:
 
         folder, model = tp.perturb("v2")
         port = free_port()
-        trainer = _trainer(port, folder)
-        _init_group(tp, port)
+        trainer = start_trainer(port, folder)
+        init_group(tp, port)
         assert tp.admin.StartWeightUpdate(admin_pb.StartWeightUpdateRequest()).ok
-        reply = tp.admin.UpdateWeights(_announce(folder), timeout=120)
+        reply = tp.admin.UpdateWeights(announce(folder), timeout=120)
         assert reply.ok, reply
         assert trainer.wait(60) == 0, trainer.stdout.read() if trainer.stdout else ""
         assert tp.admin.FinishWeightUpdate(admin_pb.FinishWeightUpdateRequest(
@@ -268,6 +175,15 @@ def test_tensor_parallel_ranks_each_take_their_shard(tmp_path: Path) -> None:
             path=str(bad)), timeout=120)
         assert not reply.ok and "model.norm.weight" in reply.results[0].message, reply
         tp.expect(model, "v2")
+
+        # Sleep and wake reach every rank: level 2 drops both ranks' shards, and the
+        # wake reloads the served checkpoint into each.
+        asleep = tp.admin.Sleep(admin_pb.SleepRequest(level=2), timeout=60)
+        assert asleep.ok, asleep
+        assert json.loads(asleep.results[0].result_json)["weights_bytes"] > 0
+        assert tp.admin.WakeUp(admin_pb.WakeUpRequest(), timeout=120).ok
+        tp.hf.load_state_dict(original)
+        tp.expect(tp.hf, "v0")
     finally:
         tp.channel.close()
         tp.cluster.stop()

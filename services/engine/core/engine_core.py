@@ -44,6 +44,7 @@ from services.engine.core.emitter import OutputEmitter
 from services.engine.core.lifecycle import Lifecycle
 from services.engine.core.observer import EngineObserver
 from services.engine.core.session_router import SessionRouter
+from services.engine.core.sleep import Sleep
 from services.engine.core.utilities import PauseMode, Utilities
 from services.engine.core.weight_updates import WeightUpdates
 from services.engine.executor.batch_queue import BatchQueue
@@ -100,9 +101,13 @@ class EngineCore:
         self.weights = WeightUpdates(config.weight_version, executor, self.scheduler, self.name,
                                      self.outputs.set_weight_version)
         self.outputs.set_weight_version(config.weight_version)
+        self.sleep = Sleep(executor, self.scheduler, self.weights, self.lifecycle,
+                           config.weight_version,
+                           lambda fn: self.input_queue.put((InputType.CALL, fn)),
+                           lambda: self.wave)
         self.utilities = Utilities(config, self.scheduler, executor, self.lifecycle,
                                    self.outputs, self._finish_all, lambda: self.wave,
-                                   self.weights)
+                                   self.weights, self.sleep)
         self._observer = EngineObserver()
         self._stats = SchedulerStats()
         self._loop_thread = threading.Thread(target=self._run_busy_loop, name="engine-loop",
@@ -272,9 +277,9 @@ class EngineCore:
         return self._may_schedule()
 
     def _may_schedule(self) -> bool:
-        """Whether a new batch may start: there is work, and neither a pause nor a weight
-        update (held, or committing) stops it."""
-        if self.weights.blocks_scheduling:
+        """Whether a new batch may start: there is work, and neither a pause, sleep nor a
+        weight update (held, or committing) stops it."""
+        if self.weights.blocks_scheduling or self.sleep.asleep:
             return False
         paused = self.utilities.pause_mode
         if paused is None:
@@ -295,7 +300,15 @@ class EngineCore:
             self.utilities.run(payload)
         elif kind is InputType.KV_SUBSCRIBE:
             self.outputs.subscribe_kv(payload)
+        elif kind is InputType.CALL:
+            payload()
         elif kind is InputType.START_WAVE and self._waves is not None:
+            if self.sleep.asleep:
+                # Its weights or cache are gone: it cannot run the wave's batches. A group
+                # sleeps as a whole (the frontend's sleep reaches every engine).
+                logger.error("%s: asleep; not joining DP wave %s that another rank started",
+                             self.name, payload)
+                return
             self._waves.join(payload)
         elif kind is InputType.SHUTDOWN and self.state is EngineState.RUNNING:
             # A drain lets in-flight requests finish; a pause must not hold them back.

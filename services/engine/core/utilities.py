@@ -1,5 +1,6 @@
 """Utilities: the engine's utility calls (reset_prefix_cache, get_stats, pause,
-resume, profile, and the weights_* calls of live weight updates: weight_updates.py).
+resume, profile, the weights_* calls of live weight updates: weight_updates.py, and
+sleep, wake_up, sleep_info: sleep.py).
 
 They travel on the input queue like adds, so they run on the loop thread between
 steps, in order with the requests around them; each reply goes back to the calling
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.engine.config import EngineConfig
 from services.engine.core.emitter import OutputEmitter
+from services.engine.core.sleep import Sleep
 from services.engine.core.weight_updates import WeightUpdates
 from services.engine.executor.protocol import Executor
 from services.engine.messages import EngineState, UtilityCall, UtilityReply, utility_reply
@@ -48,7 +50,8 @@ class PauseMode(enum.Enum):
 class Utilities:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor,
                  lifecycle: Lifecycle, outputs: OutputEmitter, finish_all: FinishAll,
-                 wave: Callable[[], WaveState | None], weights: WeightUpdates) -> None:
+                 wave: Callable[[], WaveState | None], weights: WeightUpdates,
+                 sleep: Sleep) -> None:
         self._config = config
         self._scheduler = scheduler
         self._executor = executor
@@ -57,6 +60,7 @@ class Utilities:
         self._finish_all = finish_all
         self._wave = wave
         self._weights = weights
+        self._sleep = sleep
         self.pause_mode: PauseMode | None = None
         self._handlers: dict[str, Callable[[dict[str, Any]], Reply]] = {
             "reset_prefix_cache": self._reset_prefix_cache,
@@ -72,6 +76,9 @@ class Utilities:
             "weights_abort": weights.abort,
             "weights_hold": weights.hold,
             "weights_release": weights.release,
+            "sleep": sleep.sleep,
+            "wake_up": sleep.wake_up,
+            "sleep_info": sleep.info,
         }
 
     def run(self, call: UtilityCall) -> None:
@@ -124,6 +131,7 @@ class Utilities:
             "state": self._lifecycle.state.name,
             "paused": self.pause_mode.value if self.pause_mode else None,
             "weight_version": self._weights.version,
+            "sleep_level": self._sleep.level,
             "num_running": stats.num_running,
             "num_waiting": stats.num_waiting,
             "kv_cache_usage": stats.kv_cache_usage,

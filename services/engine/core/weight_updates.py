@@ -56,6 +56,8 @@ class WeightUpdates:
         self._joining = False
         self._group: TransferGroupSpec | None = None
         self.held = False
+        self.on_commit: list[Callable[[], None]] = []
+        """Called on the loop thread after each commit that succeeded."""
         self.num_updates = 0
         self.last_update_s: float | None = None
 
@@ -68,6 +70,11 @@ class WeightUpdates:
     @property
     def commit_pending(self) -> bool:
         return self._commit is not None
+
+    @property
+    def is_open(self) -> bool:
+        """An update was started and has not committed or been dropped."""
+        return self._open_since is not None
 
     # ---- utility handlers (loop thread) -------------------------------------------
 
@@ -210,6 +217,8 @@ class WeightUpdates:
         num_bytes = sum(s["num_bytes"] for s in self._staged)
         self._open_since = None
         self._staged = []
+        for listener in self.on_commit:
+            listener()
         logger.info("%s: weights updated to version %r (was %r): %d tensors, %d parameters "
                     "swapped in %.3f s; %d cached KV blocks dropped", self._name, version, old,
                     num_tensors, len(replaced), seconds, num_dropped)

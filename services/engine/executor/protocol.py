@@ -99,6 +99,18 @@ class Executor(Protocol):
         """Every rank drops what it staged."""
         ...
 
+    # Sleep (core/sleep.py): the loop thread, between steps, with no request running.
+
+    def sleep(self, level: int) -> dict[str, int]:
+        """Every rank frees its KV cache (level 1), and its weights too (level 2); the
+        bytes freed: {"kv_cache_bytes", "weights_bytes"}. A dropped weight comes back by
+        a commit that replaces it."""
+        ...
+
+    def wake_kv_cache(self) -> dict[str, int]:
+        """Every rank allocates its KV cache again (zeros, the same blocks)."""
+        ...
+
     def describe_stall(self) -> str:
         """For the watchdog, when a step never ends: what the executor waits for (e.g.
         the tensor-parallel workers that have not finished the step); "" if nothing

@@ -243,6 +243,13 @@ class TensorParallelExecutor:
     def discard_weights(self) -> None:
         self._weights.step("discard", self._runner.discard_weights)
 
+    def sleep(self, level: int) -> dict[str, int]:
+        return self._weights.step("sleep", lambda: self._runner.sleep(level),
+                                  {"level": level})
+
+    def wake_kv_cache(self) -> dict[str, int]:
+        return self._weights.step("wake_kv_cache", self._runner.wake_kv_cache)
+
     def describe_stall(self) -> str:
         """The ranks that have not finished the leader's last call (a hung worker)."""
         progress = self._channel.progress()

@@ -1,5 +1,6 @@
 """Live weight updates over a tensor-parallel executor: every rank stages its own shard
-of each tensor, and every rank swaps its shard in at the same step.
+of each tensor, and every rank swaps its shard in at the same step. Sleep and wake take
+the same road: every rank frees (or allocates again) its own share.
 
 The leader (rank 0, `TensorParallelExecutor`) sends each step of an update to the
 workers as a WEIGHTS call (JSON in the call's header: op, id, arguments) and does the
@@ -35,6 +36,9 @@ T = TypeVar("T")
 
 # Steps that wait on the trainer (joining, receiving) run on a worker thread.
 _BACKGROUND = ("join", "stage")
+# The steps without arguments: the runner's method for each.
+_METHODS = {"open": "open_weight_update", "commit": "commit_weights",
+            "discard": "discard_weights", "wake_kv_cache": "wake_kv_cache"}
 
 
 class _Runner(Protocol):
@@ -47,6 +51,10 @@ class _Runner(Protocol):
     def commit_weights(self) -> list[str]: ...
 
     def discard_weights(self) -> None: ...
+
+    def sleep(self, level: int) -> dict[str, int]: ...
+
+    def wake_kv_cache(self) -> dict[str, int]: ...
 
 
 class FollowerWeights:
@@ -73,8 +81,9 @@ class FollowerWeights:
             return lambda: runner.join_weight_transfer(spec)
         if op == "stage":
             return lambda: runner.stage_weights(spec_from_json(message["spec"]))
-        return {"open": runner.open_weight_update, "commit": runner.commit_weights,
-                "discard": runner.discard_weights}[op]
+        if op == "sleep":
+            return lambda: runner.sleep(message["level"])
+        return getattr(runner, _METHODS[op])  # type: ignore[no-any-return]
 
     def _run(self, call_id: int, op: str, work: Callable[[], Any]) -> None:
         try:

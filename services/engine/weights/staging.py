@@ -150,6 +150,7 @@ class WeightStaging:
         for ours, shard in self._staged.items():
             placement = self._layout.placement(ours)
             pieces.setdefault(placement.param, []).append((placement.index, shard))
+        self._check_covers_dropped(pieces)
         with torch.inference_mode():
             values = {param: self._new_value(param, parts) for param, parts in pieces.items()}
             for param, value in values.items():
@@ -164,6 +165,19 @@ class WeightStaging:
         self._staged.clear()
         return sorted(values)
 
+    def _check_covers_dropped(self, values: Iterable[str]) -> None:
+        """An update while sleep level 2 has dropped the weights must bring back all of
+        them: a model with a parameter missing cannot run."""
+        given = set(values)
+        if self._tied and "model.embed_tokens.weight" in given:
+            given.add("lm_head.weight")
+        missing = [name for name in dropped_parameters(self._model) if name not in given]
+        if missing:
+            raise WeightUpdateError(
+                f"the weights were dropped (sleep level 2) and this update does not replace "
+                f"{len(missing)} of them (e.g. {missing[0]!r}): send every tensor, or wake "
+                "the weights first (which reloads the checkpoint)")
+
     def _new_value(self, param: str, parts: list[tuple[tuple[int | slice, ...], torch.Tensor]]
                    ) -> torch.Tensor:
         whole = [shard for index, shard in parts if index == ()]
@@ -173,7 +187,15 @@ class WeightStaging:
         module = self._model.get_submodule(module_name)
         current = (plain_weight(module) if isinstance(module, Linear) and attr == "weight"
                    else getattr(module, attr).detach())
-        value = current.clone()
+        if current.is_meta:
+            # Dropped by sleep level 2: this update must write every part of it.
+            value = torch.empty(current.shape, dtype=self._dtype, device=self._device)
+            if sum(value[index].numel() for index, _ in parts) != value.numel():
+                raise WeightUpdateError(
+                    f"parameter {param!r} was dropped (sleep level 2) and this update "
+                    "carries only some of the tensors it is made of: send all of them")
+        else:
+            value = current.clone()
         for index, shard in parts:
             value[index] = shard
         return value
@@ -186,3 +208,29 @@ class WeightStaging:
             module.panels = None
             if value.device.type == "cpu":
                 lay_out_linear(module)
+
+
+def drop_weights(model: nn.Module) -> int:
+    """Free every parameter of `model` (sleep level 2), keeping each one's shape and dtype
+    on the meta device, for the update or reload that must follow; returns the
+    parameters' bytes. Derived layouts (panels, the C++ decode op's binding) go too."""
+    freed = 0
+    seen: set[int] = set()
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if id(param) not in seen and not param.is_meta:
+            seen.add(id(param))
+            freed += param.numel() * param.element_size()
+        if isinstance(module, Linear):
+            module.panels = None
+        placeholder = torch.empty(param.shape, dtype=param.dtype, device="meta")
+        setattr(module, attr, nn.Parameter(placeholder, requires_grad=False))
+    model.model.forget_decode_op()
+    return freed
+
+
+def dropped_parameters(model: nn.Module) -> list[str]:
+    """The parameters `drop_weights` freed that no update has brought back."""
+    return [name for name, param in model.named_parameters(remove_duplicate=False)
+            if param.is_meta]

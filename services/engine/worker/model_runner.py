@@ -44,7 +44,13 @@ from services.engine.scheduler.output import (
     SchedulerOutput,
 )
 from services.engine.weights.sources import SourceSpec, open_source
-from services.engine.weights.staging import WeightStaging, WeightUpdateError
+from services.engine.weights.staging import (
+    WeightStaging,
+    WeightUpdateError,
+    drop_weights,
+    dropped_parameters,
+    why_not_updatable,
+)
 from services.engine.weights.transfer_group import TransferGroupSpec, join_transfer_group
 from services.engine.worker.batch import (
     HostBatch,
@@ -60,6 +66,7 @@ from services.engine.worker.huge_pages import HugePageReport, collapse_in_backgr
 from services.engine.worker.kv_cache_memory import KVCacheLayout, available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.profiler import Profiler
+from services.engine.worker.resident_pages import resident_bytes
 from services.engine.worker.sampler import Sampler, TokenMask
 
 logger = logging.getLogger(__name__)
@@ -217,6 +224,48 @@ class ModelRunner:
     def discard_weights(self) -> None:
         self._staging = None
 
+    # ---- sleep (services/engine/core/sleep.py) --------------------------------------
+
+    def sleep(self, level: int) -> dict[str, int]:
+        """Free the KV cache (level 1), and the weights too (level 2), between steps with
+        no request holding KV blocks. Returns the bytes freed of each (and of the cache,
+        on CPU, those its pages held: the pages written so far)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if level == 2 and (why := why_not_updatable(self.model)):
+            raise WeightUpdateError(
+                "sleep level 2 drops the weights, which an update or a reload from the "
+                f"checkpoint must bring back, and this engine can do neither: {why}")
+        freed = {"kv_cache_bytes": 0, "kv_cache_resident_bytes": 0, "weights_bytes": 0}
+        if self.kv_caches:
+            freed["kv_cache_bytes"] = sum(c.numel() * c.element_size() for c in self.kv_caches)
+            if self._on_cpu:
+                freed["kv_cache_resident_bytes"] = sum(
+                    resident_bytes(c.data_ptr(), c.numel() * c.element_size())
+                    for c in self.kv_caches)
+            # The only references: the C++ decode op's binding goes with the next line.
+            self.kv_caches = []
+        self.model.model.forget_decode_op()
+        if level == 2:
+            self._staging = None
+            freed["weights_bytes"] = drop_weights(self.model)
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+        # On CPU the cache came from calloc as whole pages (kv_cache_memory budgets make
+        # it large): freeing it unmaps them, and the process's RSS drops at once.
+        return freed
+
+    def wake_kv_cache(self) -> dict[str, int]:
+        """Allocate the KV cache again, as at start (zeros, same blocks)."""
+        if not self.kv_caches:
+            self.kv_caches = [self._zeros(self._kv_shape)
+                              for _ in range(self.model.config.num_hidden_layers)]
+        return {"kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.kv_caches)}
+
+    @property
+    def weights_dropped(self) -> bool:
+        return bool(dropped_parameters(self.model))
+
     def weight_layout(self) -> CheckpointLayout | None:
         return getattr(self.model, "checkpoint_layout", None)
 
@@ -225,6 +274,7 @@ class ModelRunner:
         the least that any of them can afford, so that one block table fits all."""
         if num_blocks < self.num_blocks:
             self.kv_caches = [cache[:, :num_blocks].clone() for cache in self.kv_caches]
+            self._kv_shape = (self._kv_shape[0], num_blocks, *self._kv_shape[2:])
             logger.info("KV cache: %d blocks, the least any tensor-parallel rank affords",
                         num_blocks)
 
@@ -249,7 +299,7 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_caches[0].shape[1]
+        return self._kv_shape[1]  # also while asleep, with the cache freed
 
     @property
     def block_size(self) -> int:
@@ -287,8 +337,8 @@ class ModelRunner:
                     self.config.kv_cache_memory, kv_bytes, num_blocks, self.block_size)
         # Zeros, not empty: attention multiplies masked-out slots by zero weights, and
         # uninitialized memory may hold NaN, which would survive that product.
-        return [self._zeros(layout.block_shape(num_blocks))
-                for _ in range(model_config.num_hidden_layers)]
+        self._kv_shape = layout.block_shape(num_blocks)
+        return [self._zeros(self._kv_shape) for _ in range(model_config.num_hidden_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self._device.type != "cpu":

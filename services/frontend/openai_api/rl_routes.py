@@ -14,6 +14,8 @@ drives corestream unchanged.
     POST /abort_weight_update             ours
     POST /update_weights_from_disk        SGLang's: {"model_path", "weight_version"}
     GET  /weight_info                     ours: {"weight_version", "engines": [...]}
+    POST /sleep?level=1|2                 GET /is_sleeping
+    POST /wake_up?tags=weights&tags=kv_cache   (no tags: both)
 
 Each reaches every engine through `WeightSync` (an update is atomic across them). They
 need an admin key when the frontend has any (else an API key when it has those), as
@@ -61,6 +63,9 @@ class RlRoutes:
             ("/abort_weight_update", "POST", self.abort_weight_update),
             ("/update_weights_from_disk", "POST", self.update_weights_from_disk),
             ("/weight_info", "GET", self.weight_info),
+            ("/sleep", "POST", self.sleep),
+            ("/wake_up", "POST", self.wake_up),
+            ("/is_sleeping", "GET", self.is_sleeping),
         )]
 
     def _wrap(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -130,6 +135,24 @@ class RlRoutes:
             _str(body, "model_path"), _version(body, "weight_version"))
         _checked(results)
         return {"success": True, "message": "Weights updated", "weight_version": version,
+                "engines": _engines(results)}
+
+    async def sleep(self, request: Request) -> dict[str, Any]:
+        raw = request.query_params.get("level", "1")
+        if not raw.isdigit():
+            raise invalid_argument("level", f"level must be 1 or 2, got {raw!r}")
+        results = _checked(await self._sync.sleep(int(raw)))
+        return {"is_sleeping": True, "level": int(raw), "engines": _engines(results)}
+
+    async def wake_up(self, request: Request) -> dict[str, Any]:
+        tags = request.query_params.getlist("tags")
+        results = _checked(await self._sync.wake_up(tags))
+        return {"is_sleeping": any(result_json(r)["is_sleeping"] for r in results),
+                "engines": _engines(results)}
+
+    async def is_sleeping(self, request: Request) -> dict[str, Any]:
+        results = _checked(await self._sync.sleep_info())
+        return {"is_sleeping": all(result_json(r)["is_sleeping"] for r in results),
                 "engines": _engines(results)}
 
     async def weight_info(self, request: Request) -> dict[str, Any]:

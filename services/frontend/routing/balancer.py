@@ -61,6 +61,8 @@ class EngineLoadInfo:
     """The engine's data-parallel rank, when the snapshot tells it."""
     tensor_parallel_size: int = 0
     """Ranks the engine's model runs over (0 = not told)."""
+    sleep_level: int = 0
+    """0 awake; 1 or 2 asleep: it queues requests until woken."""
 
 
 def waiting_cost(kv_cache_usage: float) -> float:
@@ -213,6 +215,9 @@ class Balancer:
         ]
         if data_parallel_rank is not None:
             candidates = self._pinned(data_parallel_rank, candidates)
+        # A sleeping engine queues what it gets until woken: only when all sleep.
+        awake = [(a, c) for a, c in candidates if not self._asleep(a)]
+        candidates = awake or candidates
         if not candidates:
             raise unavailable(
                 "no engine is available to serve the request "
@@ -292,6 +297,10 @@ class Balancer:
             return True  # the snapshot is stale; the Session's own state decides
         load = self._loads.get(address)
         return load is not None and load.routable
+
+    def _asleep(self, address: str) -> bool:
+        load = self._loads.get(address)
+        return load is not None and load.sleep_level > 0 and not self.degraded
 
     def _score(self, address: str, client: EngineClient) -> float:
         load = self._loads.get(address)

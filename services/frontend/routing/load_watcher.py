@@ -42,6 +42,7 @@ def load_info_from_proto(engine: coordinator_pb2.EngineLoad) -> EngineLoadInfo:
         kv_cache_usage=engine.kv_cache_usage,
         engine_index=engine.engine_index,
         tensor_parallel_size=engine.tensor_parallel_size,
+        sleep_level=engine.sleep_level,
     )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from corestream.common.v1 import common_pb2 as corestream_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n3corestream/coordinator/v1/coordinator_service.proto\x12\x19\x63orestream.coordinator.v1\x1a!corestream/common/v1/common.proto\"\xca\x01\n\x15RegisterEngineRequest\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x30\n\x05state\x18\x06 \x01(\x0e\x32!.corestream.common.v1.EngineState\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\"_\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11report_interval_s\x18\x02 \x01(\x01\x12\x17\n\x0flease_timeout_s\x18\x03 \x01(\x01\"\xd4\x01\n\x11ReportLoadRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x30\n\x05state\x18\x05 \x01(\x0e\x32!.corestream.common.v1.EngineState\x12\x14\n\x0cstep_counter\x18\x06 \x01(\x04\x12\x0c\n\x04wave\x18\x07 \x01(\x04\x12\x14\n\x0cwave_running\x18\x08 \x01(\x08\"\x14\n\x12ReportLoadResponse\"\xb7\x02\n\nEngineLoad\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65ngine_index\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x02\x12\x30\n\x05state\x18\x08 \x01(\x0e\x32!.corestream.common.v1.EngineState\x12\x14\n\x0cstep_counter\x18\t \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x0c\n\x04wave\x18\x0b \x01(\x04\x12\x14\n\x0cwave_running\x18\x0c \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\r\"\x12\n\x10WatchLoadRequest\"_\n\x11WatchLoadResponse\x12\x36\n\x07\x65ngines\x18\x01 \x03(\x0b\x32%.corestream.coordinator.v1.EngineLoad\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x14\n\x12ListEnginesRequest\"a\n\x13ListEnginesResponse\x12\x36\n\x07\x65ngines\x18\x01 \x03(\x0b\x32%.corestream.coordinator.v1.EngineLoad\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"E\n\x10StartWaveRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x65ngine_index\x18\x02 \x01(\r\x12\x0c\n\x04wave\x18\x03 \x01(\x04\"(\n\x11StartWaveResponse\x12\x13\n\x0bnum_relayed\x18\x01 \x01(\r\"8\n\x11WatchWavesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x65ngine_index\x18\x02 \x01(\r\"6\n\x12WatchWavesResponse\x12\x0c\n\x04wave\x18\x01 \x01(\x04\x12\x12\n\nstarted_by\x18\x02 \x01(\r2\xa5\x05\n\x12\x43oordinatorService\x12u\n\x0eRegisterEngine\x12\x30.corestream.coordinator.v1.RegisterEngineRequest\x1a\x31.corestream.coordinator.v1.RegisterEngineResponse\x12k\n\nReportLoad\x12,.corestream.coordinator.v1.ReportLoadRequest\x1a-.corestream.coordinator.v1.ReportLoadResponse(\x01\x12h\n\tWatchLoad\x12+.corestream.coordinator.v1.WatchLoadRequest\x1a,.corestream.coordinator.v1.WatchLoadResponse0\x01\x12l\n\x0bListEngines\x12-.corestream.coordinator.v1.ListEnginesRequest\x1a..corestream.coordinator.v1.ListEnginesResponse\x12\x66\n\tStartWave\x12+.corestream.coordinator.v1.StartWaveRequest\x1a,.corestream.coordinator.v1.StartWaveResponse\x12k\n\nWatchWaves\x12,.corestream.coordinator.v1.WatchWavesRequest\x1a-.corestream.coordinator.v1.WatchWavesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n3corestream/coordinator/v1/coordinator_service.proto\x12\x19\x63orestream.coordinator.v1\x1a!corestream/common/v1/common.proto\"\xca\x01\n\x15RegisterEngineRequest\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\r\x12\x30\n\x05state\x18\x06 \x01(\x0e\x32!.corestream.common.v1.EngineState\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\"_\n\x16RegisterEngineResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x19\n\x11report_interval_s\x18\x02 \x01(\x01\x12\x17\n\x0flease_timeout_s\x18\x03 \x01(\x01\"\xe9\x01\n\x11ReportLoadRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x30\n\x05state\x18\x05 \x01(\x0e\x32!.corestream.common.v1.EngineState\x12\x14\n\x0cstep_counter\x18\x06 \x01(\x04\x12\x0c\n\x04wave\x18\x07 \x01(\x04\x12\x14\n\x0cwave_running\x18\x08 \x01(\x08\x12\x13\n\x0bsleep_level\x18\t \x01(\r\"\x14\n\x12ReportLoadResponse\"\xcc\x02\n\nEngineLoad\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x14\n\x0c\x65ngine_index\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x07 \x01(\x02\x12\x30\n\x05state\x18\x08 \x01(\x0e\x32!.corestream.common.v1.EngineState\x12\x14\n\x0cstep_counter\x18\t \x01(\x04\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x0c\n\x04wave\x18\x0b \x01(\x04\x12\x14\n\x0cwave_running\x18\x0c \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\r \x01(\r\x12\x13\n\x0bsleep_level\x18\x0e \x01(\r\"\x12\n\x10WatchLoadRequest\"_\n\x11WatchLoadResponse\x12\x36\n\x07\x65ngines\x18\x01 \x03(\x0b\x32%.corestream.coordinator.v1.EngineLoad\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x14\n\x12ListEnginesRequest\"a\n\x13ListEnginesResponse\x12\x36\n\x07\x65ngines\x18\x01 \x03(\x0b\x32%.corestream.coordinator.v1.EngineLoad\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"E\n\x10StartWaveRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x65ngine_index\x18\x02 \x01(\r\x12\x0c\n\x04wave\x18\x03 \x01(\x04\"(\n\x11StartWaveResponse\x12\x13\n\x0bnum_relayed\x18\x01 \x01(\r\"8\n\x11WatchWavesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x65ngine_index\x18\x02 \x01(\r\"6\n\x12WatchWavesResponse\x12\x0c\n\x04wave\x18\x01 \x01(\x04\x12\x12\n\nstarted_by\x18\x02 \x01(\r2\xa5\x05\n\x12\x43oordinatorService\x12u\n\x0eRegisterEngine\x12\x30.corestream.coordinator.v1.RegisterEngineRequest\x1a\x31.corestream.coordinator.v1.RegisterEngineResponse\x12k\n\nReportLoad\x12,.corestream.coordinator.v1.ReportLoadRequest\x1a-.corestream.coordinator.v1.ReportLoadResponse(\x01\x12h\n\tWatchLoad\x12+.corestream.coordinator.v1.WatchLoadRequest\x1a,.corestream.coordinator.v1.WatchLoadResponse0\x01\x12l\n\x0bListEngines\x12-.corestream.coordinator.v1.ListEnginesRequest\x1a..corestream.coordinator.v1.ListEnginesResponse\x12\x66\n\tStartWave\x12+.corestream.coordinator.v1.StartWaveRequest\x1a,.corestream.coordinator.v1.StartWaveResponse\x12k\n\nWatchWaves\x12,.corestream.coordinator.v1.WatchWavesRequest\x1a-.corestream.coordinator.v1.WatchWavesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERENGINERESPONSE']._serialized_start=322
   _globals['_REGISTERENGINERESPONSE']._serialized_end=417
   _globals['_REPORTLOADREQUEST']._serialized_start=420
-  _globals['_REPORTLOADREQUEST']._serialized_end=632
-  _globals['_REPORTLOADRESPONSE']._serialized_start=634
-  _globals['_REPORTLOADRESPONSE']._serialized_end=654
-  _globals['_ENGINELOAD']._serialized_start=657
-  _globals['_ENGINELOAD']._serialized_end=968
-  _globals['_WATCHLOADREQUEST']._serialized_start=970
-  _globals['_WATCHLOADREQUEST']._serialized_end=988
-  _globals['_WATCHLOADRESPONSE']._serialized_start=990
-  _globals['_WATCHLOADRESPONSE']._serialized_end=1085
-  _globals['_LISTENGINESREQUEST']._serialized_start=1087
-  _globals['_LISTENGINESREQUEST']._serialized_end=1107
-  _globals['_LISTENGINESRESPONSE']._serialized_start=1109
-  _globals['_LISTENGINESRESPONSE']._serialized_end=1206
-  _globals['_STARTWAVEREQUEST']._serialized_start=1208
-  _globals['_STARTWAVEREQUEST']._serialized_end=1277
-  _globals['_STARTWAVERESPONSE']._serialized_start=1279
-  _globals['_STARTWAVERESPONSE']._serialized_end=1319
-  _globals['_WATCHWAVESREQUEST']._serialized_start=1321
-  _globals['_WATCHWAVESREQUEST']._serialized_end=1377
-  _globals['_WATCHWAVESRESPONSE']._serialized_start=1379
-  _globals['_WATCHWAVESRESPONSE']._serialized_end=1433
-  _globals['_COORDINATORSERVICE']._serialized_start=1436
-  _globals['_COORDINATORSERVICE']._serialized_end=2113
+  _globals['_REPORTLOADREQUEST']._serialized_end=653
+  _globals['_REPORTLOADRESPONSE']._serialized_start=655
+  _globals['_REPORTLOADRESPONSE']._serialized_end=675
+  _globals['_ENGINELOAD']._serialized_start=678
+  _globals['_ENGINELOAD']._serialized_end=1010
+  _globals['_WATCHLOADREQUEST']._serialized_start=1012
+  _globals['_WATCHLOADREQUEST']._serialized_end=1030
+  _globals['_WATCHLOADRESPONSE']._serialized_start=1032
+  _globals['_WATCHLOADRESPONSE']._serialized_end=1127
+  _globals['_LISTENGINESREQUEST']._serialized_start=1129
+  _globals['_LISTENGINESREQUEST']._serialized_end=1149
+  _globals['_LISTENGINESRESPONSE']._serialized_start=1151
+  _globals['_LISTENGINESRESPONSE']._serialized_end=1248
+  _globals['_STARTWAVEREQUEST']._serialized_start=1250
+  _globals['_STARTWAVEREQUEST']._serialized_end=1319
+  _globals['_STARTWAVERESPONSE']._serialized_start=1321
+  _globals['_STARTWAVERESPONSE']._serialized_end=1361
+  _globals['_WATCHWAVESREQUEST']._serialized_start=1363
+  _globals['_WATCHWAVESREQUEST']._serialized_end=1419
+  _globals['_WATCHWAVESRESPONSE']._serialized_start=1421
+  _globals['_WATCHWAVESRESPONSE']._serialized_end=1475
+  _globals['_COORDINATORSERVICE']._serialized_start=1478
+  _globals['_COORDINATORSERVICE']._serialized_end=2155
 # @@protoc_insertion_point(module_scope)

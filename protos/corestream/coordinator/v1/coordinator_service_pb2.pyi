@@ -36,7 +36,7 @@ class RegisterEngineResponse(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., report_interval_s: _Optional[float] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ReportLoadRequest(_message.Message):
-    __slots__ = ("engine_id", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter", "wave", "wave_running")
+    __slots__ = ("engine_id", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter", "wave", "wave_running", "sleep_level")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class ReportLoadRequest(_message.Message):
     STEP_COUNTER_FIELD_NUMBER: _ClassVar[int]
     WAVE_FIELD_NUMBER: _ClassVar[int]
     WAVE_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     num_waiting: int
     num_running: int
@@ -53,14 +54,15 @@ class ReportLoadRequest(_message.Message):
     step_counter: int
     wave: int
     wave_running: bool
-    def __init__(self, engine_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ..., wave: _Optional[int] = ..., wave_running: _Optional[bool] = ...) -> None: ...
+    sleep_level: int
+    def __init__(self, engine_id: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ..., wave: _Optional[int] = ..., wave_running: _Optional[bool] = ..., sleep_level: _Optional[int] = ...) -> None: ...
 
 class ReportLoadResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("engine_id", "engine_index", "address", "model", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter", "max_num_seqs", "wave", "wave_running", "tensor_parallel_size")
+    __slots__ = ("engine_id", "engine_index", "address", "model", "num_waiting", "num_running", "kv_cache_usage", "state", "step_counter", "max_num_seqs", "wave", "wave_running", "tensor_parallel_size", "sleep_level")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class EngineLoad(_message.Message):
     WAVE_FIELD_NUMBER: _ClassVar[int]
     WAVE_RUNNING_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     engine_index: int
     address: str
@@ -87,7 +90,8 @@ class EngineLoad(_message.Message):
     wave: int
     wave_running: bool
     tensor_parallel_size: int
-    def __init__(self, engine_id: _Optional[str] = ..., engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wave: _Optional[int] = ..., wave_running: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    sleep_level: int
+    def __init__(self, engine_id: _Optional[str] = ..., engine_index: _Optional[int] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., step_counter: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., wave: _Optional[int] = ..., wave_running: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., sleep_level: _Optional[int] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ()

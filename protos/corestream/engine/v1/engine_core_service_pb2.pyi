@@ -191,7 +191,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetEngineInfoResponse(_message.Message):
-    __slots__ = ("engine_index", "model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "device", "state", "tensor_parallel_size", "weight_version")
+    __slots__ = ("engine_index", "model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "device", "state", "tensor_parallel_size", "weight_version", "sleep_level")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class GetEngineInfoResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     model: str
     max_model_len: int
@@ -214,4 +215,5 @@ class GetEngineInfoResponse(_message.Message):
     state: _common_pb2.EngineState
     tensor_parallel_size: int
     weight_version: str
-    def __init__(self, engine_index: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., tensor_parallel_size: _Optional[int] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    sleep_level: int
+    def __init__(self, engine_index: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., tensor_parallel_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., sleep_level: _Optional[int] = ...) -> None: ...

@@ -253,3 +253,49 @@ class GetWeightInfoResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[EngineResult]
     def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("engine_index", "level")
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    level: int
+    def __init__(self, engine_index: _Optional[int] = ..., level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("ok", "results")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, ok: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ("engine_index", "tags")
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_index: _Optional[int] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ("ok", "results")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, ok: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class IsSleepingRequest(_message.Message):
+    __slots__ = ("engine_index",)
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
+
+class IsSleepingResponse(_message.Message):
+    __slots__ = ("is_sleeping", "results")
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, is_sleeping: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...

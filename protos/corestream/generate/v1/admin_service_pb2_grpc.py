@@ -108,6 +108,21 @@ class AdminServiceStub:
                 request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoRequest.SerializeToString,
                 response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoResponse.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/Sleep',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.SleepRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/WakeUp',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/IsSleeping',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -228,6 +243,31 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Sleep: level 1 frees each engine's KV cache (its pages go back to the system),
+        level 2 drops the weights too. Refused on an engine where requests run: pause
+        (abort or wait) first. Requests that arrive meanwhile queue until WakeUp.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Restore what Sleep freed, by tag. Weights dropped by level 2 and not replaced
+        by an update since are reloaded from the served checkpoint, at the version the
+        engine started with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Whether each engine is asleep, and at which level.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -300,6 +340,21 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.GetWeightInfo,
                     request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoRequest.FromString,
                     response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.SleepRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.WakeUpRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -684,6 +739,87 @@ class AdminService:
             '/corestream.generate.v1.AdminService/GetWeightInfo',
             corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoRequest.SerializeToString,
             corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetWeightInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/Sleep',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.SleepRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/WakeUp',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.WakeUpRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/IsSleeping',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingResponse.FromString,
             options,
             channel_credentials,
             insecure,
