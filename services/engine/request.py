@@ -39,6 +39,8 @@ class FinishReason(enum.IntEnum):
     ERROR = 6
     STOP = 7
     """The output constraint is complete."""
+    PAUSED = 9
+    """Ended by a pause in mode abort; the tokens so far are the output."""
 
 
 class TokenGrammar(Protocol):

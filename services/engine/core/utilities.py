@@ -157,7 +157,7 @@ class Utilities:
             raise ValueError(f"unknown pause mode {raw!r} (choose {choices})") from None
         num_aborted = 0
         if mode is PauseMode.ABORT:
-            aborted = self._finish_all(FinishReason.ABORT, 0, "")
+            aborted = self._finish_all(FinishReason.PAUSED, 0, "")
             num_aborted = len(aborted)
             self._outputs.emit(aborted)
         self.pause_mode = mode

@@ -51,6 +51,7 @@ _FINISHED_REASON = {
     common_pb2.FINISH_REASON_STOP_STRING: "stop",
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_PAUSED: "abort",  # vLLM ends a pause's requests as aborted
     common_pb2.FINISH_REASON_SCHEMA_MISMATCH: "schema_mismatch",
 }
 _LABELS = ("model_name", "engine")

@@ -24,6 +24,9 @@ FINISH_REASONS: Mapping[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
+    # A pause in mode abort: distinct on gRPC, but vLLM's "abort" here, which the RL
+    # trainers written against vLLM already resubmit on.
+    common_pb2.FINISH_REASON_PAUSED: "abort",
     # The grammar completed but the output fails the schema it only approximated
     # (the response's warnings say what); ours, OpenAI has no such case.
     common_pb2.FINISH_REASON_SCHEMA_MISMATCH: "schema_mismatch",
@@ -37,6 +40,7 @@ CHAT_FINISH_REASONS: Mapping[int, str] = {
     chat_pb2.CHAT_FINISH_REASON_LENGTH: "length",
     chat_pb2.CHAT_FINISH_REASON_TOOL_CALLS: "tool_calls",
     chat_pb2.CHAT_FINISH_REASON_ABORT: "abort",
+    chat_pb2.CHAT_FINISH_REASON_PAUSED: "abort",  # as FINISH_REASON_PAUSED above
     chat_pb2.CHAT_FINISH_REASON_SCHEMA_MISMATCH: "schema_mismatch",
 }
 

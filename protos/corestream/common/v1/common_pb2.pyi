@@ -18,6 +18,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_SCHEMA_MISMATCH: _ClassVar[FinishReason]
+    FINISH_REASON_PAUSED: _ClassVar[FinishReason]
 
 class EngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -36,6 +37,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_SCHEMA_MISMATCH: FinishReason
+FINISH_REASON_PAUSED: FinishReason
 ENGINE_STATE_UNSPECIFIED: EngineState
 ENGINE_STATE_STARTING: EngineState
 ENGINE_STATE_RUNNING: EngineState

@@ -31,6 +31,7 @@ class ChatFinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHAT_FINISH_REASON_TOOL_CALLS: _ClassVar[ChatFinishReason]
     CHAT_FINISH_REASON_ABORT: _ClassVar[ChatFinishReason]
     CHAT_FINISH_REASON_SCHEMA_MISMATCH: _ClassVar[ChatFinishReason]
+    CHAT_FINISH_REASON_PAUSED: _ClassVar[ChatFinishReason]
 TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode
 TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
 TOOL_CHOICE_MODE_NONE: ToolChoiceMode
@@ -45,6 +46,7 @@ CHAT_FINISH_REASON_LENGTH: ChatFinishReason
 CHAT_FINISH_REASON_TOOL_CALLS: ChatFinishReason
 CHAT_FINISH_REASON_ABORT: ChatFinishReason
 CHAT_FINISH_REASON_SCHEMA_MISMATCH: ChatFinishReason
+CHAT_FINISH_REASON_PAUSED: ChatFinishReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "content_parts", "tool_calls", "tool_call_id", "reasoning", "name")

@@ -73,6 +73,8 @@ class AnswerParser:
             return chat_pb2.CHAT_FINISH_REASON_LENGTH
         if engine_reason == common_pb2.FINISH_REASON_ABORT:
             return chat_pb2.CHAT_FINISH_REASON_ABORT
+        if engine_reason == common_pb2.FINISH_REASON_PAUSED:
+            return chat_pb2.CHAT_FINISH_REASON_PAUSED
         if engine_reason == common_pb2.FINISH_REASON_SCHEMA_MISMATCH:
             return chat_pb2.CHAT_FINISH_REASON_SCHEMA_MISMATCH
         if engine_reason in _ENDED and self.calls:

@@ -150,7 +150,7 @@ def test_pause_abort_ends_requests_and_queues_new(core: EngineCore,
     result = ok(call(core, q, "pause", {"mode": "abort"}, seen=seen))
     assert result["num_aborted"] == 1
     ends = [u for m in seen for u in m.updates if u.finished]
-    assert [(u.request_id, u.finish_reason) for u in ends] == [("doomed", FinishReason.ABORT)]
+    assert [(u.request_id, u.finish_reason) for u in ends] == [("doomed", FinishReason.PAUSED)]
     core.add_request(request("later", max_tokens=2))
     time.sleep(0.1)
     stats = ok(call(core, q, "get_stats"))

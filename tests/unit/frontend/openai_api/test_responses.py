@@ -52,6 +52,7 @@ def _roundtrip(body: dict[str, Any]) -> dict[str, Any]:
     (common_pb2.FINISH_REASON_STOP, "stop"),
     (common_pb2.FINISH_REASON_LENGTH, "length"),
     (common_pb2.FINISH_REASON_ABORT, "abort"),
+    (common_pb2.FINISH_REASON_PAUSED, "abort"),
     (common_pb2.FINISH_REASON_SCHEMA_MISMATCH, "schema_mismatch"),
     (common_pb2.FINISH_REASON_UNSPECIFIED, None),
 ])
@@ -64,6 +65,7 @@ def test_finish_reasons(reason: int, expected: str | None) -> None:
     (chat_pb2.CHAT_FINISH_REASON_LENGTH, "length"),
     (chat_pb2.CHAT_FINISH_REASON_TOOL_CALLS, "tool_calls"),
     (chat_pb2.CHAT_FINISH_REASON_ABORT, "abort"),
+    (chat_pb2.CHAT_FINISH_REASON_PAUSED, "abort"),
     (chat_pb2.CHAT_FINISH_REASON_SCHEMA_MISMATCH, "schema_mismatch"),
     (chat_pb2.CHAT_FINISH_REASON_UNSPECIFIED, None),
 ])
