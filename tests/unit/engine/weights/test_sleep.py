@@ -5,7 +5,8 @@ reload of the checkpoint brings back. Afterwards the model computes what it did 
 
 from __future__ import annotations
 
-import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,7 @@ from tests.unit.engine.hf_checkpoints import make_checkpoint
 from tests.unit.engine.runner_driver import generate, make_runner, random_prompts
 
 PROMPTS = {"a": 7, "b": 12}
-
-
-def _rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+REPO = Path(__file__).resolve().parents[4]
 
 
 def _outputs(runner: ModelRunner) -> dict[str, list[int]]:
@@ -39,28 +34,52 @@ def _update(runner: ModelRunner, folder: Path) -> list[str]:
     return runner.commit_weights()
 
 
+# Run in a fresh interpreter: what this process allocated before (other tests) must not
+# decide what its RSS does. (In one full-suite run, in process, RSS did not move at all:
+# to be explained; see the session notes.)
+_LEVEL_1 = """
+import dataclasses, sys
+from pathlib import Path
+import torch
+from services.engine.worker.model_runner import ModelRunner
+from tests.unit.engine.hf_checkpoints import make_checkpoint
+from tests.unit.engine.runner_driver import generate, make_runner, random_prompts
+
+def rss():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+folder = Path(sys.argv[1])
+make_checkpoint(folder, "llama", torch.float32)
+runner = ModelRunner(dataclasses.replace(make_runner(folder).config,
+                                         kv_cache_memory=256 << 20))
+outputs = lambda: generate(runner, random_prompts({"a": 7, "b": 12}, 256), 6)
+before = outputs()
+num_blocks = runner.num_blocks
+for layer in range(len(runner.kv_caches)):  # commit every page, as requests would
+    runner.kv_caches[layer].fill_(0.5)
+kv_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
+assert kv_bytes >= 200 << 20
+rss_before = rss()
+freed = runner.sleep(1)
+assert freed == {"kv_cache_bytes": kv_bytes, "kv_cache_resident_bytes": kv_bytes,
+                 "weights_bytes": 0}, freed
+assert rss_before - rss() >= 0.9 * kv_bytes, (rss_before, rss(), kv_bytes)
+assert runner.num_blocks == num_blocks
+runner.wake_kv_cache()
+assert runner.num_blocks == num_blocks
+assert all(not c.any() for c in runner.kv_caches)
+assert outputs() == before
+print("ok")
+"""
+
+
 def test_level_1_gives_the_cache_pages_back_and_wake_serves_as_before(
         tmp_path: Path) -> None:
-    make_checkpoint(tmp_path / "m", "llama", torch.float32)
-    runner = make_runner(tmp_path / "m")
-    runner = ModelRunner(dataclasses.replace(runner.config, kv_cache_memory=256 << 20))
-    before = _outputs(runner)
-    num_blocks = runner.num_blocks
-    # Commit every page of the cache (requests would, block by block).
-    for layer in range(len(runner.kv_caches)):
-        runner.kv_caches[layer].fill_(0.5)
-    kv_bytes = sum(c.numel() * c.element_size() for c in runner.kv_caches)
-    assert kv_bytes >= 200 << 20
-    rss = _rss_bytes()
-    freed = runner.sleep(1)
-    assert freed == {"kv_cache_bytes": kv_bytes, "kv_cache_resident_bytes": kv_bytes,
-                     "weights_bytes": 0}
-    assert rss - _rss_bytes() >= 0.9 * kv_bytes
-    assert runner.num_blocks == num_blocks
-    runner.wake_kv_cache()
-    assert runner.num_blocks == num_blocks
-    assert all(not c.any() for c in runner.kv_caches)  # zeros again
-    assert _outputs(runner) == before
+    run = subprocess.run([sys.executable, "-c", _LEVEL_1, str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("tied", [False, True])
