@@ -52,6 +52,10 @@ class Setup:
         self.admin = admin_grpc.AdminServiceStub(self.channel)
         self.seed = 0
 
+    def close(self) -> None:
+        self.channel.close()
+        self.cluster.stop()
+
     def perturb(self, folder: str, names: set[str] | None = None) -> tuple[Path, PreTrainedModel]:
         """A new checkpoint folder (all tensors, or `names`) and the model it makes."""
         self.seed += 1

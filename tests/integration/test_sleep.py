@@ -45,8 +45,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     try:
         yield s
     finally:
-        s.channel.close()
-        s.cluster.stop()
+        s.close()
 
 
 def _rss(pid: int) -> int:

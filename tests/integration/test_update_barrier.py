@@ -34,8 +34,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     try:
         yield s
     finally:
-        s.channel.close()
-        s.cluster.stop()
+        s.close()
 
 
 class Streams:

@@ -33,8 +33,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     try:
         yield s
     finally:
-        s.channel.close()
-        s.cluster.stop()
+        s.close()
 
 
 def test_serves_the_start_version(setup: Setup) -> None:
@@ -185,5 +184,4 @@ def test_tensor_parallel_ranks_each_take_their_shard(tmp_path: Path) -> None:
         tp.hf.load_state_dict(original)
         tp.expect(tp.hf, "v0")
     finally:
-        tp.channel.close()
-        tp.cluster.stop()
+        tp.close()
