@@ -58,7 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=tuple(COMMANDS))
     parser.add_argument("--mode", choices=tuple(PAUSE_MODES), default="wait",
                         help="For pause: abort all requests, let running ones finish "
-                        "(wait, the default), or freeze them (keep).")
+                        "(wait, the default: answers once they have, within --timeout), or "
+                        "freeze them (keep).")
+    parser.add_argument("--clear-cache", action="store_true",
+                        help="For pause: drop the prefix cache once paused.")
     parser.add_argument("--path", default="", metavar="FOLDER",
                         help="For update-weights: a folder of *.safetensors files (all of the "
                         "model's tensors or some) that every engine swaps in at once.")
@@ -119,8 +122,11 @@ def run(args: argparse.Namespace) -> int:
         method, request_class = COMMANDS[args.action]
         fields: dict[str, Any] = ({} if args.engine is None or args.action in _ALL_ENGINES
                                   else {"engine_index": args.engine})
+        deadline = args.timeout
         if args.action == "pause":
-            fields["mode"] = PAUSE_MODES[args.mode]
+            fields.update(mode=PAUSE_MODES[args.mode], clear_cache=args.clear_cache,
+                          timeout_s=args.timeout)
+            deadline += 5  # room for the engines' answers after their wait ends
         if args.action == "sleep":
             fields["level"] = args.level
         if args.action == "wake-up":
@@ -130,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             if args.weight_version is not None:
                 fields["weight_version"] = args.weight_version
         try:
-            reply = getattr(stub, method)(request_class(**fields), timeout=args.timeout)
+            reply = getattr(stub, method)(request_class(**fields), timeout=deadline)
         except grpc.RpcError as e:
             print(f"corestream admin {args.action}: {e.code().name}: {e.details()}",
                   file=sys.stderr)

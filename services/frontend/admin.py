@@ -29,7 +29,13 @@ from services.common.restart_status import PartStatus, read_status
 from services.common.weight_version import check_weight_version
 from services.frontend.errors import RequestError
 from services.frontend.routing.balancer import Balancer
-from services.frontend.weight_sync import UTILITY_TIMEOUT_S, WeightSync, all_ok, result_json
+from services.frontend.weight_sync import (
+    PAUSE_WAIT_TIMEOUT_S,
+    UTILITY_TIMEOUT_S,
+    WeightSync,
+    all_ok,
+    result_json,
+)
 
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
@@ -96,7 +102,18 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         if mode is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"mode {request.mode} is not a PauseMode")
-        results = await self._call_all(request, context, "pause", {"mode": mode})
+        timeout_s = self._timeout_s
+        if request.HasField("timeout_s"):
+            if not 0 < request.timeout_s <= PAUSE_WAIT_TIMEOUT_S:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"timeout_s must be in (0, {PAUSE_WAIT_TIMEOUT_S:g}] seconds, "
+                    f"got {request.timeout_s}"))
+            timeout_s = request.timeout_s
+        elif mode == "wait":
+            timeout_s = PAUSE_WAIT_TIMEOUT_S
+        results = await self._call_all(request, context, "pause",
+                                       {"mode": mode, "clear_cache": request.clear_cache},
+                                       timeout_s)
         return admin_pb2.PauseSchedulingResponse(results=results)
 
     async def ResumeScheduling(  # noqa: N802 (gRPC method name)
@@ -234,13 +251,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         return request.weight_version
 
     async def _call_all(self, request: _EngineFilter, context: grpc.aio.ServicerContext,
-                        method: str, args: dict[str, Any]) -> list[admin_pb2.EngineResult]:
+                        method: str, args: dict[str, Any], timeout_s: float | None = None
+                        ) -> list[admin_pb2.EngineResult]:
         engine_index = request.engine_index if request.HasField("engine_index") else None
         try:
             clients = self._sync.clients(engine_index)
         except RequestError as e:
             await context.abort(e.code, e.message)
-        return await self._sync.call(clients, method, args, self._timeout_s)
+        return await self._sync.call(clients, method, args, timeout_s or self._timeout_s)
 
 
 def _engine_index(request: _EngineFilter) -> int | None:

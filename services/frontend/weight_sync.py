@@ -26,6 +26,8 @@ from services.frontend.routing.engine_client import EngineClient
 
 # Utilities run between two steps, so an engine normally answers within one step.
 UTILITY_TIMEOUT_S = 10.0
+# A pause in mode wait answers once the running requests finished.
+PAUSE_WAIT_TIMEOUT_S = 600.0
 # Receiving tensors, or joining a trainer's group, waits on the trainer.
 TRANSFER_TIMEOUT_S = 3600.0
 SLEEP_LEVELS = (1, 2)

@@ -4,8 +4,9 @@ every one of them has its first token.
 
 - abort: every stream ends at once with FINISH_REASON_PAUSED and the tokens it had;
   requests sent while paused queue and run after the resume.
-- wait: every stream runs to its end (length); a request sent while paused starts only
-  after the resume, and IsPaused says so meanwhile.
+- wait: every stream runs to its end (length), and the pause answers only then; a
+  request sent while paused starts only after the resume, and IsPaused says so
+  meanwhile.
 - keep: no engine steps while paused and every request stays running (its KV held);
   after the resume every stream's tokens are those of the same request never paused.
 
@@ -131,8 +132,9 @@ class Streams:
 
 def pause(admin: admin_grpc.AdminServiceStub, mode: int,
           engine: int | None = None) -> list[dict[str, object]]:
+    # Mode wait answers once the running streams finished.
     reply = admin.PauseScheduling(
-        admin_pb.PauseSchedulingRequest(mode=mode, engine_index=engine), timeout=20)
+        admin_pb.PauseSchedulingRequest(mode=mode, engine_index=engine), timeout=120)
     assert all(r.ok for r in reply.results), reply
     return [json.loads(r.result_json) for r in reply.results]
 
@@ -210,7 +212,9 @@ def test_abort_ends_every_stream_with_its_tokens_and_queues_new_ones(
 def test_wait_lets_running_streams_finish_and_holds_new_ones(
         stub: pb_grpc.GenerateServiceStub, admin: admin_grpc.AdminServiceStub) -> None:
     streams = start_together(stub, admin)
-    pause(admin, admin_pb.PAUSE_MODE_WAIT)
+    results = pause(admin, admin_pb.PAUSE_MODE_WAIT)
+    # The answer came once nothing ran any more: every stream has had its last token.
+    assert [r["num_running"] for r in results] == [0, 0]
     later = Streams(stub, 3, count=1, first=NUM_STREAMS)
     streams.join()
     assert set(streams.finish_reasons) == {LENGTH}

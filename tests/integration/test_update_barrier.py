@@ -1,18 +1,21 @@
 """Two DP engines switch weights together under load (`corestream serve --engines 2`):
-with requests frozen by a keep pause across an update, every request's tokens run on
-the old version and then the new, never back, and a request that saw both reports both
-(its first and last versions).
 
-Not yet here: a wait pause that answers only once the running requests finished (today
-it answers at once, so an update sent right after it lands while they still run).
+- keep: with requests frozen across an update, every request's tokens run on the old
+  version and then the new, never back, and a request that saw both reports both (its
+  first and last versions);
+- wait: the pause answers once the running requests finished, so an update sent right
+  after it lands between requests: each running one saw only the old version, and the
+  requests that arrived while paused see only the new one.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from corestream.generate.v1 import admin_service_pb2 as admin_pb
 from corestream.generate.v1 import generate_service_pb2 as pb
@@ -105,3 +108,54 @@ def test_kept_requests_switch_once_and_report_both(setup: Setup) -> None:
         completion = response.completions[0]
         assert completion.weight_version == "v1"
         assert completion.first_weight_version in ("v0", "v1")
+
+
+def test_wait_pause_drains_then_late_requests_see_only_the_new_version(setup: Setup) -> None:
+    before = setup.admin.GetEngineStats(admin_pb.GetEngineStatsRequest(), timeout=20)
+    old = {json.loads(r.result_json)["weight_version"] for r in before.results}
+    assert len(old) == 1
+    streams = Streams(setup, 40)
+    deadline = time.monotonic() + 60
+    # Every stream must be running when the pause comes (one still on its way would
+    # queue behind it and run on the new weights).
+    while not (len(streams.versions) == 2 * NUM_PER_ENGINE and all(streams.versions.values())):
+        assert time.monotonic() < deadline, streams.versions
+        time.sleep(0.01)
+    paused = setup.admin.PauseScheduling(admin_pb.PauseSchedulingRequest(
+        mode=admin_pb.PAUSE_MODE_WAIT, timeout_s=120), timeout=130)
+    assert all(r.ok for r in paused.results), paused
+    # It answered once nothing ran: the streams had their last tokens.
+    assert [json.loads(r.result_json)["num_running"] for r in paused.results] == [0, 0]
+    late = Streams(setup, 60)
+    while sum(_num_unfinished(setup)) < 2 * NUM_PER_ENGINE:
+        time.sleep(0.02)  # every late request queued behind the pause
+    folder, _ = setup.perturb("v2")
+    reply = setup.admin.UpdateWeightsFromDisk(admin_pb.UpdateWeightsFromDiskRequest(
+        path=str(folder), weight_version="v2"), timeout=120)
+    assert reply.ok, reply
+    setup.admin.ResumeScheduling(admin_pb.ResumeSchedulingRequest(), timeout=20)
+    assert all(set(seen) == old for seen in streams.join().values())
+    assert all(set(seen) == {"v2"} for seen in late.join().values())
+
+
+def test_vllm_pause_routes_on_the_http_door(setup: Setup) -> None:
+    base = f"http://127.0.0.1:{setup.http_port}"
+    for params, field in (({"mode": "sideways"}, "mode"),
+                          ({"mode": "wait", "timeout_s": "-1"}, "timeout_s"),
+                          ({"mode": "keep", "clear_cache": "maybe"}, "clear_cache")):
+        refused = httpx.post(base + "/pause", params=params, timeout=30)
+        assert refused.status_code == 400 and field in refused.text, refused.text
+    assert httpx.get(base + "/is_paused", timeout=30).json() == {"is_paused": False}
+    streams = Streams(setup, 80)
+    while not (len(streams.versions) == 2 * NUM_PER_ENGINE and all(streams.versions.values())):
+        time.sleep(0.01)
+    paused = httpx.post(base + "/pause", params={"mode": "wait"}, timeout=130)
+    assert paused.status_code == 200, paused.text
+    engines = paused.json()["engines"]
+    assert [e["num_running"] for e in engines] == [0, 0]
+    # As vLLM's, the route clears the prefix cache by default: the streams' blocks go.
+    assert all(e["num_cached_blocks_dropped"] > 0 for e in engines), engines
+    streams.join()
+    assert httpx.get(base + "/is_paused", timeout=30).json() == {"is_paused": True}
+    assert httpx.post(base + "/resume", timeout=30).json()["paused"] is False
+    assert httpx.get(base + "/is_paused", timeout=30).json() == {"is_paused": False}

@@ -231,6 +231,8 @@ class EngineCore:
                     self.weights.run_commit()  # between steps, no batch in flight
                 if self._can_step():
                     self.step()
+                if self.utilities.awaits_drain:
+                    self.utilities.settle(batches_in_flight=bool(self._batch_queue))
                 self.outputs.flush_kv_events()
                 self._publish_stats()
                 if self.state is EngineState.DRAINING and self._drain_over():

@@ -9,7 +9,9 @@ else. A handler whose work runs elsewhere (staging weights on a thread, a commit
 waiting for the batches in flight) returns a Future, and the reply goes when it is
 done. Pausing stops scheduling, not the engine: it stays RUNNING and healthy, and new
 requests queue up until `resume` (modes: abort = abort everything first; wait
-= admit nothing new but let running requests finish; keep = freeze all requests).
+= admit nothing new but let running requests finish, and answer only once they have:
+`settle` resolves that reply after the step that ends the last of them; keep = freeze
+all requests).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class Utilities:
         self._weights = weights
         self._sleep = sleep
         self.pause_mode: PauseMode | None = None
+        # Replies of "wait" pauses, sent once no request runs (settle) or on resume.
+        self._drain_waiters: list[tuple[Future[dict[str, Any]], bool]] = []
         self._handlers: dict[str, Callable[[dict[str, Any]], Reply]] = {
             "reset_prefix_cache": self._reset_prefix_cache,
             "get_stats": self._get_stats,
@@ -111,7 +115,35 @@ class Utilities:
         was = self.pause_mode
         self.pause_mode = None
         self._scheduler.admitting = True
+        # A wait pause resumed before its running requests finished still answers (its
+        # num_running says they had not).
+        self._answer_waiters()
         return {"was_paused": was.value if was else None}
+
+    @property
+    def awaits_drain(self) -> bool:
+        return bool(self._drain_waiters)
+
+    def settle(self, batches_in_flight: bool) -> None:
+        """After a step (loop thread): answer the wait pauses once no request runs and
+        no batch is executing."""
+        if self._drain_waiters and not self._scheduler.running and not batches_in_flight:
+            self._answer_waiters()
+
+    def _answer_waiters(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for future, clear_cache in waiters:
+            future.set_result(self._paused_result(PauseMode.WAIT, 0, clear_cache))
+
+    def _paused_result(self, mode: PauseMode, num_aborted: int,
+                       clear_cache: bool) -> dict[str, Any]:
+        # Requests that keep running hold their own blocks; only the cache's index of
+        # them goes, so nothing computed before the pause is found after it.
+        dropped = self._scheduler.kv_cache.invalidate_prefix_cache() if clear_cache else 0
+        return {"mode": mode.value, "num_aborted": num_aborted,
+                "num_running": len(self._scheduler.running),
+                "num_waiting": len(self._scheduler.waiting),
+                "num_cached_blocks_dropped": dropped}
 
     def _reset_prefix_cache(self, args: dict[str, Any]) -> dict[str, Any]:
         # As in vLLM: blocks held by running requests may be shared through their
@@ -146,7 +178,7 @@ class Utilities:
                 "dummy_steps": wave.num_dummy_steps} if wave is not None else {}),
         }
 
-    def _pause(self, args: dict[str, Any]) -> dict[str, Any]:
+    def _pause(self, args: dict[str, Any]) -> Reply:
         if self._lifecycle.state is not EngineState.RUNNING:
             raise ValueError(self._lifecycle.not_running_message())
         raw = args.get("mode", PauseMode.WAIT.value)
@@ -155,6 +187,9 @@ class Utilities:
         except ValueError:
             choices = ", ".join(m.value for m in PauseMode)
             raise ValueError(f"unknown pause mode {raw!r} (choose {choices})") from None
+        clear_cache = args.get("clear_cache", False)
+        if not isinstance(clear_cache, bool):
+            raise ValueError(f"clear_cache must be true or false, got {clear_cache!r}")
         num_aborted = 0
         if mode is PauseMode.ABORT:
             aborted = self._finish_all(FinishReason.PAUSED, 0, "")
@@ -162,9 +197,13 @@ class Utilities:
             self._outputs.emit(aborted)
         self.pause_mode = mode
         self._scheduler.admitting = False
-        return {"mode": mode.value, "num_aborted": num_aborted,
-                "num_running": len(self._scheduler.running),
-                "num_waiting": len(self._scheduler.waiting)}
+        if mode is PauseMode.WAIT and self._scheduler.running:
+            future: Future[dict[str, Any]] = Future()
+            self._drain_waiters.append((future, clear_cache))
+            return future
+        if mode is not PauseMode.WAIT:
+            self._answer_waiters()  # a wait pause turned into abort or keep: its wait is over
+        return self._paused_result(mode, num_aborted, clear_cache)
 
     def _profile(self, args: dict[str, Any]) -> dict[str, Any]:
         action = args.get("action")

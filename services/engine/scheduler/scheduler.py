@@ -97,8 +97,9 @@ class Scheduler:
         # Cumulative: steps a waiting request spent waiting for a block in progress.
         self.num_prefix_waits = 0
         self._finished_since_last_step: set[str] = set()
-        # False while the engine is paused in "wait" mode: running requests finish,
-        # waiting ones (new or preempted) stay queued until admission resumes.
+        # False while the engine is paused in "wait" mode: new requests stay queued
+        # until admission resumes; running ones finish, and so do preempted ones (they
+        # were running when the pause came) once they are at the head of the queue.
         self.admitting = True
 
     # ---- requests in and out -------------------------------------------------------
@@ -208,9 +209,9 @@ class Scheduler:
         deferred: list[Request] = []
         while (
             not preempted
-            and self.admitting
             and budget > 0
             and self.waiting
+            and (self.admitting or self.waiting.peek().num_preemptions > 0)
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting.peek()

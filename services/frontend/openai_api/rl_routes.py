@@ -3,6 +3,9 @@ live weight updates, so that a trainer written against vLLM (TRL, verl, OpenRLHF
 drives corestream unchanged.
 
     POST /pause?mode=abort|wait|keep      GET /is_paused       POST /resume
+         &clear_cache=true|false          (as vLLM: default true, the prefix cache goes)
+         &timeout_s=600                   ours: mode wait answers once nothing runs;
+                                           this bounds that wait
     POST /init_weight_transfer_engine     {"init_info": {master_address, master_port,
                                            rank_offset, world_size}}
     POST /start_weight_update             {"is_checkpoint_format": bool} (ignored: names
@@ -38,7 +41,13 @@ from starlette.routing import Route
 from services.common.weight_version import check_weight_version
 from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.openai_api.http_errors import error_response
-from services.frontend.weight_sync import Results, WeightSync, all_ok, result_json
+from services.frontend.weight_sync import (
+    PAUSE_WAIT_TIMEOUT_S,
+    Results,
+    WeightSync,
+    all_ok,
+    result_json,
+)
 
 PAUSE_MODES = ("abort", "wait", "keep")
 _MAX_BODY_BYTES = 64 << 20
@@ -82,7 +91,12 @@ class RlRoutes:
         if mode not in PAUSE_MODES:
             raise invalid_argument("mode", f"mode must be one of {', '.join(PAUSE_MODES)}, "
                                    f"got {mode!r}")
-        results = _checked(await self._sync.call(self._sync.clients(), "pause", {"mode": mode}))
+        clear_cache = _query_bool(request, "clear_cache", default=True)
+        default_timeout = PAUSE_WAIT_TIMEOUT_S if mode == "wait" else None
+        timeout_s = _query_seconds(request, "timeout_s", default_timeout, PAUSE_WAIT_TIMEOUT_S)
+        results = _checked(await self._sync.call(
+            self._sync.clients(), "pause", {"mode": mode, "clear_cache": clear_cache},
+            timeout_s))
         return {"paused": True, "mode": mode, "engines": _engines(results)}
 
     async def resume(self, request: Request) -> dict[str, Any]:
@@ -169,6 +183,30 @@ def _checked(results: Results) -> Results:
     code = next((c for c in grpc.StatusCode if c.value[0] == failed[0].code),
                 grpc.StatusCode.INTERNAL)
     raise RequestError(code, "; ".join(f"engine {r.engine_index}: {r.message}" for r in failed))
+
+
+def _query_bool(request: Request, name: str, default: bool) -> bool:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if raw.lower() not in ("true", "false", "1", "0"):
+        raise invalid_argument(name, f"{name} must be true or false, got {raw!r}")
+    return raw.lower() in ("true", "1")
+
+
+def _query_seconds(request: Request, name: str, default: float | None,
+                   limit: float) -> float | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= limit:  # also refuses nan
+        raise invalid_argument(name, f"{name} must be a number of seconds in (0, {limit:g}], "
+                               f"got {raw!r}")
+    return seconds
 
 
 def _engines(results: Results) -> list[dict[str, Any]]:

@@ -73,12 +73,16 @@ class ProcessRestarts(_message.Message):
     def __init__(self, part: _Optional[str] = ..., restarts: _Optional[int] = ..., last_exit: _Optional[str] = ..., given_up: _Optional[bool] = ...) -> None: ...
 
 class PauseSchedulingRequest(_message.Message):
-    __slots__ = ("engine_index", "mode")
+    __slots__ = ("engine_index", "mode", "timeout_s", "clear_cache")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_CACHE_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     mode: PauseMode
-    def __init__(self, engine_index: _Optional[int] = ..., mode: _Optional[_Union[PauseMode, str]] = ...) -> None: ...
+    timeout_s: float
+    clear_cache: bool
+    def __init__(self, engine_index: _Optional[int] = ..., mode: _Optional[_Union[PauseMode, str]] = ..., timeout_s: _Optional[float] = ..., clear_cache: _Optional[bool] = ...) -> None: ...
 
 class PauseSchedulingResponse(_message.Message):
     __slots__ = ("results",)

@@ -13,7 +13,7 @@ import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
-from services.engine.messages import SessionOutputs
+from services.engine.messages import SessionOutputs, UtilityCall, UtilityReply
 from services.engine.request import FinishReason, RequestUpdate
 from tests.unit.engine.fakes import FakeRunner, call, collect, ok, request, tokens
 
@@ -95,25 +95,60 @@ def test_reset_prefix_cache_refused_while_running_then_drops_cache(
 
 
 @pytest.mark.timeout(30)
-def test_pause_wait_finishes_running_and_queues_new(core: EngineCore,
-                                                    runner: FakeRunner) -> None:
+def test_pause_wait_answers_once_running_finished_and_queues_new(core: EngineCore,
+                                                                runner: FakeRunner) -> None:
     q = core.sessions.open("s")
     runner.delay_s = 0.01
     core.start()
     core.add_request(request("running", max_tokens=20))
     wait_until(lambda: core.stats.num_running == 1)
-    seen: list[SessionOutputs] = []
-    assert ok(call(core, q, "pause", {"mode": "wait"}, seen=seen))["mode"] == "wait"
     core.add_request(request("queued", max_tokens=2))
-    by_id, _ = collect(q, {"running"})
-    assert by_id["running"][-1].finish_reason is FinishReason.LENGTH
+    seen: list[SessionOutputs] = []
+    paused = ok(call(core, q, "pause", {"mode": "wait"}, seen=seen))
+    # The reply comes after the step that finished the running request, not before.
+    assert paused == {"mode": "wait", "num_aborted": 0, "num_running": 0, "num_waiting": 1,
+                      "num_cached_blocks_dropped": 0}
+    finished = [u for m in seen for u in m.updates if u.finished]
+    assert [(u.request_id, u.finish_reason) for u in finished] == [
+        ("running", FinishReason.LENGTH)]
+    assert len(tokens([u for m in seen for u in m.updates])) == 20
     time.sleep(0.2)  # a paused engine must not admit "queued" meanwhile
     stats = ok(call(core, q, "get_stats"))
     assert stats["paused"] == "wait" and stats["num_running"] == 0
     assert stats["num_waiting"] == 1 and stats["state"] == "RUNNING"
+    # With nothing running, a second wait pause answers at once.
+    assert ok(call(core, q, "pause", {"mode": "wait"}))["num_running"] == 0
     assert ok(call(core, q, "resume"))["was_paused"] == "wait"
     by_id, _ = collect(q, {"queued"})
     assert tokens(by_id["queued"]) == [4, 5]
+
+
+@pytest.mark.timeout(30)
+def test_pause_wait_still_answers_when_resumed_or_switched_to_abort(
+        core: EngineCore, runner: FakeRunner) -> None:
+    q = core.sessions.open("s")
+    other = core.sessions.open("other")
+    runner.delay_s = 0.02
+    core.start()
+    core.add_request(request("long", max_tokens=200))
+    wait_until(lambda: core.stats.num_running == 1)
+    core.call_utility(UtilityCall("other", 1, "pause", {"mode": "wait"}))
+    # The running request outlives this: a resume (another caller) answers the wait.
+    ok(call(core, q, "resume"))
+    reply = _reply(other)
+    assert ok(reply)["num_running"] == 1
+    core.call_utility(UtilityCall("other", 2, "pause", {"mode": "wait"}))
+    aborted = ok(call(core, q, "pause", {"mode": "abort"}))
+    assert aborted["num_aborted"] == 1
+    assert ok(_reply(other))["num_running"] == 0
+    ok(call(core, q, "resume"))
+
+
+def _reply(q: Any) -> Any:
+    while True:
+        item = q.get(timeout=10)
+        if isinstance(item, UtilityReply):
+            return item
 
 
 @pytest.mark.timeout(30)

@@ -112,6 +112,25 @@ def test_preempted_request_resumes_on_cached_prefix_then_its_outputs() -> None:
     assert [(u.request_id, u.new_token_ids) for u in ups] == [("a", (7,)), ("b", (6,))]
 
 
+def test_not_admitting_readmits_preempted_but_not_new_requests() -> None:
+    # A "wait" pause: what ran when it came finishes, preempted ones included.
+    s = make_scheduler(num_blocks=4, block_size=2, max_num_batched_tokens=64)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=3))
+    s.add_request(make_request("b", prompt_len=4, max_tokens=3))
+    step(s)
+    s.admitting = False
+    s.add_request(make_request("new", prompt_len=2, max_tokens=1))
+    step(s)  # a's decode preempts b
+    assert s.requests["b"].status is RequestStatus.WAITING
+    finished = []
+    for _ in range(20):
+        finished += [u.request_id for u in step(s)[1] if u.finished]
+    assert sorted(finished) == ["a", "b"]
+    assert s.requests["new"].status is RequestStatus.WAITING and not s.running
+    s.admitting = True
+    assert run_to_completion(s)["new"][-1].finish_reason is FinishReason.LENGTH
+
+
 def test_abort_frees_blocks_and_drops_pending_output() -> None:
     s = make_scheduler()
     s.add_request(make_request("a", prompt_len=8))
