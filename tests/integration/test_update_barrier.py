@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import pytest
 from corestream.generate.v1 import admin_service_pb2 as admin_pb
@@ -159,3 +160,24 @@ def test_vllm_pause_routes_on_the_http_door(setup: Setup) -> None:
     assert httpx.get(base + "/is_paused", timeout=30).json() == {"is_paused": True}
     assert httpx.post(base + "/resume", timeout=30).json()["paused"] is False
     assert httpx.get(base + "/is_paused", timeout=30).json() == {"is_paused": False}
+
+
+def test_a_wait_pause_past_its_timeout_says_so_and_stays_paused(setup: Setup) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        setup.admin.PauseScheduling(admin_pb.PauseSchedulingRequest(
+            mode=admin_pb.PAUSE_MODE_WAIT, timeout_s=-1), timeout=30)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "timeout_s" in (refused.value.details() or "")
+    streams = Streams(setup, 100)
+    while not (len(streams.versions) == 2 * NUM_PER_ENGINE and all(streams.versions.values())):
+        time.sleep(0.01)
+    try:
+        paused = setup.admin.PauseScheduling(admin_pb.PauseSchedulingRequest(
+            mode=admin_pb.PAUSE_MODE_WAIT, timeout_s=0.001), timeout=30)
+        # 120 tokens per stream take far longer than a millisecond to finish.
+        assert all(r.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+                   and "within 0.001 s" in r.message for r in paused.results), paused
+        assert setup.admin.IsPaused(admin_pb.IsPausedRequest(), timeout=30).is_paused
+    finally:
+        setup.admin.ResumeScheduling(admin_pb.ResumeSchedulingRequest(), timeout=20)
+    streams.join()
