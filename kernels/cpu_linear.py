@@ -73,10 +73,19 @@ def own_panels(weight: torch.Tensor) -> torch.Tensor | None:
     pair = 2 if weight.dtype == torch.bfloat16 else 1
     num_panels = -(-out_features // PANEL_WIDTH)
     rows = -(-in_features // pair)
-    padded = weight.new_zeros(num_panels * PANEL_WIDTH, rows * pair)
-    padded[:out_features, :in_features] = weight
-    panels = padded.view(num_panels, PANEL_WIDTH, rows, pair).transpose(1, 2).contiguous()
+    panels = _padded(weight, num_panels * PANEL_WIDTH, rows * pair).view(
+        num_panels, PANEL_WIDTH, rows, pair).transpose(1, 2).contiguous()
     return panels if pair == 2 else panels.squeeze(3)
+
+
+def _padded(weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """`weight` zero-padded to `[out_features, in_features]`; itself when it has that
+    shape already (most do: a copy of a 100 MB head costs as much as its layout)."""
+    if tuple(weight.shape) == (out_features, in_features) and weight.is_contiguous():
+        return weight
+    padded = weight.new_zeros(out_features, in_features)
+    padded[:weight.shape[0], :weight.shape[1]] = weight
+    return padded
 
 
 def panels_only_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -129,9 +138,8 @@ def weight_panels(weight: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | 
     flat = torch.frombuffer(buffer, dtype=weight.dtype)
     shape = (num_panels, rows, PANEL_WIDTH) + ((pair,) if pair > 1 else ())
     panels = flat.view(shape)
-    padded = weight.new_zeros(num_panels * PANEL_WIDTH, rows * pair)
-    padded[:out_features, :in_features] = weight
-    expected = padded.view(num_panels, PANEL_WIDTH, rows, pair).transpose(1, 2)
+    expected = _padded(weight, num_panels * PANEL_WIDTH, rows * pair).view(
+        num_panels, PANEL_WIDTH, rows, pair).transpose(1, 2)
     # Bit for bit: a NaN in the weight (NaN != NaN) must not cost the layer its panels.
     bits = torch.int32 if weight.element_size() == 4 else torch.int16
     same = torch.equal(panels.view(bits), expected.reshape(shape).view(bits))

@@ -144,9 +144,14 @@ def lay_out_linear(module: Linear, tied: bool = False) -> str:
 def plain_weight(module: Linear) -> torch.Tensor:
     """The `[out, in]` values of a `Linear`'s weight, whatever its layout (a view where
     it can be one; clone before writing)."""
-    weight = module.weight.detach()
-    if module.panels is not None and (weight.is_mkldnn or is_panels_only(weight)):
-        return unpack_panels(module.panels, *weight.shape)
+    return plain_values(module.weight.detach(), module.panels)
+
+
+def plain_values(weight: torch.Tensor, panels: torch.Tensor | None) -> torch.Tensor:
+    """The `[out, in]` values of a weight stored as `cpu_layout` returns it (`weight`,
+    `panels`)."""
+    if panels is not None and (weight.is_mkldnn or is_panels_only(weight)):
+        return unpack_panels(panels, *weight.shape)
     if weight.is_mkldnn:
         # Opaque to everything but oneDNN: multiplying the identity reads it back, exactly
         # (each output is one weight times 1 plus zeros).

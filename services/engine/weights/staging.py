@@ -4,12 +4,13 @@ until the update commits, then swapped in between two steps.
 An update names tensors as the checkpoint does (the model's `CheckpointLayout`). Each
 is checked against the checkpoint's spec (known name, same shape, a floating dtype),
 cut to this rank's tensor-parallel shard, converted to the model's dtype and device,
-and kept; the serving weights are not touched until `commit`. That builds every
-changed parameter anew first (a fused one from its current values with the new rows
-written in) and only then swaps them all in, so an update that fails anywhere before
-the swap leaves the model exactly as it was. Linear weights get their CPU layout again
-(oneDNN packing, panels), a tied head its own panels, and the C++ decode op is bound
-anew to the new tensors on its next call.
+and kept; the serving weights are not touched until `commit`. At the end of each
+staging call (`prepare`, still off the busy loop) every changed parameter is built
+anew (a fused one from its current values with the new rows written in) in the layout
+it serves in: linear weights packed for oneDNN with their panels, a tied head's own
+panels. `commit`, on the loop thread between two steps, then only swaps them all in,
+so an update that fails anywhere before the swap leaves the model exactly as it was;
+the C++ decode op is bound anew to the new tensors on its next call.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.cpu_linear import cpu_layout, own_panels
 from services.engine.models.checkpoint_layout import CheckpointLayout, TensorSpec
 from services.engine.models.linear import (
     Linear,
     has_quantized_layers,
-    lay_out_linear,
+    plain_values,
     plain_weight,
 )
 from services.engine.models.tp_sharding import ShardPlan
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 # Precomputed RoPE tables of old checkpoints: ours come from the config (the loader
 # skips them too).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_EMBEDDING = "model.embed_tokens.weight"
 
 
 class WeightUpdateError(ValueError):
@@ -85,6 +88,9 @@ class WeightStaging:
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         self._staged: dict[str, torch.Tensor] = {}
+        """Tensors taken and not yet prepared, by our name."""
+        self._prepared: dict[str, _Prepared] = {}
+        self._head_panels: torch.Tensor | None = None
         self.num_tensors = 0
         """Checkpoint tensors taken so far (this rank's share of each)."""
         self.num_bytes = 0
@@ -143,33 +149,70 @@ class WeightStaging:
                 f"{placement.param} takes {list(target)}")
         self._staged[ours] = shard
 
-    def commit(self) -> list[str]:
-        """Swap every staged tensor into the model; returns the parameters replaced.
-        Call it between steps, with no forward running."""
+    def prepare(self, final: bool = False) -> None:
+        """Build the new value of every parameter the tensors taken so far change, in
+        the layout it serves in, beside the serving one: the costly part of an update
+        (a fused parameter's current values read back, oneDNN packing, panels), done on
+        the staging thread while the engine serves on, so that `commit` only swaps.
+        A parameter that sleep level 2 dropped waits for `final` (the commit): its parts
+        may arrive over several calls, and only then must they cover it."""
         pieces: dict[str, list[tuple[tuple[int | slice, ...], torch.Tensor]]] = {}
         for ours, shard in self._staged.items():
             placement = self._layout.placement(ours)
             pieces.setdefault(placement.param, []).append((placement.index, shard))
-        self._check_covers_dropped(pieces)
+        waiting: dict[str, torch.Tensor] = {}
         with torch.inference_mode():
-            values = {param: self._new_value(param, parts) for param, parts in pieces.items()}
-            for param, value in values.items():
-                self._assign(param, value)
-            embedding = "model.embed_tokens.weight"
-            if self._tied and embedding in values:
+            for param, parts in pieces.items():
+                module, attr = self._module_of(param)
+                if (not final and param not in self._prepared
+                        and getattr(module, attr).is_meta):
+                    waiting.update((o, t) for o, t in self._staged.items()
+                                   if self._layout.placement(o).param == param)
+                    continue
+                value = self._new_value(param, module, attr, parts)
+                if isinstance(module, Linear) and attr == "weight" and value.device.type == "cpu":
+                    self._prepared[param] = _Prepared(*cpu_layout(value), linear=True)
+                else:
+                    self._prepared[param] = _Prepared(value, None,
+                                                      linear=isinstance(module, Linear))
+            embedding = self._prepared.get(_EMBEDDING)
+            head = getattr(self._model, "lm_head", None)
+            if (self._tied and _EMBEDDING in pieces and embedding is not None
+                    and isinstance(head, Linear) and embedding.stored.device.type == "cpu"):
+                # Tied to the embedding table: the head serves from panels of its own.
+                self._head_panels = own_panels(embedding.stored)
+        self._staged = waiting
+
+    def commit(self) -> list[str]:
+        """Swap every prepared parameter into the model; returns the parameters
+        replaced. Call it between steps, with no forward running."""
+        self.prepare(final=True)
+        self._check_covers_dropped(self._prepared)
+        with torch.inference_mode():
+            for param, prepared in self._prepared.items():
+                module, attr = self._module_of(param)
+                setattr(module, attr, nn.Parameter(prepared.stored, requires_grad=False))
+                if prepared.linear and attr == "weight":
+                    module.panels = prepared.panels
+            if self._tied and _EMBEDDING in self._prepared:
                 self._model.tie_weights()
                 head = self._model.lm_head
-                if isinstance(head, Linear) and head.weight.device.type == "cpu":
-                    lay_out_linear(head, tied=True)
+                if isinstance(head, Linear):
+                    head.panels = self._head_panels
         self._model.model.forget_decode_op()
-        self._staged.clear()
-        return sorted(values)
+        replaced = sorted(self._prepared)
+        self._prepared.clear()
+        return replaced
+
+    def _module_of(self, param: str) -> tuple[nn.Module, str]:
+        module_name, _, attr = param.rpartition(".")
+        return self._model.get_submodule(module_name), attr
 
     def _check_covers_dropped(self, values: Iterable[str]) -> None:
         """An update while sleep level 2 has dropped the weights must bring back all of
         them: a model with a parameter missing cannot run."""
         given = set(values)
-        if self._tied and "model.embed_tokens.weight" in given:
+        if self._tied and _EMBEDDING in given:
             given.add("lm_head.weight")
         missing = [name for name in dropped_parameters(self._model) if name not in given]
         if missing:
@@ -178,15 +221,18 @@ class WeightStaging:
                 f"{len(missing)} of them (e.g. {missing[0]!r}): send every tensor, or wake "
                 "the weights first (which reloads the checkpoint)")
 
-    def _new_value(self, param: str, parts: list[tuple[tuple[int | slice, ...], torch.Tensor]]
-                   ) -> torch.Tensor:
+    def _new_value(self, param: str, module: nn.Module, attr: str,
+                   parts: list[tuple[tuple[int | slice, ...], torch.Tensor]]) -> torch.Tensor:
         whole = [shard for index, shard in parts if index == ()]
         if whole:
             return whole[-1]
-        module_name, _, attr = param.rpartition(".")
-        module = self._model.get_submodule(module_name)
-        current = (plain_weight(module) if isinstance(module, Linear) and attr == "weight"
-                   else getattr(module, attr).detach())
+        earlier = self._prepared.get(param)
+        if earlier is not None:  # an earlier call of this update changed other parts
+            current = plain_values(earlier.stored, earlier.panels)
+        elif isinstance(module, Linear) and attr == "weight":
+            current = plain_weight(module)
+        else:
+            current = getattr(module, attr).detach()
         if current.is_meta:
             # Dropped by sleep level 2: this update must write every part of it.
             value = torch.empty(current.shape, dtype=self._dtype, device=self._device)
@@ -200,14 +246,15 @@ class WeightStaging:
             value[index] = shard
         return value
 
-    def _assign(self, param: str, value: torch.Tensor) -> None:
-        module_name, _, attr = param.rpartition(".")
-        module = self._model.get_submodule(module_name)
-        setattr(module, attr, nn.Parameter(value, requires_grad=False))
-        if isinstance(module, Linear) and attr == "weight":
-            module.panels = None
-            if value.device.type == "cpu":
-                lay_out_linear(module)
+
+@dataclass(slots=True)
+class _Prepared:
+    """A parameter's new value as it will serve: stored (plain, packed or a panels-only
+    stand-in) and, for a CPU linear weight, the panels the C++ kernel reads."""
+
+    stored: torch.Tensor
+    panels: torch.Tensor | None
+    linear: bool
 
 
 def drop_weights(model: nn.Module) -> int:

@@ -211,6 +211,7 @@ class ModelRunner:
             raise
         for name, tensor in source.tensors():
             staging.add(name, tensor)
+        staging.prepare()  # here, off the loop, rather than in the commit between steps
         return {"num_tensors": staging.num_tensors, "num_bytes": staging.num_bytes}
 
     def commit_weights(self) -> list[str]:

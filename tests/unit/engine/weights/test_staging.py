@@ -82,6 +82,32 @@ def test_partial_update_replaces_only_its_rows(tmp_path: Path) -> None:
     assert _outputs(runner) == _outputs(make_runner(tmp_path / "merged"))
 
 
+def test_an_update_over_several_calls_builds_fused_weights_from_all_of_them(
+        tmp_path: Path) -> None:
+    # q, k and v of one fused projection (and gate/up) arrive in separate calls: each
+    # call prepares what it has, the next builds on that, and the commit only swaps.
+    hf = make_checkpoint(tmp_path / "old", "llama")
+    calls = [{"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate_proj.weight"},
+             {"model.layers.0.self_attn.k_proj.weight"},
+             {"model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.up_proj.weight",
+              "model.layers.0.self_attn.q_proj.weight"}]
+    runner = make_runner(tmp_path / "old")
+    runner.open_weight_update()
+    merged: dict[str, torch.Tensor] = {}
+    for i, names in enumerate(calls):
+        new = _perturbed(hf, names, seed=10 + i)
+        merged.update(new)
+        (tmp_path / f"part{i}").mkdir()
+        save_file(new, tmp_path / f"part{i}" / "update.safetensors")
+        runner.stage_weights(SourceSpec("disk", str(tmp_path / f"part{i}")))
+    before = _outputs(runner)  # still the old weights: nothing is swapped in yet
+    assert before == _outputs(make_runner(tmp_path / "old"))
+    assert runner.commit_weights() == ["model.layers.0.mlp.gate_up_proj.weight",
+                                       "model.layers.0.self_attn.qkv_proj.weight"]
+    _save(tmp_path / "merged", hf, merged)
+    assert _outputs(runner) == _outputs(make_runner(tmp_path / "merged"))
+
+
 def test_update_from_shared_memory(tmp_path: Path) -> None:
     hf = make_checkpoint(tmp_path / "old", "llama")
     new = _perturbed(hf)
