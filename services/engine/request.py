@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.common.pooling import PoolingParams, PoolingType
 from services.common.sampling import SamplingParams
 from services.engine.scheduler.output import PositionLogprobs
 
 # google.rpc.Code values carried by error outputs (RequestUpdate.error_code).
 INVALID_ARGUMENT = 3
+FAILED_PRECONDITION = 9
 RESOURCE_EXHAUSTED = 8
 INTERNAL = 13
 UNAVAILABLE = 14
@@ -94,6 +96,9 @@ class Request:
     has consumed every output token (a preemption keeps it: the tokens stay)."""
     grammar_compile: tuple[float, float] | None = None
     """Wall-clock start and end of the constraint's compile, for the trace."""
+    pooling: PoolingParams | None = None
+    """Set for a pooling request (a pooling engine takes only these): its prompt is
+    prefilled and pooled, and nothing is generated."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,6 +128,14 @@ class Request:
         """Prompt logprobs are asked for and not yet reported (they go with the first
         output, so a recompute after that needs none)."""
         return self.sampling.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
+    def pools_every_token(self) -> bool:
+        """A pooling request whose result reads every token's hidden state (all but
+        LAST pooling): no prefix-cache hit may skip computing some of them. Its
+        `pooling.pooling_type` is resolved (set) by the engine."""
+        return (self.pooling is not None
+                and self.pooling.pooling_type is not PoolingType.LAST)
 
     @property
     def is_finished(self) -> bool:
@@ -155,6 +168,9 @@ class RequestUpdate:
     """One per new token, when the request asked for logprobs."""
     prompt_logprobs: Sequence[PositionLogprobs] = ()
     """Prompt positions 1.., with the request's first output."""
+    pooled: bytes = b""
+    """A pooling request's result, float32 (little-endian) values of `pooled_shape`."""
+    pooled_shape: tuple[int, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from services.common.pooling import Pooler, TaskMismatch, resolve_params
 from services.common.thread_names import name_native_thread
 from services.engine.config import EngineConfig
 from services.engine.core.compiles import GrammarCompiles
@@ -51,6 +52,7 @@ from services.engine.executor.batch_queue import BatchQueue
 from services.engine.executor.protocol import Executor
 from services.engine.messages import EngineState, InputQueue, InputType, UtilityCall, utility_reply
 from services.engine.request import (
+    FAILED_PRECONDITION,
     INTERNAL,
     INVALID_ARGUMENT,
     RESOURCE_EXHAUSTED,
@@ -73,6 +75,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
         self.executor = executor
+        # Test doubles and wrappers may not say: they run generative models.
+        self.pooler: Pooler | None = getattr(executor, "pooler", None)
         self.name = f"engine-core dp={config.engine_index}"
         self.kv_events = KvEventLog()
         kv_cache = KVCacheManager(executor.num_blocks, executor.block_size, self.kv_events)
@@ -328,10 +332,33 @@ class EngineCore:
                 f"waiting (max_waiting_requests {self.config.max_waiting_requests}); "
                 "retry later"))
             return
+        if not self._takes_task(request):
+            return
         if request.sampling.constraint is not None and request.grammar is None:
             self.compiles.start(request)
             return
         self._enqueue(request)
+
+    def _takes_task(self, request: Request) -> bool:
+        """Whether this engine runs the request's kind (pooling or generation), its
+        pooling settings completed with the model's defaults; else it is rejected."""
+        if (request.pooling is None) != (self.pooler is None):
+            served = ("generation" if self.pooler is None
+                      else " and ".join(self.pooler.tasks))
+            asked = "generation" if request.pooling is None else request.pooling.task.value
+            self.outputs.reject([request], FAILED_PRECONDITION,
+                                f"{self.name} serves {served}, not {asked}")
+            return False
+        if request.pooling is not None and self.pooler is not None:
+            try:
+                request.pooling = resolve_params(request.pooling, self.pooler)
+            except TaskMismatch as exc:
+                self.outputs.reject([request], FAILED_PRECONDITION, str(exc))
+                return False
+            except ValueError as exc:
+                self.outputs.reject([request], INVALID_ARGUMENT, str(exc))
+                return False
+        return True
 
     def _enqueue(self, request: Request) -> None:
         try:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.common.model_info import ModelInfo
+from services.common.pooling import Pooler
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.weights.sources import SourceSpec
 from services.engine.weights.transfer_group import TransferGroupSpec
@@ -53,6 +54,10 @@ class Executor(Protocol):
     def tensor_parallel_size(self) -> int:
         """Ranks the model runs over (1: this process alone)."""
         ...
+
+    pooler: Pooler | None
+    """What a pooling model pools (its engine takes pooling requests only); None for a
+    generative one."""
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one scheduled batch; the one device-to-host sync of the step is here."""

@@ -26,6 +26,7 @@ tensor parallelism refuses them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -34,7 +35,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -52,6 +53,7 @@ from kernels.quant import (
     widen_to_q8_0,
 )
 from services.common.gguf_checkpoint import GGUF_FILE_KEY
+from services.common.pooling import CLASSIFIER_SUFFIX, Pooler, PoolingTask
 from services.engine.models.checkpoint_layout import (
     SAFETENSORS_DTYPES,
     CheckpointLayout,
@@ -94,6 +96,16 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
+def pooled_architectures(hf_config: dict[str, Any]) -> list[str]:
+    """The generative class that computes a pooling checkpoint's hidden states:
+    `Qwen3ForSequenceClassification` and `Qwen3Model` are read as `Qwen3ForCausalLM`."""
+    names = []
+    for arch in hf_config.get("architectures") or []:
+        base = arch.removesuffix(CLASSIFIER_SUFFIX).removesuffix("Model")
+        names.append(f"{base}ForCausalLM" if base != arch else arch)
+    return names
+
+
 def model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
     arch = supported(architectures)
     if arch is None:
@@ -104,20 +116,29 @@ def model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
 
 def load_model(
     path: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int,
-    quantization: str = "none",
+    quantization: str = "none", pooler: Pooler | None = None,
 ) -> LlamaForCausalLM:
     """The checkpoint's model in eval mode, with weights in `dtype` on `device`.
 
     `max_model_len` is the longest sequence it will see. `quantization` "int8" quantizes
     a safetensors checkpoint's linear weights as they load (`quantize_linear_weights`).
+    With a `pooler` the model has no LM head (`lm_head` is None); a classifier gets its
+    score head as `score`, unsharded on every rank.
     """
     folder = Path(path)
     hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    cls = model_class(list(hf_config.get("architectures") or []))
+    cls = model_class(pooled_architectures(hf_config) if pooler is not None
+                      else list(hf_config.get("architectures") or []))
     config = cls.config_from_hf(hf_config)
+    if pooler is not None:
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     note_attention_window(config, max_model_len)
     with torch.device("meta"):
         model = cls(config)
+        if pooler is not None:
+            model.lm_head = None  # type: ignore[assignment]
+            if pooler.task is PoolingTask.CLASSIFY:
+                model.score = Linear(config.hidden_size, pooler.num_labels, bias=False)
 
     # The experts this rank holds; None for dense models.
     experts: range | None = getattr(model, "local_experts", None)
@@ -126,6 +147,11 @@ def load_model(
     tp = model.tp
     plan = ShardPlan(config, tp.rank, tp.world_size) if tp is not None else None
     def model_name(name: str) -> str | None:
+        if pooler is not None:
+            if name.startswith("lm_head."):
+                return None  # a generative checkpoint served as an embedder
+            if not name.startswith(("model.", "score.")):
+                name = "model." + name  # a bare decoder's (sentence-transformers') names
         return _model_tensor_name(name, renames, experts)
 
     state: dict[str, Weight]
@@ -162,7 +188,9 @@ def load_model(
             f"missing {sorted(missing)}, unexpected {sorted(result.unexpected_keys)}"
         )
     embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if config.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
+    if pooler is not None:
+        pass  # no LM head to tie or quantize
+    elif config.tie_word_embeddings and isinstance(embedding, QuantizedEmbedding):
         # The head multiplies by the table's own blocks (SmolLM2: its biggest matrix).
         model.lm_head = QuantizedLinear(embedding.weight, None)
         kinds[f"tied head {embedding.weight.ggml_type.name}"] += 1

@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.pooling import PoolingParams
 from services.common.sampling import SamplingParams
 
 
@@ -44,6 +45,9 @@ class ScheduledRequest:
     """The request's preemption count when this was scheduled: the outputs of a batch
     that was in flight when its request got preempted belong to an earlier attempt
     and are dropped."""
+    pooling: PoolingParams | None = None
+    """A pooling request's chunk: the runner pools its hidden states (the result comes
+    with the chunk that ends the prompt, `sample`) and samples nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +101,5 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     """For chunks with prompt_logprobs set: position p's logprobs of prompt token
     p + 1, for each prompt position p of the chunk that has a next prompt token."""
+    pooled: dict[str, tuple[bytes, tuple[int, ...]]] = field(default_factory=dict)
+    """For pooling requests whose prompt ended this step: float32 values and shape."""

@@ -118,13 +118,19 @@ class Scheduler:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         if n_prompt == 0:
             raise RequestRejected("prompt is empty")
-        if n_prompt >= self.max_model_len:
+        if request.pooling is not None:
+            # Pooled, not continued: the whole context is the prompt's.
+            if n_prompt > self.max_model_len:
+                raise RequestRejected(f"input has {n_prompt} tokens; max_model_len is "
+                                      f"{self.max_model_len}")
+        elif n_prompt >= self.max_model_len:
             raise RequestRejected(
                 f"prompt has {n_prompt} tokens; max_model_len is {self.max_model_len} "
                 "and at least one token must be generated"
             )
         max_tokens = request.sampling.max_tokens
-        total = n_prompt + (max_tokens if max_tokens is not None else 1)
+        total = n_prompt + (0 if request.pooling is not None
+                            else max_tokens if max_tokens is not None else 1)
         needed = self.kv_cache.blocks_needed(min(total, self.max_model_len))
         if needed > self.kv_cache.num_blocks:
             raise RequestRejected(
@@ -237,13 +243,13 @@ class Scheduler:
         return SchedulerOutput(requests=scheduled, finished_request_ids=frozenset(finished))
 
     def _cached_prefix(self, req: Request) -> list[int]:
-        return [] if req.wants_prompt_logprobs else self.kv_cache.find_cached_prefix(req)
+        return [] if _computes_every_token(req) else self.kv_cache.find_cached_prefix(req)
 
     def _awaits_block(self, req: Request, num_cached_blocks: int,
                       computing: set[bytes]) -> bool:
         """Whether the request's next blocks to compute, enough of them, are ones that
         running requests are computing (so they are cached after those steps)."""
-        if req.wants_prompt_logprobs:
+        if _computes_every_token(req):
             return False
         num_blocks = self.kv_cache.num_blocks_in(req, num_cached_blocks, computing)
         return num_blocks > 0 and (
@@ -258,7 +264,7 @@ class Scheduler:
         if not self.kv_cache.allocate_slots(req.request_id, num_cached + n, cached):
             return None
         self.waiting.pop()
-        if not req.wants_prompt_logprobs:
+        if not _computes_every_token(req):
             self.prefix_cache_queries += req.num_tokens
             self.prefix_cache_hits += num_cached
         if req.num_preemptions == 0:
@@ -305,6 +311,7 @@ class Scheduler:
             eos_token_ids=req.eos_token_ids,
             prompt_logprobs=req.sampling.prompt_logprobs if req.wants_prompt_logprobs else None,
             attempt=req.num_preemptions,
+            pooling=req.pooling,
         )
 
     def update_from_output(
@@ -324,6 +331,9 @@ class Scheduler:
                 req.prompt_logprobs.extend(result.prompt_logprobs.get(sr.request_id, ()))
             if not sr.sample:
                 continue  # a prefill chunk: nothing to report yet
+            if req.pooling is not None:
+                updates.append(self._pooled(req, result))
+                continue
             token = result.sampled[sr.request_id]
             prompt_logprobs: list[PositionLogprobs] = []
             if sr.prompt_logprobs is not None:
@@ -355,6 +365,16 @@ class Scheduler:
             ))
         return updates
 
+    def _pooled(self, req: Request, result: RunnerOutput) -> RequestUpdate:
+        """A pooling request's prompt is done: it ends with its pooled values, and its
+        blocks go back at once (full ones stay cached for later prompts)."""
+        self.running.remove(req)
+        self._finish(req, FinishReason.LENGTH)
+        values, shape = result.pooled[req.request_id]
+        return RequestUpdate(req.request_id, req.session_id, finish_reason=FinishReason.LENGTH,
+                             num_cached_tokens=req.num_cached_tokens, pooled=values,
+                             pooled_shape=shape)
+
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling
         # A complete constraint ends the request whatever else allows it to go on
@@ -380,3 +400,9 @@ class Scheduler:
         self.kv_cache.free(req.request_id)
         del self.requests[req.request_id]
         self._finished_since_last_step.add(req.request_id)
+
+
+def _computes_every_token(req: Request) -> bool:
+    """Whether the request needs every prompt token's output (prompt logprobs, or
+    pooling over all of them), so that no cached prefix may stand in for them."""
+    return req.wants_prompt_logprobs or req.pools_every_token

@@ -26,6 +26,7 @@ import torch
 
 from kernels.cpu_linear import is_panels_only
 from services.common.model_info import ModelInfo, load_model_info
+from services.common.pooling import Pooler, PoolingParams, PoolingType
 from services.common.sampling import SamplingParams
 from services.common.tiny_checkpoint import resolve_model
 from services.engine.models.attention_metadata import AttentionMetadata
@@ -65,6 +66,7 @@ from services.engine.worker.dummy_batch import dummy_forward
 from services.engine.worker.huge_pages import HugePageReport, collapse_in_background
 from services.engine.worker.kv_cache_memory import KVCacheLayout, available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
+from services.engine.worker.pooling import PoolingHead
 from services.engine.worker.profiler import Profiler
 from services.engine.worker.resident_pages import resident_bytes
 from services.engine.worker.sampler import Sampler, TokenMask
@@ -106,11 +108,14 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, followers: Followers | None = None) -> None:
+    def __init__(self, config: RunnerConfig, followers: Followers | None = None,
+                 pooler: Pooler | None = None) -> None:
         """`followers`: the tensor-parallel ranks that mirror this one's model calls,
-        when this runner is rank 0 of several."""
+        when this runner is rank 0 of several. `pooler`: run the model as a pooling
+        model (services/common/pooling.py): no LM head, no sampler."""
         self.config = config
         self._followers = followers
+        self.pooler = pooler
         path = resolve_model(config.model)
         info = load_model_info(path)
         if config.max_model_len > info.max_model_len:
@@ -132,7 +137,9 @@ class ModelRunner:
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
         with torch.inference_mode():
             self.model: CausalLM = load_model(path, self._dtype, self._device, info.max_model_len,
-                                              config.quantization)
+                                              config.quantization, pooler)
+        self._pooling = (PoolingHead(pooler, getattr(self.model, "score", None))
+                         if pooler is not None else None)
         self.huge_pages: Future[HugePageReport] | None = None
         if self._on_cpu and config.huge_pages:
             # Plain weights, the panels of the packed ones (opaque to everything else)
@@ -149,7 +156,7 @@ class ModelRunner:
         # decode op with its head, on CPU); tensor-parallel followers must mirror every
         # forward and logits call, so not with them.
         self._decode_greedy = (self.model.decode_greedy
-                               if followers is None and self._on_cpu
+                               if followers is None and self._on_cpu and pooler is None
                                and isinstance(self.model, GreedyDecoder) else None)
         self._profiler: Profiler | None = None
         self._staging: WeightStaging | None = None
@@ -372,22 +379,31 @@ class ModelRunner:
         greedy = SamplingParams(temperature=0.0)
         prompt = [0] * num_tokens
 
+        pooling = (PoolingParams(self.pooler.task, PoolingType.LAST, normalize=False)
+                   if self.pooler is not None else None)
+
         def step(tokens: list[int], start: int) -> None:
             request = ScheduledRequest(
-                "warmup", tokens, start, blocks, True, greedy, prompt, []
+                "warmup", tokens, start, blocks, True, greedy, prompt, [], pooling=pooling
             )
             self.execute(SchedulerOutput([request]))
 
         step(prompt, 0)
-        step([0], num_tokens)
+        if pooling is None:
+            step([0], num_tokens)
         if self._device.type == "cpu":
             release_openmp_pool()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run every scheduled request in one forward; the sampled token of each that
         samples, and the logprobs that requests asked for."""
+        if self._pooling is not None:
+            self._pooling.forget(out.finished_request_ids)
         if out.is_empty:
             return RunnerOutput()
+        if self._pooling is not None:
+            with torch.inference_mode():
+                return self._execute_pooling(out.requests, self._pooling)
         if self._decode_greedy is not None and out.grammar_mask is None:
             greedy = self._greedy_decode(out.requests)
             if greedy is not None:
@@ -430,6 +446,16 @@ class ModelRunner:
             (r.request_id, t) for r, t in zip(host.sampled, tokens, strict=True)
         )
         return result
+
+    def _execute_pooling(self, requests: Sequence[ScheduledRequest],
+                         pooling: PoolingHead) -> RunnerOutput:
+        """A pooling engine's step: the forward's hidden states go into each request's
+        pool; requests whose prompt ended get their result."""
+        batch = self._prepare(requests)
+        if self._followers is not None:
+            self._followers.forward(batch.arrays)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        return RunnerOutput(pooled=pooling.pool(hidden, requests, batch.host.query_start_loc))
 
     def _token_mask(self, grammar_mask: GrammarMask | None,
                     sampled: list[ScheduledRequest]) -> TokenMask | None:

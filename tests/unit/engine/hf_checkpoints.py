@@ -59,17 +59,21 @@ def make_checkpoint(
         "initializer_range": 0.15,
     }
     config = CONFIG_CLASSES[family](**{**arch, **overrides})
-    model = AutoModelForCausalLM.from_config(config)
+    model = randomize_norms(AutoModelForCausalLM.from_config(config))
+    model = model.to(dtype).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def randomize_norms(model: PreTrainedModel) -> PreTrainedModel:
+    """transformers starts norms at 1 and biases at 0, which would hide a weight that
+    fails to load; make them random too."""
     with torch.no_grad():
-        # transformers starts norms at 1 and biases at 0, which would hide a weight
-        # that fails to load; make them random too.
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
-    model = model.to(dtype).eval()
-    model.save_pretrained(folder)
     return model
 
 
