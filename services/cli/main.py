@@ -22,6 +22,7 @@ from services.cli.admin import run as run_admin
 from services.common.config import CONFIG_ERROR_EXIT, add_arguments
 from services.common.observability_config import ObservabilityConfig
 from services.common.parent_death import die_with_parent_from_env
+from services.common.pooling import PoolingConfig
 from services.common.ports import PortUnavailable
 from services.common.security_config import SecurityConfig
 from services.coordinator.config import CoordinatorConfig
@@ -34,10 +35,10 @@ from services.serve.config import SERVE_OWNED, ServeConfig
 SERVICES: dict[str, tuple[tuple[type, ...], str, str]] = {
     "coordinator": ((CoordinatorConfig, SecurityConfig, ObservabilityConfig),
                     "services.coordinator.main", "Run the DP coordinator."),
-    "engine": ((EngineConfig, RunnerConfig, DataParallelConfig, SecurityConfig,
+    "engine": ((EngineConfig, RunnerConfig, DataParallelConfig, PoolingConfig, SecurityConfig,
                 ObservabilityConfig),
                "services.engine.main", "Run one engine-core."),
-    "frontend": ((FrontendConfig, SecurityConfig, ObservabilityConfig),
+    "frontend": ((FrontendConfig, PoolingConfig, SecurityConfig, ObservabilityConfig),
                  "services.frontend.main", "Run the public frontend."),
 }
 
@@ -49,6 +50,8 @@ SERVE_GROUPS: tuple[tuple[str, str, tuple[type, ...]], ...] = (
     ("engine", "Each engine-core: model, scheduler, KV cache, threads, parallelism.",
      (EngineConfig, RunnerConfig, DataParallelConfig)),
     ("coordinator", "The DP coordinator.", (CoordinatorConfig,)),
+    ("pooling", "Pooling models (embeddings, classification, scores), for the engines and "
+     "the frontend.", (PoolingConfig,)),
     ("observability", "Logs, metrics and traces, for every process.", (ObservabilityConfig,)),
     ("security", "TLS, client certificates and reflection, for every process.",
      (SecurityConfig,)),

@@ -26,6 +26,7 @@ from services.common.logs import setup_logging
 from services.common.model_info import load_model_info
 from services.common.observability import Observability
 from services.common.observability_config import ObservabilityConfig
+from services.common.pooling import Pooler, PoolingConfig, resolve_pooler
 from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
@@ -56,6 +57,8 @@ EXIT_DEAD = 1
 def run(args: argparse.Namespace) -> int:
     config = from_args(EngineConfig, args)
     runner_config = from_args(RunnerConfig, args)
+    pooler = resolve_pooler(resolve_model(runner_config.model or None),
+                            from_args(PoolingConfig, args))
     security = from_args(SecurityConfig, args)
     obs_config = from_args(ObservabilityConfig, args)
     dp = from_args(DataParallelConfig, args)
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if expert_parallel:
         join_expert_parallel_group(config, runner_config, dp)
     runner = build_executor(config, runner_config, obs_config,
-                            dp if expert_parallel else None)
+                            dp if expert_parallel else None, pooler)
     runner.warmup()
     core = EngineCore(config, maybe_inject(runner, os.environ.get(FAULT_INJECT_ENV),
                                            config.engine_index))
@@ -148,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
 
 def build_executor(config: EngineConfig, runner_config: RunnerConfig,
                    obs_config: ObservabilityConfig,
-                   expert_parallel: DataParallelConfig | None = None
+                   expert_parallel: DataParallelConfig | None = None,
+                   pooler: Pooler | None = None,
                    ) -> ModelRunner | TensorParallelExecutor:
     """The model's executor: in this process at tensor_parallel_size 1, else rank 0 here
     and a worker process per other rank (each joining the expert-parallel group of its
@@ -159,7 +163,7 @@ def build_executor(config: EngineConfig, runner_config: RunnerConfig,
         os.sched_setaffinity(0, runner_config.cpus)
     if runner_config.tensor_parallel_size == 1:
         from services.engine.worker.model_runner import ModelRunner
-        return ModelRunner(runner_config)
+        return ModelRunner(runner_config, pooler=pooler)
     from services.engine.executor.tp_executor import TensorParallelExecutor
     from services.engine.executor.tp_worker import ExpertParallelRendezvous
 
@@ -173,7 +177,7 @@ def build_executor(config: EngineConfig, runner_config: RunnerConfig,
         runner_config, runner_config.tensor_parallel_size, engine_index=config.engine_index,
         log_level=config.log_level, log_format=obs_config.log_format,
         worker_fault=worker_fault(os.environ.get(FAULT_INJECT_ENV), config.engine_index),
-        expert_parallel=rendezvous,
+        expert_parallel=rendezvous, pooler=pooler,
     )
 
 
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     # `python -m services.engine.main`: the flags of `corestream engine` (services.cli's
     # SERVICES lists the same classes; the engine may not import the CLI).
     parser = argparse.ArgumentParser(prog="corestream engine")
-    for cls in (EngineConfig, RunnerConfig, DataParallelConfig, SecurityConfig,
+    for cls in (EngineConfig, RunnerConfig, DataParallelConfig, PoolingConfig, SecurityConfig,
                 ObservabilityConfig):
         add_arguments(parser, cls)
     return run(parser.parse_args(argv))

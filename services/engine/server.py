@@ -41,6 +41,7 @@ from services.common.grpc_server import (
     server_options,
     start_health_port,
 )
+from services.common.pooling import PoolingParams, PoolingTask, PoolingType
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.common.thread_names import name_native_thread
 from services.engine.core.engine_core import EngineCore
@@ -76,6 +77,25 @@ def request_from_proto(add: pb.AddRequest, session_id: str) -> Request:
         session_id=session_id,
         cache_salt=add.cache_salt,
         trace_headers=dict(add.trace_headers),
+        pooling=pooling_from_proto(add.pooling) if add.HasField("pooling") else None,
+    )
+
+
+_TASKS = {pb.PoolingParams.TASK_EMBED: PoolingTask.EMBED,
+          pb.PoolingParams.TASK_CLASSIFY: PoolingTask.CLASSIFY}
+_POOLING_TYPES = {pb.PoolingParams.POOLING_TYPE_LAST: PoolingType.LAST,
+                  pb.PoolingParams.POOLING_TYPE_MEAN: PoolingType.MEAN,
+                  pb.PoolingParams.POOLING_TYPE_CLS: PoolingType.CLS,
+                  pb.PoolingParams.POOLING_TYPE_ALL: PoolingType.ALL}
+
+
+def pooling_from_proto(p: pb.PoolingParams) -> PoolingParams:
+    return PoolingParams(
+        task=_TASKS.get(p.task, PoolingTask.EMBED),
+        pooling_type=_POOLING_TYPES.get(p.pooling_type),
+        normalize=p.normalize if p.HasField("normalize") else None,
+        dimensions=p.dimensions if p.HasField("dimensions") else None,
+        activation=p.activation if p.HasField("activation") else None,
     )
 
 
@@ -102,6 +122,9 @@ def output_to_proto(u: RequestUpdate, weight_version: str = "") -> pb.RequestOut
     )
     if u.stop_token_id is not None:
         out.stop_token_id = u.stop_token_id
+    if u.pooled_shape:
+        out.pooled = u.pooled
+        out.pooled_shape.extend(u.pooled_shape)
     return out
 
 
@@ -302,6 +325,7 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
             tensor_parallel_size=self.runner.tensor_parallel_size,
             weight_version=self.core.weights.version,
             sleep_level=self.core.sleep.level,
+            tasks=(self.core.pooler.tasks if self.core.pooler is not None else ("generate",)),
         )
 
 

@@ -58,6 +58,7 @@ from services.common.grpc_server import make_channel
 from services.common.logs import setup_logging
 from services.common.metrics import ConfigInfo, MetricsServer, new_registry
 from services.common.observability_config import ObservabilityConfig
+from services.common.pooling import PoolingConfig
 from services.common.ports import free_port, port_in_use
 from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
@@ -178,6 +179,7 @@ def plan(
         frontend = dataclasses.replace(frontend, http_port=free_port())
     engine = from_args(EngineConfig, args, exclude=SERVE_OWNED)
     observability = to_argv(from_args(ObservabilityConfig, args, exclude=SERVE_OWNED))
+    pooling = to_argv(from_args(PoolingConfig, args, exclude=SERVE_OWNED))
 
     def private_metrics() -> list[str]:
         # Each child's own port; serve's endpoint reads them all (services/serve/metrics.py).
@@ -196,13 +198,14 @@ def plan(
                DP_MASTER_FLAG, f"{HOST}:{free_port()}"]
     for index, placed in enumerate(place_engines(runner, serve.engines)):
         children.append(Child(f"engine-{index}", [
-            "engine", *to_argv(engine), *to_argv(placed), *dp, *to_argv(security["engine"]),
+            "engine", *to_argv(engine), *to_argv(placed), *dp, *pooling,
+            *to_argv(security["engine"]),
             *observability, *private_metrics(), "--model", model,
             "--host", HOST, "--port", "0", "--engine-index", str(index),
             "--coordinator", coordinator_addr,
         ]))
     children.append(Child("frontend", [
-        "frontend", *to_argv(frontend), *to_argv(security["frontend"]), *observability,
+        "frontend", *to_argv(frontend), *pooling, *to_argv(security["frontend"]), *observability,
         *private_metrics(), "--model", model,
         "--host", serve.host, "--port", str(serve.port), "--coordinator", coordinator_addr,
     ]))

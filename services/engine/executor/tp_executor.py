@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from services.common.model_info import ModelInfo
+from services.common.pooling import Pooler
 from services.common.ports import free_port
 from services.common.thread_names import name_native_thread
 from services.engine.executor.fault_injection import FaultSpec
@@ -98,6 +99,7 @@ class TensorParallelExecutor:
         worker_fault: FaultSpec | None = None,
         startup_timeout_s: float = 300.0,
         expert_parallel: ExpertParallelRendezvous | None = None,
+        pooler: Pooler | None = None,
     ) -> None:
         """Start N-1 workers and build rank 0 here; returns once every rank has loaded its
         shard and allocated its KV cache. `worker_fault` arms a test-only fault in the
@@ -125,7 +127,7 @@ class TensorParallelExecutor:
                     log_level=log_level, log_format=log_format,
                     startup_timeout_s=startup_timeout_s,
                     fault=worker_fault if rank == size - 1 else None,
-                    expert_parallel=expert_parallel,
+                    expert_parallel=expert_parallel, pooler=pooler,
                 )
                 process = context.Process(target=run_worker,
                                           args=(spec, self._channel.follower_end(rank)),
@@ -140,7 +142,7 @@ class TensorParallelExecutor:
             init_tp_group(0, size, "127.0.0.1", port,
                           torch.device("cuda", devices[0]) if devices[0] is not None else None,
                           timeout_s=startup_timeout_s)
-            self._runner = ModelRunner(config, followers=self)
+            self._runner = ModelRunner(config, followers=self, pooler=pooler)
             num_blocks = min(self._runner.num_blocks, *self._ready_reports(startup_timeout_s))
             self._channel.attached()
             self._runner.limit_num_blocks(num_blocks)
@@ -193,6 +195,10 @@ class TensorParallelExecutor:
     @property
     def tensor_parallel_size(self) -> int:
         return self.size
+
+    @property
+    def pooler(self) -> Pooler | None:
+        return self._runner.pooler
 
     @property
     def worker_pids(self) -> list[int]:

@@ -25,6 +25,7 @@ import traceback
 from dataclasses import dataclass
 
 from services.common.logs import setup_logging
+from services.common.pooling import Pooler
 from services.engine.executor.fault_injection import FaultSpec
 from services.engine.executor.step_channel import CallKind, FollowerChannel
 from services.engine.worker.config import RunnerConfig
@@ -66,6 +67,8 @@ class WorkerSpec:
     fault: FaultSpec | None = None
     """A `worker_*` fault armed in this worker (tests only)."""
     expert_parallel: ExpertParallelRendezvous | None = None
+    pooler: Pooler | None = None
+    """A pooling model's pooler: the rank builds the same model (no LM head)."""
 
 
 def _die_with_parent() -> None:
@@ -126,7 +129,7 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
     config = spec.runner
     if spec.device_index is not None:
         config = dataclasses.replace(config, device=f"cuda:{spec.device_index}")
-    runner = ModelRunner(config)
+    runner = ModelRunner(config, pooler=spec.pooler)
     channel.report(("ready", runner.num_blocks))
     weights = FollowerWeights(runner, channel.report)
     forwards = 0

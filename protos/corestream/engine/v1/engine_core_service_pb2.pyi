@@ -1,5 +1,6 @@
 from corestream.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -30,7 +31,7 @@ class Hello(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., kv_cache_events: _Optional[bool] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_time", "priority", "cache_salt", "trace_headers", "eos_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_time", "priority", "cache_salt", "trace_headers", "eos_token_ids", "pooling")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +47,7 @@ class AddRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -54,7 +56,42 @@ class AddRequest(_message.Message):
     cache_salt: str
     trace_headers: _containers.ScalarMap[str, str]
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    pooling: PoolingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pooling: _Optional[_Union[PoolingParams, _Mapping]] = ...) -> None: ...
+
+class PoolingParams(_message.Message):
+    __slots__ = ("task", "pooling_type", "normalize", "dimensions", "activation")
+    class Task(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TASK_UNSPECIFIED: _ClassVar[PoolingParams.Task]
+        TASK_EMBED: _ClassVar[PoolingParams.Task]
+        TASK_CLASSIFY: _ClassVar[PoolingParams.Task]
+    TASK_UNSPECIFIED: PoolingParams.Task
+    TASK_EMBED: PoolingParams.Task
+    TASK_CLASSIFY: PoolingParams.Task
+    class PoolingType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        POOLING_TYPE_UNSPECIFIED: _ClassVar[PoolingParams.PoolingType]
+        POOLING_TYPE_LAST: _ClassVar[PoolingParams.PoolingType]
+        POOLING_TYPE_MEAN: _ClassVar[PoolingParams.PoolingType]
+        POOLING_TYPE_CLS: _ClassVar[PoolingParams.PoolingType]
+        POOLING_TYPE_ALL: _ClassVar[PoolingParams.PoolingType]
+    POOLING_TYPE_UNSPECIFIED: PoolingParams.PoolingType
+    POOLING_TYPE_LAST: PoolingParams.PoolingType
+    POOLING_TYPE_MEAN: PoolingParams.PoolingType
+    POOLING_TYPE_CLS: PoolingParams.PoolingType
+    POOLING_TYPE_ALL: PoolingParams.PoolingType
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    task: PoolingParams.Task
+    pooling_type: PoolingParams.PoolingType
+    normalize: bool
+    dimensions: int
+    activation: bool
+    def __init__(self, task: _Optional[_Union[PoolingParams.Task, str]] = ..., pooling_type: _Optional[_Union[PoolingParams.PoolingType, str]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., activation: _Optional[bool] = ...) -> None: ...
 
 class AbortRequests(_message.Message):
     __slots__ = ("request_ids",)
@@ -137,7 +174,7 @@ class CacheCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "num_cached_tokens", "error_code", "error_message", "new_logprobs", "prompt_logprobs", "weight_version")
+    __slots__ = ("request_id", "new_token_ids", "finish_reason", "stop_token_id", "num_cached_tokens", "error_code", "error_message", "new_logprobs", "prompt_logprobs", "weight_version", "pooled", "pooled_shape")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +185,8 @@ class RequestOutput(_message.Message):
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
+    POOLED_SHAPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -158,7 +197,9 @@ class RequestOutput(_message.Message):
     new_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PositionLogprobs]
     weight_version: str
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., new_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    pooled: bytes
+    pooled_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., new_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PositionLogprobs, _Mapping]]] = ..., weight_version: _Optional[str] = ..., pooled: _Optional[bytes] = ..., pooled_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "step_counter", "prefix_cache_queries", "prefix_cache_hits")
@@ -191,7 +232,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetEngineInfoResponse(_message.Message):
-    __slots__ = ("engine_index", "model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "device", "state", "tensor_parallel_size", "weight_version", "sleep_level")
+    __slots__ = ("engine_index", "model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "device", "state", "tensor_parallel_size", "weight_version", "sleep_level", "tasks")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +245,7 @@ class GetEngineInfoResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     model: str
     max_model_len: int
@@ -216,4 +258,5 @@ class GetEngineInfoResponse(_message.Message):
     tensor_parallel_size: int
     weight_version: str
     sleep_level: int
-    def __init__(self, engine_index: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., tensor_parallel_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., sleep_level: _Optional[int] = ...) -> None: ...
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_index: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., tensor_parallel_size: _Optional[int] = ..., weight_version: _Optional[str] = ..., sleep_level: _Optional[int] = ..., tasks: _Optional[_Iterable[str]] = ...) -> None: ...

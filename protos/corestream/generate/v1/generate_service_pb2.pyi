@@ -152,7 +152,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architectures", "max_context_length", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "num_engines", "degraded", "tensor_parallel_size", "engines_given_up", "weight_version")
+    __slots__ = ("model", "architectures", "max_context_length", "vocab_size", "eos_token_ids", "bos_token_id", "dtype", "num_engines", "degraded", "tensor_parallel_size", "engines_given_up", "weight_version", "tasks", "pooling_dimensions", "labels")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,9 @@ class GetModelInfoResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINES_GIVEN_UP_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architectures: _containers.RepeatedScalarFieldContainer[str]
     max_context_length: int
@@ -177,7 +180,10 @@ class GetModelInfoResponse(_message.Message):
     tensor_parallel_size: int
     engines_given_up: _containers.RepeatedScalarFieldContainer[str]
     weight_version: str
-    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., num_engines: _Optional[int] = ..., degraded: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., engines_given_up: _Optional[_Iterable[str]] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    pooling_dimensions: int
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., architectures: _Optional[_Iterable[str]] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., dtype: _Optional[str] = ..., num_engines: _Optional[int] = ..., degraded: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., engines_given_up: _Optional[_Iterable[str]] = ..., weight_version: _Optional[str] = ..., tasks: _Optional[_Iterable[str]] = ..., pooling_dimensions: _Optional[int] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
