@@ -115,6 +115,9 @@ class FrontendConfig:
         "model's context length.", default=0
     )
     max_n: int = doc("Largest sampling.n (samples per request) accepted.", default=MAX_SAMPLES)
+    max_pooling_inputs: int = doc(
+        "Most inputs in one pooling call (PoolingService, /v1/embeddings, /v1/score, "
+        "/v1/rerank, /classify).", default=2048)
     max_stop_strings: int = doc(
         "Most sampling.stop strings one request may give.", default=MAX_STOP_STRINGS
     )

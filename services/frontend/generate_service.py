@@ -94,6 +94,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             engines_given_up=given_up_engines(self._config.restart_status_file),
             weight_version=self._balancer.weight_version,
         )
+        pooler = self._pipeline.pooler
+        if pooler is None:
+            response.tasks.append("generate")
+        else:
+            response.tasks.extend(pooler.tasks)
+            response.pooling_dimensions = pooler.dimensions
+            response.labels.extend(pooler.labels)
         if model.bos_token_id is not None:
             response.bos_token_id = model.bos_token_id
         return response

@@ -14,6 +14,7 @@ from services.common.logs import setup_logging
 from services.common.model_info import ModelInfo, load_model_info
 from services.common.observability import Observability
 from services.common.observability_config import ObservabilityConfig
+from services.common.pooling import Pooler, PoolingConfig, resolve_pooler
 from services.common.ports import PortUnavailable
 from services.common.security_config import SecurityConfig
 from services.common.tiny_checkpoint import resolve_model
@@ -37,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
     log.info("config: %s", config)
     model_dir = resolve_model(config.model or None)
     model = load_model_info(model_dir)
+    try:
+        pooler = resolve_pooler(model_dir, from_args(PoolingConfig, args))
+    except (OSError, ValueError) as exc:
+        log.error("cannot serve %s: %s", model_dir, exc)
+        return 2
     tokenizer = TextTokenizer.from_dir(model_dir)
     try:
         templates = load_templates(config, model_dir)
@@ -49,11 +55,16 @@ def run(args: argparse.Namespace) -> int:
     log.info(
         "model %s: vocab %d, context %d tokens", model.name, model.vocab_size, model.max_model_len
     )
+    if pooler is not None:
+        log.info("pooling model: %s (%s pooling, normalize %s; from %s)",
+                 " and ".join(pooler.tasks), pooler.pooling_type.value, pooler.normalize,
+                 pooler.source)
     observability = Observability("frontend", obs_config, config.host, (config, security))
     loop_factory = event_loop_factory(config.event_loop)
     log.info("event loop: %s", "uvloop" if loop_factory else "asyncio")
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_serve(config, security, tokenizer, model, observability, templates))
+        return runner.run(_serve(config, security, tokenizer, model, observability, templates,
+                                 pooler))
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -72,12 +83,12 @@ def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] |
 
 async def _serve(config: FrontendConfig, security: SecurityConfig, tokenizer: TextTokenizer,
                  model: ModelInfo, observability: Observability,
-                 templates: ChatTemplates) -> int:
+                 templates: ChatTemplates, pooler: Pooler | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    server = FrontendServer(config, tokenizer, model, security, observability, templates)
+    server = FrontendServer(config, tokenizer, model, security, observability, templates, pooler)
     port = await server.start()
     try:
         observability.start_metrics()

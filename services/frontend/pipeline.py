@@ -32,6 +32,7 @@ from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 from services.common.constraints import OutputConstraint
 from services.common.model_info import ModelInfo
 from services.common.observability import Observability
+from services.common.pooling import Pooler
 from services.common.sampling import SamplingParams
 from services.frontend.config import FrontendConfig
 from services.frontend.errors import RequestError, invalid_argument
@@ -46,6 +47,7 @@ from services.frontend.generate.validation import (
     check_sampling,
 )
 from services.frontend.grpc_calls import MAX_REQUEST_ID_CHARS
+from services.frontend.pooling.runner import PoolingRunner
 from services.frontend.routing.balancer import Balancer
 from services.frontend.tokenizer import TextTokenizer
 
@@ -57,7 +59,8 @@ GenerateRequestLike = generate_pb2.GenerateRequest | generate_pb2.GenerateStream
 
 class Pipeline:
     def __init__(self, config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo,
-                 balancer: Balancer, observability: Observability) -> None:
+                 balancer: Balancer, observability: Observability,
+                 pooler: Pooler | None = None) -> None:
         self._config = config
         self._observability = observability
         self._metrics = FrontendMetrics(observability.registry,
@@ -65,6 +68,10 @@ class Pipeline:
         self._tokenizer = tokenizer
         self._model = model
         self._runner = RequestRunner(tokenizer, model, balancer)
+        # A pooling model's engines take pooling calls (pooling/operations.py), which
+        # share this path's admission, telemetry and time limit, and nothing else.
+        self.pooler = pooler
+        self.pooling = PoolingRunner(balancer)
         self._limits = RequestLimits(
             max_n=config.max_n, max_stop_strings=config.max_stop_strings,
             max_stop_string_chars=config.max_stop_string_length,
@@ -83,11 +90,12 @@ class Pipeline:
 
     @property
     def num_running(self) -> int:
-        return self._runner.num_running
+        return self._runner.num_running + self.pooling.num_running
 
     def end_running(self, reason: str) -> None:
         """End every running request with UNAVAILABLE (`reason`) and refuse new ones."""
         self._runner.close(reason)
+        self.pooling.close(reason)
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort running requests by the client's ids; the aborted ones."""
@@ -157,6 +165,10 @@ class Pipeline:
                        telemetry: RequestTelemetry) -> PreparedRequest:
         """A tokenized request checked against the length limits and with its output
         constraint checked, ready to run."""
+        if self.pooler is not None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"this model serves {' and '.join(self.pooler.tasks)}, not generation: "
+                "call PoolingService (or /v1/embeddings, /v1/score, /v1/rerank, /classify)"))
         sampling = request.sampling
         if sampling.constraint is not None:
             with telemetry.phase("validate"):

@@ -20,6 +20,7 @@ import grpc
 from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
 from corestream.generate.v1 import chat_service_pb2_grpc as chat_pb2_grpc
 from corestream.generate.v1 import generate_service_pb2_grpc as generate_pb2_grpc
+from corestream.generate.v1 import pooling_service_pb2_grpc as pooling_pb2_grpc
 
 from services.common.auth import BearerAuthInterceptor, load_keys
 from services.common.grpc_server import (
@@ -34,6 +35,7 @@ from services.common.malformed import RejectMalformedInterceptor
 from services.common.model_info import ModelInfo
 from services.common.observability import Observability
 from services.common.observability_config import ObservabilityConfig
+from services.common.pooling import Pooler
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend import admin, generate_service
 from services.frontend.chat import service as chat_service
@@ -44,6 +46,9 @@ from services.frontend.config import FrontendConfig
 from services.frontend.generate_service import GenerateServicer
 from services.frontend.openai_api.app import HttpServer, HttpSettings, OpenAIApi
 from services.frontend.pipeline import Pipeline
+from services.frontend.pooling import service as pooling_service
+from services.frontend.pooling.operations import PoolingOperations
+from services.frontend.pooling.service import PoolingServicer
 from services.frontend.routing.balancer import Balancer
 from services.frontend.routing.engine_client import EngineClient
 from services.frontend.routing.load_watcher import LoadWatcher
@@ -65,7 +70,8 @@ class FrontendServer:
     def __init__(self, config: FrontendConfig, tokenizer: TextTokenizer, model: ModelInfo,
                  security: SecurityConfig = PLAINTEXT,
                  observability: Observability | None = None,
-                 chat_templates: ChatTemplates | None = None) -> None:
+                 chat_templates: ChatTemplates | None = None,
+                 pooler: Pooler | None = None) -> None:
         self._config = config
         self.observability = observability or Observability(
             "frontend", ObservabilityConfig(), config.host)
@@ -85,9 +91,12 @@ class FrontendServer:
         )
         self._weight_sync = WeightSync(self.balancer)
         self._model = model
-        self._pipeline = Pipeline(config, tokenizer, model, self.balancer, self.observability)
+        self._pipeline = Pipeline(config, tokenizer, model, self.balancer, self.observability,
+                                  pooler)
         self._servicer = GenerateServicer(config, self._pipeline, tokenizer, model,
                                           self.balancer)
+        self.pooling = PoolingOperations(config, self._pipeline, tokenizer, model, pooler,
+                                         self._pipeline.pooling)
         self._answering = ChatAnswering(config, self._pipeline, tokenizer,
                                         chat_templates or ChatTemplates(default=None),
                                         model.eos_token_ids)
@@ -113,13 +122,15 @@ class FrontendServer:
                           RejectMalformedInterceptor()])
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self._servicer, server)
         chat_pb2_grpc.add_ChatServiceServicer_to_server(self._chat, server)
+        pooling_pb2_grpc.add_PoolingServiceServicer_to_server(
+            PoolingServicer(self._config, self.pooling), server)
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             admin.AdminServicer(self.balancer,
                                 restart_status_file=self._config.restart_status_file,
                                 weight_sync=self._weight_sync), server)
         self._health = await add_aio_health_and_reflection(
             server, [generate_service.SERVICE_NAME, chat_service.SERVICE_NAME,
-                     admin.SERVICE_NAME],
+                     pooling_service.SERVICE_NAME, admin.SERVICE_NAME],
             self._security.reflection)
         # Both ports are bound before either serves: a busy one (PortUnavailable) stops
         # the start with nothing running.

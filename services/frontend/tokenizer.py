@@ -32,6 +32,11 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one input, joined by the tokenizer's pair template (a
+        cross-encoder's query and document)."""
+        return self._tokenizer.encode(first, second, add_special_tokens=True).ids
+
     def token_strings(self, token_ids: list[int]) -> list[str]:
         # Ids the tokenizer does not know (the model's vocab may be padded) show as "".
         return [self._tokenizer.id_to_token(i) or "" for i in token_ids]

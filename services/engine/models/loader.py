@@ -35,7 +35,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -53,7 +53,7 @@ from kernels.quant import (
     widen_to_q8_0,
 )
 from services.common.gguf_checkpoint import GGUF_FILE_KEY
-from services.common.pooling import CLASSIFIER_SUFFIX, Pooler, PoolingTask
+from services.common.pooling import Pooler, PoolingTask
 from services.engine.models.checkpoint_layout import (
     SAFETENSORS_DTYPES,
     CheckpointLayout,
@@ -96,16 +96,6 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
 
 
-def pooled_architectures(hf_config: dict[str, Any]) -> list[str]:
-    """The generative class that computes a pooling checkpoint's hidden states:
-    `Qwen3ForSequenceClassification` and `Qwen3Model` are read as `Qwen3ForCausalLM`."""
-    names = []
-    for arch in hf_config.get("architectures") or []:
-        base = arch.removesuffix(CLASSIFIER_SUFFIX).removesuffix("Model")
-        names.append(f"{base}ForCausalLM" if base != arch else arch)
-    return names
-
-
 def model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
     arch = supported(architectures)
     if arch is None:
@@ -127,8 +117,7 @@ def load_model(
     """
     folder = Path(path)
     hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    cls = model_class(pooled_architectures(hf_config) if pooler is not None
-                      else list(hf_config.get("architectures") or []))
+    cls = model_class(list(hf_config.get("architectures") or []))
     config = cls.config_from_hf(hf_config)
     if pooler is not None:
         config = dataclasses.replace(config, tie_word_embeddings=False)

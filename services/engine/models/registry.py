@@ -22,9 +22,27 @@ MODEL_REGISTRY: dict[str, str] = {
 }
 
 
+# Pooling checkpoints name the decoder they run on: `Qwen3ForSequenceClassification`
+# (a score head on it) and `Qwen3Model` (no head) load as `Qwen3ForCausalLM` does.
+_POOLING_SUFFIXES = ("ForSequenceClassification", "Model")
+
+
+def generative_architecture(arch: str) -> str:
+    """The registered class that computes `arch`'s hidden states (itself if registered)."""
+    if arch in MODEL_REGISTRY:
+        return arch
+    for suffix in _POOLING_SUFFIXES:
+        if arch.endswith(suffix) and (base := arch.removesuffix(suffix) + "ForCausalLM"
+                                      ) in MODEL_REGISTRY:
+            return base
+    return arch
+
+
 def supported(architectures: list[str]) -> str | None:
-    """The first of `architectures` that an engine can load, or None."""
-    return next((arch for arch in architectures if arch in MODEL_REGISTRY), None)
+    """The first of `architectures` that an engine can load (a pooling architecture as
+    the generative one it runs on), or None."""
+    return next((generative_architecture(arch) for arch in architectures
+                 if generative_architecture(arch) in MODEL_REGISTRY), None)
 
 
 def unsupported_message(architectures: list[str]) -> str:
