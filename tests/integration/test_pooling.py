@@ -29,9 +29,9 @@ TEXTS = ["hello world", "The quick brown fox jumps over the lazy dog. " * 12,
 
 
 class Served:
-    def __init__(self, folder: Path, *extra: str) -> None:
+    def __init__(self, folder: Path, *extra: str, engines: int = 2) -> None:
         # A small token budget: the long text is prefilled over several steps.
-        self.cluster = Cluster(["--model", str(folder), "--engines", "2",
+        self.cluster = Cluster(["--model", str(folder), "--engines", str(engines),
                                 "--max-num-batched-tokens", "32", *extra])
         self.channel = grpc.insecure_channel(self.cluster.address)
         self.pooling = pb_grpc.PoolingServiceStub(self.channel)
@@ -190,3 +190,20 @@ def served_tokenizer(served: Served) -> object:
     from tokenizers import Tokenizer
     model = served.cluster.proc.args[served.cluster.proc.args.index("--model") + 1]
     return Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+
+
+def test_tensor_parallel_classifier_equals_transformers(tmp_path: Path) -> None:
+    # Each rank holds its shard of the decoder and the whole (small) score head.
+    hf = make_classifier(tmp_path, "qwen3", num_labels=3)
+    served = Served(tmp_path, "--tensor-parallel-size", "2", engines=1)
+    try:
+        reply = served.pooling.Classify(pb.ClassifyRequest(inputs=_texts(TEXTS)), timeout=60)
+        tok = served_tokenizer(served)
+        for text, result in zip(TEXTS, reply.results, strict=True):
+            with torch.no_grad():
+                logits = hf(torch.tensor([tok.encode(text).ids])).logits[0]
+            np.testing.assert_allclose(result.probs, torch.softmax(logits, -1).numpy(),
+                                       atol=1e-5)
+            assert result.label == f"label-{int(logits.argmax())}"
+    finally:
+        served.close()

@@ -17,6 +17,7 @@ from sentence_transformers import SentenceTransformer
 from tokenizers import Tokenizer
 
 from services.common.pooling import (
+    PoolingConfig,
     PoolingParams,
     PoolingTask,
     PoolingType,
@@ -213,3 +214,41 @@ def test_classifiers_equal_transformers(tmp_path: Path, family: str, num_labels:
         np.testing.assert_allclose(raw, expected.numpy(), atol=1e-5, rtol=1e-5)
         act = torch.sigmoid(expected) if num_labels == 1 else torch.softmax(expected, -1)
         np.testing.assert_allclose(p, act.numpy(), atol=1e-5)
+
+
+# (first, paraphrase) pairs; every other pair's second sentence is unrelated to `first`.
+PARAPHRASES = [
+    ("The cat sat on the mat.", "A cat was sitting on the mat."),
+    ("How do I reset my password?", "What is the way to change my password?"),
+    ("The weather is sunny today.", "Today the weather is sunny."),
+    ("The train to London was late.", "The London train arrived late."),
+    ("He bought a new car yesterday.", "Yesterday he purchased a new automobile."),
+    ("The stock market fell sharply.", "Share prices dropped a lot."),
+    ("I love eating pizza.", "Pizza is my favorite food."),
+]
+
+
+def test_smollm2_as_a_mean_pooling_embedder_ranks_paraphrases_first(
+        smollm2_gguf: Path, smollm2_view: Path) -> None:
+    # A real model (a GGUF file, quantized) served as an embedder by --runner pooling.
+    pooler = resolve_pooler(smollm2_view, PoolingConfig(runner="pooling", pooling_type="MEAN"))
+    assert pooler is not None and pooler.hidden_size == 576 and pooler.normalize
+    runner = ModelRunner(RunnerConfig(model=str(smollm2_gguf), kv_cache_memory="64MiB",
+                                      max_model_len=512), pooler=pooler)
+    runner.warmup()
+    core = EngineCore(EngineConfig(), runner)
+    core.start()
+    tok = Tokenizer.from_file(str(smollm2_view / "tokenizer.json"))
+    try:
+        vectors = _pool(core, [tok.encode(t).ids for pair in PARAPHRASES for t in pair],
+                        PoolingParams(PoolingTask.EMBED))
+    finally:
+        core.shutdown()
+    firsts, seconds = vectors[0::2], vectors[1::2]
+    for i, (first, _) in enumerate(PARAPHRASES):
+        paraphrase = float(np.dot(firsts[i], seconds[i]))
+        unrelated = max(float(np.dot(firsts[i], seconds[j]))
+                        for j in range(len(PARAPHRASES)) if j != i)
+        # Measured on Zen 4: paraphrases 0.89-0.97, the closest unrelated 0.80-0.90 (at
+        # least 0.025 below its paraphrase).
+        assert paraphrase > unrelated, (first, paraphrase, unrelated)
