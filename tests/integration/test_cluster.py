@@ -20,6 +20,8 @@ from corestream.generate.v1 import admin_service_pb2 as admin_pb
 from corestream.generate.v1 import admin_service_pb2_grpc as admin_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+from corestream.generate.v1 import pooling_service_pb2 as pooling_pb
+from corestream.generate.v1 import pooling_service_pb2_grpc as pooling_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.integration.cluster import Cluster, alive, descendants, free_port, frozen
@@ -128,6 +130,17 @@ def test_model_info(stub: pb_grpc.GenerateServiceStub) -> None:
     assert info.max_context_length > 0 and info.vocab_size > 0
     assert info.num_engines == 1
     assert "LlamaForCausalLM" in info.architectures
+    assert list(info.tasks) == ["generate"]
+
+
+def test_pooling_calls_on_a_generative_model_are_failed_precondition(cluster: Cluster) -> None:
+    with grpc.insecure_channel(cluster.address) as channel:
+        pooling = pooling_grpc.PoolingServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            pooling.Embed(pooling_pb.EmbedRequest(inputs=[pooling_pb.PoolingInput(text="x")]),
+                          timeout=30)
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "embed needs a pooling model" in (refused.value.details() or "")
 
 
 @pytest.mark.parametrize(

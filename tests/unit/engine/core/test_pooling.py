@@ -44,13 +44,14 @@ TEXTS = [
 _ids = itertools.count()
 
 
-def _engine(folder: Path) -> EngineCore:
+def _engine(folder: Path, max_concurrent_batches: int = 1) -> EngineCore:
     pooler = resolve_pooler(folder)
     assert pooler is not None
     runner = ModelRunner(RunnerConfig(model=str(folder), kv_cache_memory="16MiB",
                                       max_model_len=CONTEXT), pooler=pooler)
     runner.warmup()
-    return EngineCore(EngineConfig(max_num_batched_tokens=BUDGET), runner)
+    return EngineCore(EngineConfig(max_num_batched_tokens=BUDGET,
+                                   max_concurrent_batches=max_concurrent_batches), runner)
 
 
 def _pool(core: EngineCore, token_ids: list[list[int]], params: PoolingParams
@@ -174,16 +175,17 @@ def test_mismatched_requests_are_refused_and_the_engine_serves_on(embedder: tupl
     assert _cosine(ours, st.encode(TEXTS[:1], convert_to_numpy=True)[0]) >= 0.99999
 
 
-@pytest.mark.parametrize(("family", "kind", "normalize"), [
-    ("llama", "MEAN", False), ("qwen2", "CLS", True)])
+@pytest.mark.parametrize(("family", "kind", "normalize", "depth"), [
+    ("llama", "MEAN", False, 1), ("qwen2", "CLS", True, 1), ("llama", "MEAN", False, 2)])
 def test_sentence_transformers_folders_of_other_families(
-        tmp_path: Path, family: str, kind: str, normalize: bool) -> None:
+        tmp_path: Path, family: str, kind: str, normalize: bool, depth: int) -> None:
+    # depth 2: the next chunk of a prompt is scheduled while the last one executes.
     st = make_embedder(tmp_path / "st", family, kind, normalize=normalize)
     pooler = resolve_pooler(tmp_path / "st")
     assert pooler is not None
     assert (pooler.pooling_type, pooler.normalize) == (PoolingType[kind], normalize)
     tok = Tokenizer.from_file(str(tmp_path / "st" / "tokenizer.json"))
-    core = _engine(tmp_path / "st")
+    core = _engine(tmp_path / "st", depth)
     core.start()
     try:
         ours = _pool(core, [tok.encode(t).ids for t in TEXTS], PoolingParams(PoolingTask.EMBED))
@@ -191,6 +193,7 @@ def test_sentence_transformers_folders_of_other_families(
         core.shutdown()
     for a, b in zip(ours, st.encode(TEXTS, convert_to_numpy=True), strict=True):
         assert _cosine(a, b) >= 0.99999
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(("family", "num_labels"), [("qwen3", 3), ("llama", 1), ("qwen2", 2)])
