@@ -165,10 +165,7 @@ class Pipeline:
                        telemetry: RequestTelemetry) -> PreparedRequest:
         """A tokenized request checked against the length limits and with its output
         constraint checked, ready to run."""
-        if self.pooler is not None:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, (
-                f"this model serves {' and '.join(self.pooler.tasks)}, not generation: "
-                "call PoolingService (or /v1/embeddings, /v1/score, /v1/rerank, /classify)"))
+        self.check_generates()
         sampling = request.sampling
         if sampling.constraint is not None:
             with telemetry.phase("validate"):
@@ -205,6 +202,13 @@ class Pipeline:
                 "retry on another replica",
                 reason="DRAINING",
             )
+
+    def check_generates(self) -> None:
+        """FAILED_PRECONDITION on a pooling model, naming what it serves instead."""
+        if self.pooler is not None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, (
+                f"this model serves {' and '.join(self.pooler.tasks)}, not generation: "
+                "call PoolingService (or /v1/embeddings, /v1/score, /v1/rerank, /classify)"))
 
     def check_sampling(self, sampling: common_pb2.SamplingParams) -> SamplingParams:
         return check_sampling(sampling, self._model.vocab_size, self._limits)

@@ -189,7 +189,7 @@ class FrontendServer:
                                 admin_keys=admin_keys)
         return OpenAIApi(settings, self._pipeline, self._answering,
                          lambda: self.balancer.ready, self.observability.registry,
-                         self._weight_sync)
+                         self._weight_sync, self.pooling)
 
     async def _wait_until_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

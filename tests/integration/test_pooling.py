@@ -228,3 +228,17 @@ def test_grpcurl_embeds_through_reflection(embedder: tuple) -> None:
         capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["embeddings"][0]["values"]) == 8
+
+
+def test_score_counts_and_names_the_documents_apart_from_the_query(embedder: tuple) -> None:
+    served, _ = embedder
+    with pytest.raises(grpc.RpcError) as refused:
+        served.pooling.Score(pb.ScoreRequest(query=pb.PoolingInput(text="word " * 600),
+                                             documents=_texts(["d", "e"])), timeout=30)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (refused.value.details() or "").startswith("query has"), refused.value.details()
+    # As many documents as one call takes, beside the query.
+    reply = served.pooling.Score(pb.ScoreRequest(
+        query=pb.PoolingInput(text="d"),
+        documents=[pb.PoolingInput(token_ids=gen_pb.TokenIds(ids=[5]))] * 2048), timeout=120)
+    assert len(reply.results) == 2048

@@ -165,6 +165,8 @@ class ChatAnswering:
         pipeline = self._pipeline
         with telemetry.phase("validate"):
             pipeline.check_accepting()
+            # Before rendering: a pooling model may well have no chat template.
+            pipeline.check_generates()
             sampling = pipeline.check_sampling(request.sampling)
             if sampling.constraint is not None:
                 field_name = sampling.constraint.field

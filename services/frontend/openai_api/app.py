@@ -6,7 +6,8 @@ and, for chat, chat/answering.py: validation, limits, routing, telemetry, abort)
 process: no loopback gRPC call.
 Errors come back in OpenAI's shape with the HTTP status matching the gRPC code.
 `/health` and `/metrics` (the frontend's Prometheus registry) sit beside the API, and
-vLLM's routes for RL trainers (pause, resume, live weight updates: rl_routes.py).
+vLLM's routes for RL trainers (pause, resume, live weight updates: rl_routes.py) and
+for pooling models (embeddings, score, rerank, classify: pooling_routes.py).
 
 Starlette serves it under uvicorn, on the frontend's own event loop. A client that
 disconnects cancels its request's task, which aborts the request in the engine.
@@ -21,7 +22,7 @@ import json
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -33,7 +34,7 @@ from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -43,9 +44,7 @@ from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend.chat.answering import ChatAnswering
 from services.frontend.collect import collect_chat, collect_generate
 from services.frontend.errors import RequestError, invalid_argument
-from services.frontend.generate.validation import check_request_id
-from services.frontend.grpc_calls import MAX_REQUEST_ID_CHARS
-from services.frontend.openai_api import responses
+from services.frontend.openai_api import http_calls, responses
 from services.frontend.openai_api.http_errors import (
     RequestIds,
     error_body,
@@ -53,6 +52,7 @@ from services.frontend.openai_api.http_errors import (
     http_exception,
     internal_error,
 )
+from services.frontend.openai_api.pooling_routes import PoolingRoutes
 from services.frontend.openai_api.rl_routes import RlRoutes
 from services.frontend.openai_api.schemas import (
     CHAT_NAMES,
@@ -65,6 +65,7 @@ from services.frontend.openai_api.schemas import (
     completion_requests,
 )
 from services.frontend.pipeline import Pipeline
+from services.frontend.pooling.operations import PoolingOperations
 from services.frontend.weight_sync import WeightSync
 
 T = TypeVar("T")
@@ -88,13 +89,16 @@ class HttpSettings:
 class OpenAIApi:
     def __init__(self, settings: HttpSettings, pipeline: Pipeline,
                  chat: ChatAnswering, is_ready: Callable[[], bool],
-                 registry: CollectorRegistry, weight_sync: WeightSync | None = None) -> None:
+                 registry: CollectorRegistry, weight_sync: WeightSync | None = None,
+                 pooling: PoolingOperations | None = None) -> None:
         self._settings = settings
         self._pipeline = pipeline
         self._chat = chat
         self._is_ready = is_ready
         self._registry = registry
         self._created = int(time.time())
+        pooler = pooling.pooler if pooling is not None else None
+        self._tasks = pooler.tasks if pooler is not None else ("generate",)
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self.models, methods=["GET"]),
@@ -104,6 +108,9 @@ class OpenAIApi:
                 Route("/metrics", self.metrics, methods=["GET"]),
                 *(RlRoutes(weight_sync, self._authenticate_admin).routes()
                   if weight_sync is not None else []),
+                *(PoolingRoutes(pooling, self.model, settings.max_model_len,
+                                self._authenticate, self._body).routes()
+                  if pooling is not None else []),
             ],
             middleware=[Middleware(RequestIds)],
             exception_handlers={HTTPException: http_exception, Exception: internal_error},
@@ -131,7 +138,7 @@ class OpenAIApi:
         except RequestError as e:
             return error_response(e)
         return JSONResponse(responses.models_list(self.model, self._created,
-                                                  self._settings.max_model_len))
+                                                  self._settings.max_model_len, self._tasks))
 
     async def completions(self, request: Request) -> Response:
         names: Mapping[str, str] = COMPLETION_NAMES
@@ -139,11 +146,11 @@ class OpenAIApi:
             self._authenticate(request)
             body = await self._body(request, CompletionBody)
             names = completion_names(body)
-            request_id = _request_id(request, body.request_id)
+            request_id = http_calls.request_id(request, body.request_id)
             protos = completion_requests(body)
         except RequestError as e:
             return error_response(e, names=names)
-        metadata = _metadata(request)
+        metadata = http_calls.call_metadata(request)
         n = max(1, body.n or 1)
         streams = []
         for i, proto in enumerate(protos):
@@ -176,7 +183,7 @@ class OpenAIApi:
                 # Every prompt has the same constraint: its warnings once.
                 warnings=results[0].warnings if results else ())
 
-        return await _whole(request, whole(), request_id, names)
+        return await http_calls.whole(request, whole(), request_id, names)
 
     async def _completion_events(
         self, chunks: AsyncIterator[tuple[int, generate_pb2.GenerateStreamResponse]],
@@ -203,12 +210,12 @@ class OpenAIApi:
             self._authenticate(request)
             body = await self._body(request, ChatCompletionBody)
             names = chat_names(body)
-            request_id = _request_id(request, body.request_id)
+            request_id = http_calls.request_id(request, body.request_id)
             proto = chat_request(body)
         except RequestError as e:
             return error_response(e, names=names)
         proto.request_id = request_id
-        answer = self._chat.answer(request_id, proto, _metadata(request))
+        answer = self._chat.answer(request_id, proto, http_calls.call_metadata(request))
         created = int(time.time())
         rid = f"chatcmpl-{request_id}"
         logprobs = bool(body.logprobs)
@@ -221,7 +228,7 @@ class OpenAIApi:
             return responses.chat_response(result, id=rid, model=self.model, created=created,
                                            logprobs=logprobs)
 
-        return await _whole(request, whole(), request_id, names)
+        return await http_calls.whole(request, whole(), request_id, names)
 
     async def _chat_events(self, answer: AsyncIterator[Any], rid: str, created: int,
                            include_usage: bool) -> AsyncIterator[dict[str, Any]]:
@@ -275,7 +282,8 @@ class OpenAIApi:
             body = schema.model_validate(data)  # type: ignore[attr-defined]
         except pydantic.ValidationError as exc:
             raise _validation_error(exc) from None
-        if body.model not in self._settings.model_names:
+        # The pooling bodies may leave `model` out (vLLM's): the served one.
+        if body.model is not None and body.model not in self._settings.model_names:
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
                 f"the model {body.model!r} does not exist; this server serves {self.model!r}",
@@ -293,20 +301,6 @@ def _validation_error(exc: pydantic.ValidationError) -> RequestError:
     first = exc.errors()[0]
     param = ".".join(str(part) for part in first["loc"])
     return invalid_argument(param, f"{param}: {first['msg']}" if param else first["msg"])
-
-
-def _request_id(request: Request, body_id: str | None) -> str:
-    """The body's request_id, else the client's X-Request-Id, else the id `RequestIds`
-    made; a bad one the client gave is refused."""
-    request_id = (body_id or request.headers.get("x-request-id")
-                  or request.scope["state"]["request_id"])
-    check_request_id(request_id, MAX_REQUEST_ID_CHARS)
-    return request_id
-
-
-def _metadata(request: Request) -> dict[str, str]:
-    # Starlette gives lower-case names, as gRPC metadata has them (traceparent, ...).
-    return dict(request.headers)
 
 
 async def _sse(request: Request, events: AsyncIterator[dict[str, Any]],
@@ -337,34 +331,6 @@ async def _sse(request: Request, events: AsyncIterator[dict[str, Any]],
 
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _whole(request: Request, work: Awaitable[dict[str, Any]],
-                 request_id: str, names: Mapping[str, str]) -> Response:
-    """The JSON of `work`, cancelled (and the request aborted) if the client leaves."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, RequestError):
-            await task
-        return Response(status_code=499)
-    try:
-        return JSONResponse(task.result(), headers={"X-Request-Id": request_id})
-    except RequestError as e:
-        return error_response(e, request_id, names)
-
-
-async def _disconnected(request: Request) -> None:
-    with contextlib.suppress(ClientDisconnect):
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
 
 
 async def _indexed(chunks: AsyncIterator[T], base: int) -> AsyncIterator[tuple[int, T]]:

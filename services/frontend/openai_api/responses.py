@@ -319,11 +319,13 @@ def _with_warnings(body: Json, warnings: Sequence[str]) -> Json:
     return body
 
 
-def models_list(model: str, created: int, max_model_len: int) -> Json:
-    """GET /v1/models: the one served model."""
+def models_list(model: str, created: int, max_model_len: int,
+                tasks: Sequence[str] = ("generate",)) -> Json:
+    """GET /v1/models: the one served model, and what it serves (`generate`; `embed`
+    and `score`; `classify`, and `score` with one label), as GetModelInfo.tasks says."""
     return {"object": "list", "data": [
         {"id": model, "object": "model", "created": created, "owned_by": "corestream",
-         "max_model_len": max_model_len},
+         "max_model_len": max_model_len, "tasks": list(tasks)},
     ]}
 
 

@@ -96,8 +96,11 @@ class PoolingOperations:
         self._check_inputs(documents, field)
         self._check_input(query, query_field)
         if pooler.task is PoolingTask.EMBED:
-            both = await self.embed(request_id, [query, *documents], metadata, field=field,
-                                    truncate=truncate)
+            # One run for both, each input named as the caller gave it.
+            params = self._params(PoolingParams(PoolingTask.EMBED), "embed")
+            names = [query_field, *(f"{field}[{i}]" for i in range(len(documents)))]
+            both = await self._run(request_id, [query, *documents], params, metadata, names,
+                                   truncate, self._prompt(None), "embeddings")
             vectors = [r.values.astype(np.float64) for r in both.results]
             return Scored([_cosine(vectors[0], v) for v in vectors[1:]],
                           both.num_prompt_tokens, both.weight_version)
@@ -115,13 +118,19 @@ class PoolingOperations:
     # ---- the path ------------------------------------------------------------------
 
     async def _run(self, request_id: str, inputs: Sequence[Input], params: PoolingParams,
-                   metadata: Mapping[str, str], field: str, truncate: bool, prompt: str,
-                   operation: str) -> Embedded:
-        self._check_inputs(inputs, field)
+                   metadata: Mapping[str, str], field: str | list[str], truncate: bool,
+                   prompt: str, operation: str) -> Embedded:
+        """`field`: the inputs' field, checked here; or each input's name, checked by
+        the caller."""
+        if isinstance(field, str):
+            self._check_inputs(inputs, field)
+            names = [f"{field}[{i}]" for i in range(len(inputs))]
+        else:
+            names = field
         async with self._pipeline.request(request_id, metadata, operation) as telemetry:
             with telemetry.phase("tokenize"):
-                token_ids = [await self._tokens(item, f"{field}[{i}]", prompt, truncate)
-                             for i, item in enumerate(inputs)]
+                token_ids = [await self._tokens(item, name, prompt, truncate)
+                             for item, name in zip(inputs, names, strict=True)]
             call = PoolingCall(request_id, token_ids, params,
                                trace_headers=telemetry.trace_headers())
             results = await self._runner.run(call)

@@ -525,6 +525,9 @@ def test_api_keys_guard_the_api_but_not_health(tmp_path: Path) -> None:
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello"}, headers={"Authorization": "Bearer x"})
             _assert_error(response, 401, None)
+            for path in ("/v1/embeddings", "/v1/score", "/v1/rerank", "/classify"):
+                response = await http.post(path, json={"input": "hello"})
+                _assert_error(response, 401, None, "Bearer")
             # Probes carry no key.
             assert (await http.get("/health")).status_code == 200
         with pytest.raises(openai.AuthenticationError):
@@ -539,6 +542,27 @@ def test_api_keys_guard_the_api_but_not_health(tmp_path: Path) -> None:
         assert response.choices[0].text == ANSWER
 
     _serve(body, api_key_file=str(keys))
+
+
+@pytest.mark.timeout(30)
+def test_pooling_routes_on_a_generative_model_are_400_naming_the_task() -> None:
+    async def body(env: Env) -> None:
+        async with env.http() as http:
+            models = (await http.get("/v1/models")).json()["data"]
+            assert models[0]["tasks"] == ["generate"]
+            for path, fields, task in (
+                    ("/v1/embeddings", {"input": "hi"}, "embed"),
+                    ("/classify", {"input": ["hi"]}, "classify"),
+                    ("/v1/score", {"text_1": "hi", "text_2": ["ho"]}, "score"),
+                    ("/rerank", {"query": "hi", "documents": ["ho"]}, "score")):
+                response = await http.post(path, json={"model": MODEL.name, **fields})
+                error = _assert_error(response, 400, None, f"{task} needs a pooling model")
+                assert error["code"] == "failed_precondition"
+            response = await http.post("/v1/embeddings", json={"model": "nope", "input": "x"})
+            _assert_error(response, 404, "model", "nope")
+        assert env.engine.adds == []
+
+    _serve(body)
 
 
 def _families(text: str) -> set[str]:
