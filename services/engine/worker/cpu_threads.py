@@ -52,7 +52,8 @@ _OMP_PAUSE_SOFT = 1
 
 def release_openmp_pool(maps: Path = Path("/proc/self/maps")) -> bool:
     """Free the calling thread's OpenMP worker threads (OpenMP 5's
-    `omp_pause_resource_all`); whether a runtime was found that did so.
+    `omp_pause_resource_all`) in every OpenMP runtime the process has loaded; whether
+    any runtime did so.
 
     NOTE: libgomp keeps one pool of workers per thread that has run a parallel region,
     and once it manages more threads than there are CPUs it spins only ~100 times at a
@@ -60,7 +61,9 @@ def release_openmp_pool(maps: Path = Path("/proc/self/maps")) -> bool:
     steps it on another (the busy loop), so without this its step's parallel regions
     ran throttled: on 2 CPUs a decode step made 105 futex sleeps instead of none, and
     took 4.9 ms instead of 3.9. Any later parallel region on the calling thread simply
-    starts a new pool.
+    starts a new pool. Every runtime, not the first: wheels bundle their own (scikit-
+    learn's libgomp, pulled in by sentence-transformers, sorts before torch's), and
+    pausing one that holds no pool of ours succeeds while torch's pool stays.
     """
     try:
         lines = maps.read_text().splitlines()
@@ -69,6 +72,7 @@ def release_openmp_pool(maps: Path = Path("/proc/self/maps")) -> bool:
     # Each line: address, perms, offset, device, inode, and the mapped file's path if any.
     paths = {fields[5] for line in lines
              if len(fields := line.split(maxsplit=5)) == 6 and fields[5].startswith("/")}
+    released = False
     for path in sorted(paths):
         if not Path(path).name.startswith(_OPENMP_LIBRARIES):
             continue
@@ -78,6 +82,7 @@ def release_openmp_pool(maps: Path = Path("/proc/self/maps")) -> bool:
             continue
         pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
         if pause(_OMP_PAUSE_SOFT) == 0:
-            return True
-        logger.debug("%s: omp_pause_resource_all failed", path)
-    return False
+            released = True
+        else:
+            logger.debug("%s: omp_pause_resource_all failed", path)
+    return released

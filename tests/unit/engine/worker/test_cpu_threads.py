@@ -133,6 +133,42 @@ def test_release_openmp_pool_ends_this_threads_workers() -> None:
         torch.set_num_threads(previous)
 
 
+def _torch_openmp_runtime() -> Path:
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and Path(fields[5]).name.startswith("libgomp"):
+            return Path(fields[5])
+    raise AssertionError("torch's wheel links GNU OpenMP; no libgomp is mapped")
+
+
+def test_release_reaches_torchs_runtime_past_another_one(tmp_path: Path) -> None:
+    # scikit-learn (pulled in by sentence-transformers) bundles its own libgomp, which
+    # sorts before torch's; pausing it succeeds and frees nothing of torch's.
+    torch_runtime = _torch_openmp_runtime()
+    other = tmp_path / "aaa" / "libgomp-other.so.1"
+    other.parent.mkdir()
+    other.write_bytes(torch_runtime.read_bytes())  # a separate copy: its own pools
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f00-7f10 r-xp 0 08:01 1 {other}\n"
+                    f"7f10-7f20 r-xp 0 08:01 2 {torch_runtime}\n")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        release_openmp_pool()
+        big = torch.randn(1024, 1024)
+        before = _tids()
+        _ = big @ big
+        workers = _tids() - before
+        assert len(workers) == 1
+        assert release_openmp_pool(maps)
+        deadline = time.monotonic() + 5
+        while workers & _tids() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not workers & _tids()
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_release_openmp_pool_without_a_runtime_does_nothing(tmp_path: Path) -> None:
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n7f10-7f20 rw-p 0 0 0\n")
