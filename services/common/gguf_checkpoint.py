@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 GGUF_SUFFIX = ".gguf"
 GGUF_FILE_KEY = "corestream_gguf_file"
 """config.json key naming the GGUF file whose tensors are the checkpoint's weights."""
+ROPE_FREQS = "rope_freqs.weight"
+"""The tensor of per-pair RoPE frequency divisors (Llama 3.1 scaling) a GGUF may hold."""
 # Bump whenever the files written below change, so that stale views are ignored.
 VIEW_VERSION = "gguf-view-v1"
 
@@ -117,7 +119,7 @@ def write_gguf_view(file: Path, folder: Path) -> None:
     reader = GGUFReader(file)
     metadata = read_metadata(reader)
     tensor_names = {t.name for t in reader.tensors}
-    config = model_config(metadata, tensor_names, file)
+    config = model_config(metadata, tensor_names, file, rope_factors(reader))
     tokenizer = build_tokenizer(metadata)
     tokenizer.save(str(folder / "tokenizer.json"))
     _write_json(folder / "tokenizer_config.json",
@@ -135,17 +137,27 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
             if not name.startswith("GGUF.")}
 
 
-def model_config(metadata: dict[str, Any], tensor_names: set[str], file: Path) -> dict[str, Any]:
-    """config.json for the model GGUF `metadata` describes (`tensor_names`: its tensors)."""
+def rope_factors(reader: GGUFReader) -> list[float] | None:
+    """The values of the file's `rope_freqs` tensor, if it has one: llama.cpp's converter
+    stores Llama 3.1's rope scaling as these per-pair divisors, not as metadata."""
+    from gguf.quants import dequantize
+
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            return [float(v) for v in dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
+    return None
+
+
+def model_config(metadata: dict[str, Any], tensor_names: set[str], file: Path,
+                 rope_factors: list[float] | None = None) -> dict[str, Any]:
+    """config.json for the model GGUF `metadata` describes (`tensor_names`: its tensors;
+    `rope_factors`: its `rope_freqs` values)."""
     arch = str(metadata.get("general.architecture"))
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} of {file} is not served; supported: "
                          f"{sorted(_ARCHITECTURES)}")
-    if "rope_freqs.weight" in tensor_names:
-        # NOTE: llama.cpp stores Llama 3.1's rope scaling as a tensor of frequency factors,
-        # not as metadata; our rotary embedding is built from config values only.
-        raise ValueError(f"{file} scales RoPE with a rope_freqs tensor (Llama 3.1 style), "
-                         "which corestream does not read from GGUF files yet")
+    if (ROPE_FREQS in tensor_names) != (rope_factors is not None):
+        raise ValueError(f"{file}: the values of its {ROPE_FREQS} tensor are needed")
     experts = int(metadata.get(f"{arch}.expert_count") or 0)
     architecture, model_type = _MIXTRAL if arch == "llama" and experts else _ARCHITECTURES[arch]
     hparams = {**_HPARAMS, **_MOE_HPARAMS.get(model_type, {})}
@@ -164,6 +176,11 @@ def model_config(metadata: dict[str, Any], tensor_names: set[str], file: Path) -
                                or len(metadata["tokenizer.ggml.tokens"]))
     if rope_scaling := _rope_scaling(metadata, arch):
         config["rope_scaling"] = rope_scaling
+    if rope_factors is not None:
+        if rope_scaling:
+            raise ValueError(f"{file} scales RoPE twice: {rope_scaling['rope_type']} in its "
+                             f"metadata and a {ROPE_FREQS} tensor")
+        config["rope_scaling"] = {"rope_type": "frequency_factors", "factors": rope_factors}
     config["tie_word_embeddings"] = "output.weight" not in tensor_names
     if arch == "qwen2moe" and not any(".attn_q.bias" in name for name in tensor_names):
         config["qkv_bias"] = False

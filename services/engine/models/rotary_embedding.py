@@ -6,7 +6,10 @@ Frequencies follow the checkpoint's `rope_scaling`:
   the band between blended smoothly;
 - "yarn" (Qwen2.5/Qwen3 long context): the same idea with the band given in rotations
   over the original context (`beta_fast`, `beta_slow`), plus a factor on cos and sin
-  that makes up for the flatter attention of a longer context.
+  that makes up for the flatter attention of a longer context;
+- "frequency_factors": one divisor per frequency pair, given as a list (`factors`). A
+  GGUF file stores Llama 3.1's scaling this way (its `rope_freqs` tensor, which llama.cpp
+  divides each pair's frequency by), not as the parameters it was computed from.
 Other types ("dynamic" among them, whose frequencies depend on the current length)
 are rejected when the model is built, not at its first forward.
 cos/sin tables are built lazily on the device of the first input, because models are
@@ -21,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "frequency_factors")
 
 
 def inverse_frequencies(
@@ -44,6 +47,12 @@ def inverse_frequencies(
         return inv_freq / float(scaling["factor"]), 1.0
     if rope_type == "llama3":
         return _llama3_frequencies(inv_freq, scaling), 1.0
+    if rope_type == "frequency_factors":
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope frequency factors: {factors.numel()} given, the head "
+                             f"size {head_dim} has {inv_freq.numel()} frequency pairs")
+        return inv_freq / factors, 1.0
     return _yarn_frequencies(inv_freq, head_dim, theta, scaling, max_positions)
 
 
