@@ -20,8 +20,10 @@ its linear weights of a block type stay quantized (`place_quantized`: `Quantized
 layers over the file's blocks, a `QuantizedEmbedding` table, and a tied head over the
 table's blocks) unless CORESTREAM_GGUF_DEQUANTIZE=1 asks for the float layers of old;
 fused projections concatenate the parts' blocks where they share a type (a group of mixed
-types keeps each part's blocks: `MixedQuantizedLinear`). Quantized weights are not sharded:
-tensor parallelism refuses them.
+types keeps each part's blocks: `MixedQuantizedLinear`), and the experts of a layer keep
+theirs, one quantized layer per expert and projection (`moe.QuantizedExperts`): a MoE
+file's experts are most of its bytes. Quantized weights are not sharded: tensor
+parallelism refuses them.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from services.engine.models.linear import (
     QuantizedLinear,
     lay_out_for_cpu,
 )
+from services.engine.models.moe import QuantizedExperts, StackedExperts
 from services.engine.models.registry import MODEL_REGISTRY, supported, unsupported_message
 from services.engine.models.tp_sharding import ShardPlan
 
@@ -80,6 +83,14 @@ logger = logging.getLogger(__name__)
 Weight = torch.Tensor | QuantizedWeight | list[QuantizedWeight]
 """A checkpoint tensor as loading holds it: float, a file's blocks, or a fused group of
 quantized parts of mixed types."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedExpertWeights:
+    """A stacked expert parameter (`w13`, `w2`) whose experts a GGUF file stores as
+    blocks: each local expert's weight, its parts packed as `pack_projections` packs."""
+
+    experts: list[QuantizedWeight | list[QuantizedWeight]]
 
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -156,11 +167,11 @@ def load_model(
     if gguf_file:
         quantized = os.environ.get(DEQUANTIZE_ENV, "") in ("", "0")
         state = read_gguf(Path(gguf_file), hf_config["model_type"], dtype, device, model_name,
-                          plan, keep_quantized=lambda name: quantized and _linear_weight(name))
+                          plan, keep_quantized=lambda name: quantized and name.endswith(".weight"))
     else:
         state = dict(_read_safetensors(folder, dtype, device, model_name, plan, layout.tensors))
     if experts is not None:
-        pack_experts(state, getattr(cls, "packed_experts", {}), experts,  # type: ignore[arg-type]
+        pack_experts(state, getattr(cls, "packed_experts", {}), experts, dtype,
                      layout.placements)
     # The fixed-logits stand-in has no projections, hence no packing to declare.
     pack_projections(state, getattr(cls, "packed_projections", {}), dtype, layout.placements)
@@ -265,21 +276,19 @@ def place_quantized(model: nn.Module, state: dict[str, Weight], dtype: torch.dty
     a `QuantizedEmbedding` looking up into `dtype`; any other module gets the weight
     dequantized into `dtype`. Returns how many layers of which type."""
     kinds: Counter[str] = Counter()
+    for name in [n for n, v in state.items() if isinstance(v, QuantizedExpertWeights)]:
+        if name in state:  # (its partner may have placed it already)
+            _place_quantized_experts(model, state, name.rpartition(".")[0], kinds)
     for name in [n for n, v in state.items() if not isinstance(v, torch.Tensor)]:
         weight = state.pop(name)
-        assert not isinstance(weight, torch.Tensor)
+        assert isinstance(weight, QuantizedWeight | list)
         module_name = name.removesuffix(".weight")
         module = model.get_submodule(module_name)
-        if isinstance(weight, list):
-            if type(module) is not Linear:
-                state[name] = torch.cat([dequantize(w) for w in weight]).to(dtype)
-                continue
-            replacement: nn.Module = MixedQuantizedLinear([for_kernels(w) for w in weight],
-                                                          module.bias)
-            kind = "+".join(w.ggml_type.name for w in weight)
-        elif type(module) is Linear:
-            replacement = QuantizedLinear(for_kernels(weight), module.bias)
-            kind = weight.ggml_type.name
+        if type(module) is Linear:
+            replacement, kind = _quantized_layer(weight, module.bias)
+        elif isinstance(weight, list):
+            state[name] = torch.cat([dequantize(w) for w in weight]).to(dtype)
+            continue
         elif type(module) is nn.Embedding:
             # Grouped too: a tied head multiplies by the same blocks.
             replacement = QuantizedEmbedding(for_kernels(weight), dtype)
@@ -291,6 +300,42 @@ def place_quantized(model: nn.Module, state: dict[str, Weight], dtype: torch.dty
         setattr(model.get_submodule(parent), attr, replacement)
         kinds[kind] += 1
     return kinds
+
+
+def _quantized_layer(weight: QuantizedWeight | list[QuantizedWeight],
+                     bias: torch.Tensor | None) -> tuple[nn.Module, str]:
+    """The layer multiplying by `weight` (a fused group of mixed types: each part's own
+    blocks), and its type's name."""
+    if isinstance(weight, list):
+        return (MixedQuantizedLinear([for_kernels(w) for w in weight], bias),
+                "+".join(w.ggml_type.name for w in weight))
+    return QuantizedLinear(for_kernels(weight), bias), weight.ggml_type.name
+
+
+def _place_quantized_experts(model: nn.Module, state: dict[str, Weight | QuantizedExpertWeights],
+                             module_name: str, kinds: Counter[str]) -> None:
+    """Replace the `StackedExperts` `module_name` by `QuantizedExperts` over the blocks of
+    its `w13` and `w2` in `state` (a float one, e.g. F16 in the file, becomes a float
+    layer per expert)."""
+    stacked: StackedExperts = model.get_submodule(module_name)
+    per_projection: dict[str, list[nn.Module]] = {}
+    for param in ("w13", "w2"):
+        weight = state.pop(f"{module_name}.{param}")
+        if isinstance(weight, QuantizedExpertWeights):
+            layers = [_quantized_layer(w, None) for w in weight.experts]
+            per_projection[param] = [layer for layer, _ in layers]
+            kinds[f"experts {layers[0][1]}"] += len(layers)
+        else:
+            assert isinstance(weight, torch.Tensor)
+            per_projection[param] = []
+            for local, values in enumerate(weight):
+                # Loaded with the rest: the layer's weight is taken from `state`.
+                per_projection[param].append(
+                    Linear(values.shape[1], values.shape[0], bias=False, device="meta"))
+                state[f"{module_name}.{param}.{local}.weight"] = values
+    parent, _, attr = module_name.rpartition(".")
+    setattr(model.get_submodule(parent), attr,
+            QuantizedExperts(stacked.first, per_projection["w13"], per_projection["w2"]))
 
 
 def for_kernels(weight: QuantizedWeight) -> QuantizedWeight:
@@ -382,7 +427,8 @@ def _model_tensor_name(
 
 
 def pack_experts(
-    state: dict[str, torch.Tensor], packed: Mapping[str, Sequence[str]], experts: range,
+    state: dict[str, Weight | QuantizedExpertWeights], packed: Mapping[str, Sequence[str]],
+    experts: range, dtype: torch.dtype | None = None,
     placements: dict[str, Placement] | None = None,
 ) -> None:
     """Replace, in `state`, each MoE layer's per-expert tensors by stacked ones.
@@ -392,6 +438,9 @@ def pack_experts(
     `*.experts.<e>.up_proj.weight` of every e in `experts` become `*.experts.w13`
     `[len(experts), 2I, H]`. An incomplete layer is left as it is, so that loading
     names the missing tensors. `placements` records each part's expert and rows.
+    Quantized experts (a GGUF file's) are packed per expert as `pack_projections` packs a
+    fused group, into `QuantizedExpertWeights`; parts mixed with float ones are
+    dequantized into `dtype`.
     """
     prefixes = {m["prefix"] for name in state if (m := _EXPERT_TENSOR.match(name))}
     for prefix in sorted(prefixes):
@@ -401,10 +450,13 @@ def pack_experts(
                 if placements is not None:
                     for local, row in enumerate(names):
                         _place_rows(placements, f"{prefix}.experts.{stacked}", row,
-                                    [state[n].shape[0] for n in row], local)
-                state[f"{prefix}.experts.{stacked}"] = torch.stack(
-                    [torch.cat([state.pop(n) for n in row]) for row in names]
-                )
+                                    [_num_rows(state[n]) for n in row], local)
+                fused = [_concat([state.pop(n) for n in row], dtype) for row in names]
+                floats = [f for f in fused if isinstance(f, torch.Tensor)]
+                state[f"{prefix}.experts.{stacked}"] = (
+                    torch.stack(floats) if len(floats) == len(fused)
+                    else QuantizedExpertWeights([f for f in fused
+                                                 if not isinstance(f, torch.Tensor)]))
 
 
 def _read_safetensors(

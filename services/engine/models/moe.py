@@ -7,9 +7,11 @@ passes through, scaled by a sigmoid gate.
 
 The experts' weights are stacked per layer, `w13` `[E, 2I, H]` (gate and up) and `w2`
 `[E, H, I]`, which the loader packs from the checkpoint's per-expert tensors
-(`packed_experts`). Only this rank's experts are stacked when the experts are split
-over DP ranks (`services.engine.parallel.expert_parallel`); routing always sees all
-experts, since the router is replicated.
+(`packed_experts`); a GGUF file's quantized experts keep their blocks instead, one
+quantized layer per expert and projection (`QuantizedExperts`). Only this rank's
+experts are stacked when the experts are split over DP ranks
+(`services.engine.parallel.expert_parallel`); routing always sees all experts, since the
+router is replicated.
 
 Under tensor parallelism every expert's intermediate features are split over the TP
 ranks (w13 holds this rank's gate and up rows, w2 the matching columns), and so are
@@ -51,14 +53,19 @@ def route(
     return weights, ids
 
 
-class StackedExperts(nn.Module):
-    """The SwiGLU experts `experts` of one layer, as two stacked weight tensors."""
+class _ExpertDispatch(nn.Module):
+    """Runs each of a layer's local experts (`first`, `first + 1`, ...) on the tokens
+    routed to it; subclasses say how one expert's SwiGLU MLP is computed."""
 
-    def __init__(self, experts: range, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.first = experts.start
-        self.w13 = nn.Parameter(torch.empty(len(experts), 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(len(experts), hidden_size, intermediate_size))
+    first: int
+
+    @property
+    def num_local(self) -> int:
+        raise NotImplementedError
+
+    def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert `local`'s output `[M, H]` for its tokens `x` `[M, H]`."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum `[T, H]` of the outputs of this module's experts among each
@@ -69,20 +76,55 @@ class StackedExperts(nn.Module):
         # run of `order`, and the counts, read once, give every run's bounds.
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
-        num_local = self.w13.shape[0]
-        counts = torch.bincount(flat_ids, minlength=self.first + num_local).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.first + self.num_local).tolist()
         flat_weights = weights.flatten()
         start = sum(counts[: self.first])
-        for local in range(num_local):
+        for local in range(self.num_local):
             count = counts[self.first + local]
             if count == 0:
                 continue
             slots = order[start : start + count]
             start += count
             tokens = slots // top_k
-            y = F.linear(silu_and_mul(F.linear(x[tokens], self.w13[local])), self.w2[local])
+            y = self.expert_mlp(local, x[tokens])
             out.index_add_(0, tokens, (y * flat_weights[slots, None]).to(x.dtype))
         return out
+
+
+class StackedExperts(_ExpertDispatch):
+    """The SwiGLU experts `experts` of one layer, as two stacked weight tensors."""
+
+    def __init__(self, experts: range, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.first = experts.start
+        self.w13 = nn.Parameter(torch.empty(len(experts), 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(len(experts), hidden_size, intermediate_size))
+
+    @property
+    def num_local(self) -> int:
+        return self.w13.shape[0]
+
+    def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(x, self.w13[local])), self.w2[local])
+
+
+class QuantizedExperts(_ExpertDispatch):
+    """A GGUF file's experts of one layer, each kept as the file's blocks: per expert a
+    gate+up projection and a down projection (`QuantizedLinear`, or `MixedQuantizedLinear`
+    where gate and up come in types that cannot share one weight)."""
+
+    def __init__(self, first: int, w13: list[nn.Module], w2: list[nn.Module]) -> None:
+        super().__init__()
+        self.first = first
+        self.w13 = nn.ModuleList(w13)
+        self.w2 = nn.ModuleList(w2)
+
+    @property
+    def num_local(self) -> int:
+        return len(self.w13)
+
+    def expert_mlp(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        return self.w2[local].forward(silu_and_mul(self.w13[local].forward(x)))
 
 
 class SparseMoeBlock(nn.Module):
@@ -100,7 +142,7 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.gate = Linear(hidden, moe.num_experts, bias=False)
         world = tp.world_size if tp is not None else 1
-        self.experts = StackedExperts(
+        self.experts: _ExpertDispatch = StackedExperts(
             ep.local_experts(moe.num_experts), hidden,
             split_evenly(moe.intermediate_size, world, "the experts' intermediate_size"),
         )

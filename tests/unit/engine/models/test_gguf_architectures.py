@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from services.common.gguf_checkpoint import ensure_gguf_view
-from services.engine.models.linear import QuantizedLinear
+from services.engine.models.linear import Linear, QuantizedLinear
+from services.engine.models.moe import QuantizedExperts, StackedExperts
 from services.engine.models.rotary_embedding import inverse_frequencies
 from tests.gguf_writer import rounded_weights, write_gguf
 from tests.unit.engine.hf_checkpoints import (
@@ -109,7 +110,8 @@ def test_rope_freqs_are_read_as_the_llama3_scaling_they_came_from(tmp_path: Path
     assert not torch.allclose(want, plain)
 
 
-@pytest.mark.parametrize("variant", ["llama3.1-rope-freqs", "qwen3", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("variant", ["llama3.1-rope-freqs", "qwen3", "mixtral", "qwen2_moe",
+                                     "qwen3_moe"])
 def test_q8_0_file_gives_the_greedy_tokens_of_its_rounded_weights(
     variant: str, tmp_path: Path
 ) -> None:
@@ -121,7 +123,26 @@ def test_q8_0_file_gives_the_greedy_tokens_of_its_rounded_weights(
     rounded.load_state_dict(rounded_weights(hf, GGMLQuantizationType.Q8_0))
     runner = serve(file, tmp_path / "cache")
     assert any(isinstance(m, QuantizedLinear) for m in runner.model.modules())
+    for experts in [m for m in runner.model.modules() if isinstance(m, StackedExperts)]:
+        pytest.fail(f"experts dequantized: {experts}")
+    for experts in [m for m in runner.model.modules() if isinstance(m, QuantizedExperts)]:
+        # Mixtral's down projections have rows of 172 values, not whole blocks: F32.
+        assert all(isinstance(m, QuantizedLinear) for m in experts.w13)
+        assert all(isinstance(m, QuantizedLinear if variant != "mixtral" else Linear)
+                   for m in experts.w2)
     prompts = random_prompts(PROMPT_LENGTHS, VOCAB)
     ours = generate(runner, prompts, num_tokens=16, first_chunk={"d": 10})
     for rid, prompt in prompts.items():
         assert ours[rid] == hf_greedy(rounded, prompt, 16), rid
+
+
+def test_a_quantized_moe_file_is_held_in_about_its_own_size(tmp_path: Path) -> None:
+    # Experts are most of its bytes (here about 70%): dequantized, they alone would
+    # make the weights 3x the file.
+    hf = make_checkpoint(tmp_path / "hf", "qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=64, head_dim=32, hidden_size=128)
+    file = write_gguf(hf, tmp_path / "moe.gguf", GGMLQuantizationType.Q8_0)
+    model = serve(file, tmp_path / "cache").model
+    held = {t.data_ptr(): t.numel() * t.element_size()
+            for t in [*model.parameters(), *model.buffers()]}
+    assert sum(held.values()) <= 1.3 * file.stat().st_size
