@@ -243,8 +243,9 @@ the quantized layers; for comparisons)."""
 
 
 def _linear_weight(name: str) -> bool:
-    """Whether checkpoint tensor `name` may be kept quantized: a module's weight, not one
-    expert's (experts are stacked into one float tensor per layer)."""
+    """Whether checkpoint tensor `name` is quantized by `--quantization int8`: a module's
+    weight, not one expert's (a safetensors checkpoint's experts are stacked into one float
+    tensor per layer)."""
     return name.endswith(".weight") and _EXPERT_TENSOR.match(name) is None
 
 
