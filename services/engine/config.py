@@ -58,6 +58,12 @@ class EngineConfig:
         "Compiled output constraints kept for reuse (least recently used dropped first).",
         default=256
     )
+    iteration_details: bool = doc(
+        "Record what every step did (requests and tokens, prefill and decode counts, "
+        "seconds in schedule, forward, sample and update): histograms in the metrics and "
+        "the latest steps in the stats (`corestream admin stats`). Off, they cost nothing; "
+        "a Session can still ask for them in its hello.", default=False
+    )
     log_level: str = doc("Log level: debug, info, warning, error.", default="info")
     shutdown_timeout: float = doc(
         "Seconds that in-flight requests get to finish after SIGTERM before they are aborted "

@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             logger.warning("expert parallel without a coordinator: a rank that gets no "
                            "request of its own never joins a wave")
-        core.join_waves(dp.wave_check_interval, relay.announce if relay else None)
+        core.join_waves(dp.wave_check_interval, relay.announce if relay else None,
+                        dp.prefill_schedule_interval)
 
     def exit_when_dead(state: EngineState) -> None:
         if state is EngineState.DEAD:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 from services.common.block_hash import BlockHash
+from services.engine.core.iteration_details import IterationDetails
 from services.engine.request import RequestUpdate
 from services.engine.scheduler.kv_events import KvEvent
 from services.engine.scheduler.scheduler import SchedulerStats
@@ -119,4 +120,4 @@ class KvSnapshot:
 
 
 # What a Session's queue carries; None means the engine will send nothing more.
-SessionItem = SessionOutputs | UtilityReply | KvSnapshot | None
+SessionItem = SessionOutputs | UtilityReply | KvSnapshot | IterationDetails | None

@@ -35,6 +35,7 @@ from services.common import tracing as tr
 from services.common.metrics import PREFIX, REQUEST_LATENCY_BUCKETS
 from services.common.thread_names import name_native_thread
 from services.common.tracing import Tracing
+from services.engine.core.iteration_details import IterationDetails
 from services.engine.core.observer import EngineObserver
 from services.engine.executor.protocol import Executor
 from services.engine.messages import EngineState
@@ -50,6 +51,12 @@ GRAMMAR_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                            1.0, 2.5, 5.0, 10.0, 30.0)
 GRAMMAR_MASK_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                         0.01, 0.025, 0.05, 0.1)
+# Iteration details (--iteration-details): a step's tokens, and its phases (from tens
+# of µs to schedule up to seconds for a long prefill's forward).
+ITERATION_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+ITERATION_PHASE_BUCKETS = (0.00002, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                           0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+ITERATION_PHASES = ("schedule", "forward", "sample", "update")
 _NS = 1_000_000_000
 
 
@@ -189,6 +196,18 @@ class EngineMetrics(EngineObserver):
             "grammar_mask_time_seconds",
             "Time to build one step's token bitmask of the constrained requests.",
             GRAMMAR_MASK_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens", "Tokens one step ran (recorded with iteration details).",
+            ITERATION_TOKEN_BUCKETS)
+        self.iteration_prefill_tokens = histogram(
+            "iteration_prefill_tokens",
+            "Prompt tokens one step ran (recorded with iteration details).",
+            ITERATION_TOKEN_BUCKETS)
+        phases = Histogram(PREFIX + "iteration_phase_seconds",
+                           "Time one step spent in a phase: schedule, forward, sample, update "
+                           "(recorded with iteration details).", (*LABELS, "phase"),
+                           registry=registry, buckets=ITERATION_PHASE_BUCKETS)
+        self.iteration_phases = [phases.labels(*labels, phase) for phase in ITERATION_PHASES]
         self._tracing = tracing if tracing is not None and tracing.enabled else None
         self._finished: queue.SimpleQueue[_Finished | None] = queue.SimpleQueue()
         self._span_thread: threading.Thread | None = None
@@ -216,6 +235,14 @@ class EngineMetrics(EngineObserver):
                 t = self._tracked[sr.request_id]
                 t.scheduled = now
                 self.queue_time.observe(now - t.added)
+
+    def on_iteration(self, details: IterationDetails) -> None:
+        self.iteration_tokens.observe(details.num_tokens)
+        self.iteration_prefill_tokens.observe(details.num_prefill_tokens)
+        for histogram, seconds in zip(self.iteration_phases, (
+                details.schedule_s, details.forward_s, details.sample_s, details.update_s),
+                strict=True):
+            histogram.observe(seconds)
 
     def on_updates(self, updates: Sequence[RequestUpdate]) -> None:
         # Most updates are one decode token of a running request: only a request's

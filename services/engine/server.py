@@ -45,6 +45,7 @@ from services.common.pooling import PoolingParams, PoolingTask, PoolingType
 from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.common.thread_names import name_native_thread
 from services.engine.core.engine_core import EngineCore
+from services.engine.core.iteration_details import IterationDetails
 from services.engine.core.session_router import engine_request_id, session_request_id
 from services.engine.executor.protocol import Executor
 from services.engine.messages import (
@@ -148,6 +149,21 @@ def snapshot_to_proto(snap: KvSnapshot, engine_index: int,
     )
 
 
+def details_to_proto(d: IterationDetails, engine_index: int,
+                     state: EngineState) -> pb.SessionResponse:
+    return pb.SessionResponse(
+        engine_index=engine_index,
+        engine_state=common_pb2.EngineState.ValueType(int(state)),
+        iteration_details=pb.IterationDetails(
+            step=d.step, started_at=d.started_at, num_requests=d.num_requests,
+            num_tokens=d.num_tokens, num_prefill_requests=d.num_prefill_requests,
+            num_prefill_tokens=d.num_prefill_tokens,
+            num_decode_requests=d.num_decode_requests, schedule_seconds=d.schedule_s,
+            forward_seconds=d.forward_s, sample_seconds=d.sample_s,
+            update_seconds=d.update_s, wave=d.wave, wave_step=d.wave_step),
+    )
+
+
 def response_to_proto(msg: SessionOutputs, engine_index: int) -> pb.SessionResponse:
     s = msg.stats
     return pb.SessionResponse(
@@ -241,6 +257,9 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
                     weight_version=self.core.weights.version,
                 )
                 continue
+            if isinstance(item, IterationDetails):
+                yield details_to_proto(item, self.core.config.engine_index, self.core.state)
+                continue
             if isinstance(item, KvSnapshot):
                 response = snapshot_to_proto(item, self.core.config.engine_index, self.core.state)
                 response.weight_version = self.core.weights.version
@@ -286,6 +305,8 @@ class EngineCoreServicer(engine_core_service_pb2_grpc.EngineCoreServiceServicer)
                                 msg.hello.frontend_id)
                     if msg.hello.kv_cache_events:
                         self.core.subscribe_kv_events(session.session_id)
+                    if msg.hello.iteration_details:
+                        self.core.sessions.subscribe_details(session.session_id)
         except grpc.RpcError:
             pass  # the client broke the stream; the handler's callback ends the Session
         except Exception:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from services.engine.core.iteration_details import IterationDetails
 from services.engine.core.observer import EngineObserver
 from services.engine.core.session_router import SessionRouter
 from services.engine.messages import EngineState, KvSnapshot, StepOutputs, UtilityReply
@@ -66,6 +67,11 @@ class OutputEmitter:
                           error_code=code, error_message=message)
             for r in requests
         ])
+
+    def emit_details(self, details: IterationDetails) -> None:
+        """A step's iteration details, after its outputs, to the Sessions that asked."""
+        with self._order:
+            self.sessions.route_details(details)
 
     def reply(self, reply: UtilityReply) -> None:
         with self._order:  # after the outputs emitted before it

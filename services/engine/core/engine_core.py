@@ -15,6 +15,7 @@ Collaborators, each in its own module:
     core/emitter.py          outputs, replies and state changes to the Sessions, in one order
     core/utilities.py        utility calls (reset_prefix_cache, get_stats, pause, ...)
     core/compiles.py         constrained requests waiting for their grammars; step masks
+    core/iteration_details.py  what each step did, recorded only when somebody asked
     executor/batch_queue.py  batches in flight while the loop schedules ahead (depth > 1)
     waves/stepper.py         lockstep waves of an expert-parallel group
 
@@ -42,6 +43,7 @@ from services.common.thread_names import name_native_thread
 from services.engine.config import EngineConfig
 from services.engine.core.compiles import GrammarCompiles
 from services.engine.core.emitter import OutputEmitter
+from services.engine.core.iteration_details import IterationRecorder, StepClock
 from services.engine.core.lifecycle import Lifecycle
 from services.engine.core.observer import EngineObserver
 from services.engine.core.session_router import SessionRouter
@@ -95,6 +97,9 @@ class EngineCore:
         self.input_queue: InputQueue = queue.SimpleQueue()
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
         self.sessions = SessionRouter()
+        self.details = IterationRecorder(config.iteration_details, self.sessions.details_asked)
+        # When each batch in flight began to schedule, by its step (details only).
+        self._clocks: dict[int, StepClock] = {}
         self.outputs = OutputEmitter(self.sessions, self.scheduler, self.kv_events,
                                      lambda: self.lifecycle.state)
         self.lifecycle = Lifecycle(self.name, executor, self.outputs, self.input_queue,
@@ -111,7 +116,7 @@ class EngineCore:
                            lambda: self.wave)
         self.utilities = Utilities(config, self.scheduler, executor, self.lifecycle,
                                    self.outputs, self._finish_all, lambda: self.wave,
-                                   self.weights, self.sleep)
+                                   self.weights, self.sleep, self.details)
         self._observer = EngineObserver()
         self._stats = SchedulerStats()
         self._loop_thread = threading.Thread(target=self._run_busy_loop, name="engine-loop",
@@ -160,14 +165,17 @@ class EngineCore:
         self._loop_thread.start()
 
     def join_waves(self, check_interval: int,
-                   announce: Callable[[int], None] | None = None) -> None:
+                   announce: Callable[[int], None] | None = None,
+                   prefill_interval: int = 1) -> None:
         """Step in lockstep waves with the other ranks of an expert-parallel group (call
         before start). `announce(wave)` asks the coordinator to start `wave` on the
-        other ranks; their starts come back through `start_wave`."""
+        other ranks; their starts come back through `start_wave`. New requests start
+        only every `prefill_interval` steps of a wave (on every rank alike)."""
         if self.config.max_concurrent_batches > 1:
             raise ValueError("an expert-parallel engine runs one batch at a time "
                              "(max_concurrent_batches must be 1)")
-        self._waves = WaveStepper(check_interval, announce, self.executor, self.name)
+        self._waves = WaveStepper(check_interval, announce, self.executor, self.name,
+                                  prefill_interval)
 
     def start_wave(self, wave: int) -> None:
         """Another rank started `wave` (relayed by the coordinator); stale ones are ignored."""
@@ -390,27 +398,42 @@ class EngineCore:
             return
         self._update(out, self.executor.execute(out))
 
-    def _schedule(self) -> SchedulerOutput | None:
+    def _schedule(self, admit: bool = True) -> SchedulerOutput | None:
         """The next batch, its grammar mask building; None when nothing fits, or nothing
-        may start (batches in flight are still collected)."""
+        may start (batches in flight are still collected). `admit` False: no waiting
+        request starts."""
         if not self._may_schedule():
             return None
-        out = self.scheduler.schedule()
+        timed = self.details.wanted
+        if timed:
+            started_at, start = time.time(), self.details.clock()
+        out = self.scheduler.schedule(admit)
         if out.is_empty:
             return None
         out = self.compiles.with_grammar_mask(out)
+        if timed:
+            self._clocks[out.step] = StepClock(started_at, self.details.clock() - start)
         self._observer.on_scheduled(out)
         return out
 
-    def _schedule_in_wave(self) -> SchedulerOutput | None:
+    def _schedule_in_wave(self, admit: bool) -> SchedulerOutput | None:
         # Paused "keep" freezes every request, but the rank still meets the wave.
-        return None if self.utilities.pause_mode is PauseMode.KEEP else self._schedule()
+        return None if self.utilities.pause_mode is PauseMode.KEEP else self._schedule(admit)
 
     def _update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
+        clock = self._clocks.pop(out.step, None) if self._clocks else None
+        start = self.details.clock() if clock is not None else 0.0
         # Aborts that arrived while the batch executed go out before its outputs.
         aborted = self._apply_aborts()
         updates = aborted + self.scheduler.update_from_output(out, result)
         self.outputs.emit(updates, self.kv_events.drain())
+        if clock is not None:
+            wave = self.wave
+            details = self.details.build(
+                out, result, clock, self.details.clock() - start,
+                (wave.wave, wave.steps) if wave is not None and wave.running else None)
+            self._observer.on_iteration(details)
+            self.outputs.emit_details(details)
 
     # ---- requests (on the loop thread) --------------------------------------------
 

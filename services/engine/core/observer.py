@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.engine.core.iteration_details import IterationDetails
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import SchedulerOutput
 
@@ -22,6 +23,9 @@ class EngineObserver:
 
     def on_updates(self, updates: Sequence[RequestUpdate]) -> None:
         """Outputs are going to the Sessions: new tokens, endings, rejections."""
+
+    def on_iteration(self, details: IterationDetails) -> None:
+        """A step's details (only while they are recorded: see iteration_details.py)."""
 
     def on_grammar_compiled(self, seconds: float, cached: bool) -> None:
         """A request's output constraint compiled in `seconds` (or came from the cache)."""

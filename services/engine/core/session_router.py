@@ -12,6 +12,9 @@ stopped, dead) are broadcast to every Session, with or without updates. A
 utility call's reply takes the same queue, so it follows the outputs of the
 steps before it, to the one Session that made the call.
 
+Iteration details (iteration_details.py) reach only the Sessions that asked in their
+hello, each step's after that step's outputs.
+
 Prefix-cache events (kv_events.py) reach only the Sessions that subscribed, in
 every step that made some, with or without updates for them. A Session
 subscribes when its `KvSnapshot` is routed: the loop routes the snapshot after
@@ -25,6 +28,7 @@ from __future__ import annotations
 import queue
 import threading
 
+from services.engine.core.iteration_details import IterationDetails
 from services.engine.messages import (
     KvSnapshot,
     SessionItem,
@@ -51,6 +55,7 @@ class SessionRouter:
         # one put by the loop and one get by the Session's thread, under the GIL both.
         self._queues: dict[str, queue.SimpleQueue[SessionItem]] = {}
         self._kv_subscribers: set[str] = set()
+        self._detail_subscribers: set[str] = set()
 
     def open(self, session_id: str) -> queue.SimpleQueue[SessionItem]:
         q: queue.SimpleQueue[SessionItem] = queue.SimpleQueue()
@@ -64,6 +69,7 @@ class SessionRouter:
         with self._lock:
             self._queues.pop(session_id, None)
             self._kv_subscribers.discard(session_id)
+            self._detail_subscribers.discard(session_id)
 
     def route(self, step: StepOutputs) -> None:
         with self._lock:
@@ -85,6 +91,23 @@ class SessionRouter:
                 return  # the Session closed meanwhile: nobody is listening
             self._kv_subscribers.add(snapshot.session_id)
         q.put(snapshot)
+
+    def subscribe_details(self, session_id: str) -> None:
+        """Send the Session every later step's iteration details."""
+        with self._lock:
+            if session_id in self._queues:
+                self._detail_subscribers.add(session_id)
+
+    def details_asked(self) -> bool:
+        """Whether an open Session asked for iteration details (read without the lock:
+        one step more or less of them does not matter)."""
+        return bool(self._detail_subscribers)
+
+    def route_details(self, details: IterationDetails) -> None:
+        with self._lock:
+            targets = [q for sid, q in self._queues.items() if sid in self._detail_subscribers]
+        for q in targets:
+            q.put(details)
 
     def reply(self, reply: UtilityReply) -> None:
         with self._lock:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.engine.config import EngineConfig
 from services.engine.core.emitter import OutputEmitter
+from services.engine.core.iteration_details import IterationRecorder
 from services.engine.core.sleep import Sleep
 from services.engine.core.weight_updates import WeightUpdates
 from services.engine.executor.protocol import Executor
@@ -53,7 +54,7 @@ class Utilities:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor,
                  lifecycle: Lifecycle, outputs: OutputEmitter, finish_all: FinishAll,
                  wave: Callable[[], WaveState | None], weights: WeightUpdates,
-                 sleep: Sleep) -> None:
+                 sleep: Sleep, details: IterationRecorder) -> None:
         self._config = config
         self._scheduler = scheduler
         self._executor = executor
@@ -63,6 +64,7 @@ class Utilities:
         self._wave = wave
         self._weights = weights
         self._sleep = sleep
+        self._details = details
         self.pause_mode: PauseMode | None = None
         # Replies of "wait" pauses, sent once no request runs (settle) or on resume.
         self._drain_waiters: list[tuple[Future[dict[str, Any]], bool]] = []
@@ -176,6 +178,8 @@ class Utilities:
             "step_counter": stats.step_counter,
             **({"wave": wave.wave, "wave_running": wave.running,
                 "dummy_steps": wave.num_dummy_steps} if wave is not None else {}),
+            **({"iteration_details": self._details.summary()}
+               if self._details.num_steps else {}),
         }
 
     def _pause(self, args: dict[str, Any]) -> Reply:

@@ -69,6 +69,8 @@ class SchedulerOutput:
     """Requests that ended since the last step; the runner drops any state it keeps."""
     grammar_mask: GrammarMask | None = None
     """Set by the engine core when any sampled request has an output constraint."""
+    step: int = 0
+    """The scheduler's step counter when it made this batch."""
 
     @property
     def num_tokens(self) -> int:
@@ -103,3 +105,8 @@ class RunnerOutput:
     p + 1, for each prompt position p of the chunk that has a next prompt token."""
     pooled: dict[str, tuple[bytes, tuple[int, ...]]] = field(default_factory=dict)
     """For pooling requests whose prompt ended this step: float32 values and shape."""
+    forward_s: float = 0.0
+    """Seconds the runner spent in the forward pass (on a GPU, until the sampler's
+    first read of the logits waits for it: part of it then counts as sampling)."""
+    sample_s: float = 0.0
+    """Seconds spent sampling (and computing logprobs) after the forward."""

@@ -186,7 +186,9 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
+        """The next step's batch. `admit` False starts no waiting request (no new
+        prefill): only running ones advance (a throttled expert-parallel rank)."""
         self.step_counter += 1
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -214,7 +216,8 @@ class Scheduler:
         computing: set[bytes] | None = None  # blocks running requests have yet to cache
         deferred: list[Request] = []
         while (
-            not preempted
+            admit
+            and not preempted
             and budget > 0
             and self.waiting
             and (self.admitting or self.waiting.peek().num_preemptions > 0)
@@ -240,7 +243,8 @@ class Scheduler:
         if not scheduled:
             return SchedulerOutput(requests=())
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
-        return SchedulerOutput(requests=scheduled, finished_request_ids=frozenset(finished))
+        return SchedulerOutput(requests=scheduled, finished_request_ids=frozenset(finished),
+                               step=self.step_counter)
 
     def _cached_prefix(self, req: Request) -> list[int]:
         return [] if _computes_every_token(req) else self.kv_cache.find_cached_prefix(req)

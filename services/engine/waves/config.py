@@ -28,6 +28,14 @@ class DataParallelConfig:
         "Steps between the ranks' all-reduce of whether any still has work (the end of a "
         "wave is noticed within this many steps).", default=DEFAULT_CHECK_INTERVAL
     )
+    prefill_schedule_interval: int = doc(
+        "Steps between the steps in which a rank of an expert-parallel group admits new "
+        "requests (starts prefills), counted from each wave's start, so that every rank "
+        "prefills in the same steps and no rank's long prefill holds the others at the "
+        "experts' collectives while they decode. 1: every step. Larger values make "
+        "steps between admissions shorter and even across ranks, at the cost of up to "
+        "N-1 steps of waiting before a new request's first token.", default=1
+    )
     data_parallel_timeout: float = doc(
         "Seconds a rank waits for the others to join the group or a collective; past it "
         "the engine dies and its requests end with UNAVAILABLE (a lost rank never hangs "
@@ -46,6 +54,9 @@ class DataParallelConfig:
         if self.wave_check_interval < 1:
             raise ValueError(
                 f"wave_check_interval must be >= 1, got {self.wave_check_interval}")
+        if not 1 <= self.prefill_schedule_interval <= 1024:
+            raise ValueError(f"prefill_schedule_interval must be in [1, 1024], got "
+                             f"{self.prefill_schedule_interval}")
         if not (0 < self.data_parallel_timeout < math.inf):
             raise ValueError(
                 f"data_parallel_timeout must be > 0, got {self.data_parallel_timeout}")

@@ -7,7 +7,9 @@ relays another rank's start. While its wave runs a rank steps every iteration,
 with a dummy batch when it has nothing of its own. Every `check_interval` steps the
 ranks all-reduce whether any still has unfinished requests; when none has, all of
 them end the wave at that same step, number the next one, and idle until work or a
-start message arrives.
+start message arrives. With a `prefill_interval` N > 1 the ranks admit new requests
+only in steps 0, N, 2N, ... of a wave, the same steps on every rank (the steps of a
+wave are the same on every rank: each is one round of the experts' collectives).
 
 Start messages race with endings: one for wave w can arrive after the ranks have
 finished w (say a rank started it locally and finished it before the relay came
@@ -26,6 +28,7 @@ DEFAULT_CHECK_INTERVAL = 32
 @dataclass
 class WaveState:
     check_interval: int = DEFAULT_CHECK_INTERVAL
+    prefill_interval: int = 1
     wave: int = 0
     """The running wave, or the next one while idle."""
     running: bool = False
@@ -37,6 +40,13 @@ class WaveState:
     def __post_init__(self) -> None:
         if self.check_interval < 1:
             raise ValueError(f"check_interval must be >= 1, got {self.check_interval}")
+        if self.prefill_interval < 1:
+            raise ValueError(f"prefill_interval must be >= 1, got {self.prefill_interval}")
+
+    @property
+    def admits(self) -> bool:
+        """Whether the step about to run may start new requests (prefills)."""
+        return self.steps % self.prefill_interval == 0
 
     def start(self, wave: int) -> bool:
         """Join `wave`; True when that starts this rank running (False when it already

@@ -21,9 +21,10 @@ logger = logging.getLogger(__name__)
 
 class WaveStepper:
     def __init__(self, check_interval: int, announce: Callable[[int], None] | None,
-                 executor: Executor, name: str) -> None:
-        """`announce(wave)` asks the coordinator to start `wave` on the other ranks."""
-        self.state = WaveState(check_interval)
+                 executor: Executor, name: str, prefill_interval: int = 1) -> None:
+        """`announce(wave)` asks the coordinator to start `wave` on the other ranks;
+        new requests start only every `prefill_interval` steps of a wave."""
+        self.state = WaveState(check_interval, prefill_interval)
         self._announce = announce
         self._executor = executor
         self._name = name
@@ -37,16 +38,16 @@ class WaveStepper:
         if self.state.start(wave):
             logger.debug("%s: joined wave %d", self._name, wave)
 
-    def step(self, schedule: Callable[[], SchedulerOutput | None],
+    def step(self, schedule: Callable[[bool], SchedulerOutput | None],
              update: Callable[[SchedulerOutput, RunnerOutput], None],
              has_work: Callable[[], bool]) -> None:
-        """One lockstep step: execute the batch from `schedule` and `update` with its
-        outputs, or execute a dummy batch when there is none, so that the MoE
-        collectives line up."""
+        """One lockstep step: execute the batch from `schedule(admit)` (`admit`: whether
+        new requests may start in this step) and `update` with its outputs, or execute
+        a dummy batch when there is none, so that the MoE collectives line up."""
         wave = self.state
         if not wave.running and wave.start_local() and self._announce is not None:
             self._announce(wave.wave)
-        out = schedule()
+        out = schedule(wave.admits)
         if out is None:
             self._executor.execute_dummy()
         else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -418,6 +419,7 @@ class ModelRunner:
         These cost ~0.2 ms of a ~4.5 ms single-stream step, on the caches the weights
         have just streamed through. None (nothing run) where it does not apply."""
         assert self._decode_greedy is not None
+        start = time.perf_counter()
         rows = greedy_decode_rows(requests, self.block_size, self.model_info.max_model_len)
         if rows is None:
             return None
@@ -425,37 +427,44 @@ class ModelRunner:
                                      rows.slot_mapping, rows.block_tables, rows.seq_lens)
         if tokens is None:
             return None
+        # The argmax is part of the one call: all of it counts as the forward.
         return RunnerOutput(sampled={r.request_id: t
-                                     for r, t in zip(requests, tokens, strict=True)})
+                                     for r, t in zip(requests, tokens, strict=True)},
+                            forward_s=time.perf_counter() - start)
 
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
+        start = time.perf_counter()
         batch = self._prepare(out.requests)
         if self._followers is not None:
             self._followers.forward(batch.arrays)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        forwarded = time.perf_counter()
         host = batch.host
-        result = RunnerOutput(prompt_logprobs=self._prompt_logprobs(hidden, host.prompt))
+        prompt_logprobs = self._prompt_logprobs(hidden, host.prompt)
         if not host.sampled:
-            return result
+            return RunnerOutput(prompt_logprobs=prompt_logprobs, forward_s=forwarded - start,
+                                sample_s=time.perf_counter() - forwarded)
         logits = self.logits_at(hidden, host.sample_rows)
         mask = self._token_mask(out.grammar_mask, host.sampled)
         token_tensor = self.sampler(logits, host.sampled, mask)
         tokens = token_tensor.tolist()
-        result.logprobs.update(self._sampled_logprobs(logits, token_tensor, host.sampled))
-        result.sampled.update(
-            (r.request_id, t) for r, t in zip(host.sampled, tokens, strict=True)
-        )
-        return result
+        return RunnerOutput(
+            sampled={r.request_id: t for r, t in zip(host.sampled, tokens, strict=True)},
+            logprobs=self._sampled_logprobs(logits, token_tensor, host.sampled),
+            prompt_logprobs=prompt_logprobs, forward_s=forwarded - start,
+            sample_s=time.perf_counter() - forwarded)
 
     def _execute_pooling(self, requests: Sequence[ScheduledRequest],
                          pooling: PoolingHead) -> RunnerOutput:
         """A pooling engine's step: the forward's hidden states go into each request's
         pool; requests whose prompt ended get their result."""
+        start = time.perf_counter()
         batch = self._prepare(requests)
         if self._followers is not None:
             self._followers.forward(batch.arrays)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
-        return RunnerOutput(pooled=pooling.pool(hidden, requests, batch.host.query_start_loc))
+        pooled = pooling.pool(hidden, requests, batch.host.query_start_loc)
+        return RunnerOutput(pooled=pooled, forward_s=time.perf_counter() - start)
 
     def _token_mask(self, grammar_mask: GrammarMask | None,
                     sampled: list[ScheduledRequest]) -> TokenMask | None:

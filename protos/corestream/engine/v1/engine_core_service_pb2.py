@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from corestream.common.v1 import common_pb2 as corestream_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.corestream/engine/v1/engine_core_service.proto\x12\x14\x63orestream.engine.v1\x1a!corestream/common/v1/common.proto\"\xe3\x01\n\x0eSessionRequest\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.corestream.engine.v1.HelloH\x00\x12/\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32 .corestream.engine.v1.AddRequestH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.corestream.engine.v1.AbortRequestsH\x00\x12\x34\n\x07utility\x18\x04 \x01(\x0b\x32!.corestream.engine.v1.UtilityCallH\x00\x42\x06\n\x04kind\"O\n\x05Hello\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x17\n\x0fkv_cache_events\x18\x03 \x01(\x08\"\xfb\x02\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.corestream.common.v1.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12I\n\rtrace_headers\x18\x07 \x03(\x0b\x32\x32.corestream.engine.v1.AddRequest.TraceHeadersEntry\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x34\n\x07pooling\x18\t \x01(\x0b\x32#.corestream.engine.v1.PoolingParams\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcd\x03\n\rPoolingParams\x12\x36\n\x04task\x18\x01 \x01(\x0e\x32(.corestream.engine.v1.PoolingParams.Task\x12\x45\n\x0cpooling_type\x18\x02 \x01(\x0e\x32/.corestream.engine.v1.PoolingParams.PoolingType\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nactivation\x18\x05 \x01(\x08H\x02\x88\x01\x01\"?\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x0e\n\nTASK_EMBED\x10\x01\x12\x11\n\rTASK_CLASSIFY\x10\x02\"\x85\x01\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x12\x14\n\x10POOLING_TYPE_CLS\x10\x03\x12\x14\n\x10POOLING_TYPE_ALL\x10\x04\x42\x0c\n\n_normalizeB\r\n\x0b_dimensionsB\r\n\x0b_activation\"$\n\rAbortRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"A\n\x0bUtilityCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x11\n\targs_json\x18\x03 \x01(\t\"\xd4\x03\n\x0fSessionResponse\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\x34\n\x07outputs\x18\x02 \x03(\x0b\x32#.corestream.engine.v1.RequestOutput\x12=\n\x0fscheduler_stats\x18\x03 \x01(\x0b\x32$.corestream.engine.v1.SchedulerStats\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12@\n\x0eutility_result\x18\x05 \x01(\x0b\x32#.corestream.engine.v1.UtilityResultH\x00\x88\x01\x01\x12\x37\n\x0c\x65ngine_state\x18\x06 \x01(\x0e\x32!.corestream.common.v1.EngineState\x12@\n\x11kv_cache_snapshot\x18\x07 \x01(\x0b\x32%.corestream.engine.v1.KvCacheSnapshot\x12;\n\x0fkv_cache_events\x18\x08 \x03(\x0b\x32\".corestream.engine.v1.KvCacheEvent\x12\x16\n\x0eweight_version\x18\t \x01(\tB\x11\n\x0f_utility_result\"W\n\x0fKvCacheSnapshot\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\"\xc6\x01\n\x0cKvCacheEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x33\n\x06stored\x18\x02 \x01(\x0b\x32!.corestream.engine.v1.BlockStoredH\x00\x12\x35\n\x07removed\x18\x03 \x01(\x0b\x32\".corestream.engine.v1.BlockRemovedH\x00\x12\x35\n\x07\x63leared\x18\x04 \x01(\x0b\x32\".corestream.engine.v1.CacheClearedH\x00\x42\x06\n\x04kind\"6\n\x0b\x42lockStored\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\"\"\n\x0c\x42lockRemoved\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\"\x0e\n\x0c\x43\x61\x63heCleared\"\xa6\x03\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".corestream.common.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x12\n\nerror_code\x18\x06 \x01(\x05\x12\x15\n\rerror_message\x18\x07 \x01(\t\x12<\n\x0cnew_logprobs\x18\x08 \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12?\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12\x16\n\x0eweight_version\x18\n \x01(\t\x12\x0e\n\x06pooled\x18\x0b \x01(\x0c\x12\x14\n\x0cpooled_shape\x18\x0c \x03(\rB\x10\n\x0e_stop_token_id\"\xa1\x01\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x14\n\x0cstep_counter\x18\x04 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\"N\n\rUtilityResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x13\n\x0bresult_json\x18\x02 \x01(\t\x12\x17\n\x0f\x66\x61ilure_message\x18\x03 \x01(\t\"\x16\n\x14GetEngineInfoRequest\"\xbd\x02\n\x15GetEngineInfoResponse\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x30\n\x05state\x18\t \x01(\x0e\x32!.corestream.common.v1.EngineState\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x16\n\x0eweight_version\x18\x0b \x01(\t\x12\x13\n\x0bsleep_level\x18\x0c \x01(\r\x12\r\n\x05tasks\x18\r \x03(\t2\xd9\x01\n\x11\x45ngineCoreService\x12Z\n\x07Session\x12$.corestream.engine.v1.SessionRequest\x1a%.corestream.engine.v1.SessionResponse(\x01\x30\x01\x12h\n\rGetEngineInfo\x12*.corestream.engine.v1.GetEngineInfoRequest\x1a+.corestream.engine.v1.GetEngineInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n.corestream/engine/v1/engine_core_service.proto\x12\x14\x63orestream.engine.v1\x1a!corestream/common/v1/common.proto\"\xe3\x01\n\x0eSessionRequest\x12,\n\x05hello\x18\x01 \x01(\x0b\x32\x1b.corestream.engine.v1.HelloH\x00\x12/\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32 .corestream.engine.v1.AddRequestH\x00\x12\x34\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32#.corestream.engine.v1.AbortRequestsH\x00\x12\x34\n\x07utility\x18\x04 \x01(\x0b\x32!.corestream.engine.v1.UtilityCallH\x00\x42\x06\n\x04kind\"j\n\x05Hello\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x17\n\x0fkv_cache_events\x18\x03 \x01(\x08\x12\x19\n\x11iteration_details\x18\x04 \x01(\x08\"\xfb\x02\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.corestream.common.v1.SamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12I\n\rtrace_headers\x18\x07 \x03(\x0b\x32\x32.corestream.engine.v1.AddRequest.TraceHeadersEntry\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x34\n\x07pooling\x18\t \x01(\x0b\x32#.corestream.engine.v1.PoolingParams\x1a\x33\n\x11TraceHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcd\x03\n\rPoolingParams\x12\x36\n\x04task\x18\x01 \x01(\x0e\x32(.corestream.engine.v1.PoolingParams.Task\x12\x45\n\x0cpooling_type\x18\x02 \x01(\x0e\x32/.corestream.engine.v1.PoolingParams.PoolingType\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x17\n\nactivation\x18\x05 \x01(\x08H\x02\x88\x01\x01\"?\n\x04Task\x12\x14\n\x10TASK_UNSPECIFIED\x10\x00\x12\x0e\n\nTASK_EMBED\x10\x01\x12\x11\n\rTASK_CLASSIFY\x10\x02\"\x85\x01\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x12\x14\n\x10POOLING_TYPE_CLS\x10\x03\x12\x14\n\x10POOLING_TYPE_ALL\x10\x04\x42\x0c\n\n_normalizeB\r\n\x0b_dimensionsB\r\n\x0b_activation\"$\n\rAbortRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"A\n\x0bUtilityCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x11\n\targs_json\x18\x03 \x01(\t\"\x97\x04\n\x0fSessionResponse\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\x34\n\x07outputs\x18\x02 \x03(\x0b\x32#.corestream.engine.v1.RequestOutput\x12=\n\x0fscheduler_stats\x18\x03 \x01(\x0b\x32$.corestream.engine.v1.SchedulerStats\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\x12@\n\x0eutility_result\x18\x05 \x01(\x0b\x32#.corestream.engine.v1.UtilityResultH\x00\x88\x01\x01\x12\x37\n\x0c\x65ngine_state\x18\x06 \x01(\x0e\x32!.corestream.common.v1.EngineState\x12@\n\x11kv_cache_snapshot\x18\x07 \x01(\x0b\x32%.corestream.engine.v1.KvCacheSnapshot\x12;\n\x0fkv_cache_events\x18\x08 \x03(\x0b\x32\".corestream.engine.v1.KvCacheEvent\x12\x16\n\x0eweight_version\x18\t \x01(\t\x12\x41\n\x11iteration_details\x18\n \x01(\x0b\x32&.corestream.engine.v1.IterationDetailsB\x11\n\x0f_utility_result\"\xda\x02\n\x10IterationDetails\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nstarted_at\x18\x02 \x01(\x01\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_prefill_requests\x18\x05 \x01(\r\x12\x1a\n\x12num_prefill_tokens\x18\x06 \x01(\r\x12\x1b\n\x13num_decode_requests\x18\x07 \x01(\r\x12\x18\n\x10schedule_seconds\x18\x08 \x01(\x01\x12\x17\n\x0f\x66orward_seconds\x18\t \x01(\x01\x12\x16\n\x0esample_seconds\x18\n \x01(\x01\x12\x16\n\x0eupdate_seconds\x18\x0b \x01(\x01\x12\x11\n\x04wave\x18\x0c \x01(\x04H\x00\x88\x01\x01\x12\x16\n\twave_step\x18\r \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05_waveB\x0c\n\n_wave_step\"W\n\x0fKvCacheSnapshot\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\"\xc6\x01\n\x0cKvCacheEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x33\n\x06stored\x18\x02 \x01(\x0b\x32!.corestream.engine.v1.BlockStoredH\x00\x12\x35\n\x07removed\x18\x03 \x01(\x0b\x32\".corestream.engine.v1.BlockRemovedH\x00\x12\x35\n\x07\x63leared\x18\x04 \x01(\x0b\x32\".corestream.engine.v1.CacheClearedH\x00\x42\x06\n\x04kind\"6\n\x0b\x42lockStored\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\"\"\n\x0c\x42lockRemoved\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\"\x0e\n\x0c\x43\x61\x63heCleared\"\xa6\x03\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x39\n\rfinish_reason\x18\x03 \x01(\x0e\x32\".corestream.common.v1.FinishReason\x12\x1a\n\rstop_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x12\n\nerror_code\x18\x06 \x01(\x05\x12\x15\n\rerror_message\x18\x07 \x01(\t\x12<\n\x0cnew_logprobs\x18\x08 \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12?\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32&.corestream.common.v1.PositionLogprobs\x12\x16\n\x0eweight_version\x18\n \x01(\t\x12\x0e\n\x06pooled\x18\x0b \x01(\x0c\x12\x14\n\x0cpooled_shape\x18\x0c \x03(\rB\x10\n\x0e_stop_token_id\"\xa1\x01\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x14\n\x0cstep_counter\x18\x04 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x05 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x06 \x01(\x04\"N\n\rUtilityResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x13\n\x0bresult_json\x18\x02 \x01(\t\x12\x17\n\x0f\x66\x61ilure_message\x18\x03 \x01(\t\"\x16\n\x14GetEngineInfoRequest\"\xbd\x02\n\x15GetEngineInfoResponse\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x30\n\x05state\x18\t \x01(\x0e\x32!.corestream.common.v1.EngineState\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\r\x12\x16\n\x0eweight_version\x18\x0b \x01(\t\x12\x13\n\x0bsleep_level\x18\x0c \x01(\r\x12\r\n\x05tasks\x18\r \x03(\t2\xd9\x01\n\x11\x45ngineCoreService\x12Z\n\x07Session\x12$.corestream.engine.v1.SessionRequest\x1a%.corestream.engine.v1.SessionResponse(\x01\x30\x01\x12h\n\rGetEngineInfo\x12*.corestream.engine.v1.GetEngineInfoRequest\x1a+.corestream.engine.v1.GetEngineInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,43 +37,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONREQUEST']._serialized_start=108
   _globals['_SESSIONREQUEST']._serialized_end=335
   _globals['_HELLO']._serialized_start=337
-  _globals['_HELLO']._serialized_end=416
-  _globals['_ADDREQUEST']._serialized_start=419
-  _globals['_ADDREQUEST']._serialized_end=798
-  _globals['_ADDREQUEST_TRACEHEADERSENTRY']._serialized_start=747
-  _globals['_ADDREQUEST_TRACEHEADERSENTRY']._serialized_end=798
-  _globals['_POOLINGPARAMS']._serialized_start=801
-  _globals['_POOLINGPARAMS']._serialized_end=1262
-  _globals['_POOLINGPARAMS_TASK']._serialized_start=1019
-  _globals['_POOLINGPARAMS_TASK']._serialized_end=1082
-  _globals['_POOLINGPARAMS_POOLINGTYPE']._serialized_start=1085
-  _globals['_POOLINGPARAMS_POOLINGTYPE']._serialized_end=1218
-  _globals['_ABORTREQUESTS']._serialized_start=1264
-  _globals['_ABORTREQUESTS']._serialized_end=1300
-  _globals['_UTILITYCALL']._serialized_start=1302
-  _globals['_UTILITYCALL']._serialized_end=1367
-  _globals['_SESSIONRESPONSE']._serialized_start=1370
-  _globals['_SESSIONRESPONSE']._serialized_end=1838
-  _globals['_KVCACHESNAPSHOT']._serialized_start=1840
-  _globals['_KVCACHESNAPSHOT']._serialized_end=1927
-  _globals['_KVCACHEEVENT']._serialized_start=1930
-  _globals['_KVCACHEEVENT']._serialized_end=2128
-  _globals['_BLOCKSTORED']._serialized_start=2130
-  _globals['_BLOCKSTORED']._serialized_end=2184
-  _globals['_BLOCKREMOVED']._serialized_start=2186
-  _globals['_BLOCKREMOVED']._serialized_end=2220
-  _globals['_CACHECLEARED']._serialized_start=2222
-  _globals['_CACHECLEARED']._serialized_end=2236
-  _globals['_REQUESTOUTPUT']._serialized_start=2239
-  _globals['_REQUESTOUTPUT']._serialized_end=2661
-  _globals['_SCHEDULERSTATS']._serialized_start=2664
-  _globals['_SCHEDULERSTATS']._serialized_end=2825
-  _globals['_UTILITYRESULT']._serialized_start=2827
-  _globals['_UTILITYRESULT']._serialized_end=2905
-  _globals['_GETENGINEINFOREQUEST']._serialized_start=2907
-  _globals['_GETENGINEINFOREQUEST']._serialized_end=2929
-  _globals['_GETENGINEINFORESPONSE']._serialized_start=2932
-  _globals['_GETENGINEINFORESPONSE']._serialized_end=3249
-  _globals['_ENGINECORESERVICE']._serialized_start=3252
-  _globals['_ENGINECORESERVICE']._serialized_end=3469
+  _globals['_HELLO']._serialized_end=443
+  _globals['_ADDREQUEST']._serialized_start=446
+  _globals['_ADDREQUEST']._serialized_end=825
+  _globals['_ADDREQUEST_TRACEHEADERSENTRY']._serialized_start=774
+  _globals['_ADDREQUEST_TRACEHEADERSENTRY']._serialized_end=825
+  _globals['_POOLINGPARAMS']._serialized_start=828
+  _globals['_POOLINGPARAMS']._serialized_end=1289
+  _globals['_POOLINGPARAMS_TASK']._serialized_start=1046
+  _globals['_POOLINGPARAMS_TASK']._serialized_end=1109
+  _globals['_POOLINGPARAMS_POOLINGTYPE']._serialized_start=1112
+  _globals['_POOLINGPARAMS_POOLINGTYPE']._serialized_end=1245
+  _globals['_ABORTREQUESTS']._serialized_start=1291
+  _globals['_ABORTREQUESTS']._serialized_end=1327
+  _globals['_UTILITYCALL']._serialized_start=1329
+  _globals['_UTILITYCALL']._serialized_end=1394
+  _globals['_SESSIONRESPONSE']._serialized_start=1397
+  _globals['_SESSIONRESPONSE']._serialized_end=1932
+  _globals['_ITERATIONDETAILS']._serialized_start=1935
+  _globals['_ITERATIONDETAILS']._serialized_end=2281
+  _globals['_KVCACHESNAPSHOT']._serialized_start=2283
+  _globals['_KVCACHESNAPSHOT']._serialized_end=2370
+  _globals['_KVCACHEEVENT']._serialized_start=2373
+  _globals['_KVCACHEEVENT']._serialized_end=2571
+  _globals['_BLOCKSTORED']._serialized_start=2573
+  _globals['_BLOCKSTORED']._serialized_end=2627
+  _globals['_BLOCKREMOVED']._serialized_start=2629
+  _globals['_BLOCKREMOVED']._serialized_end=2663
+  _globals['_CACHECLEARED']._serialized_start=2665
+  _globals['_CACHECLEARED']._serialized_end=2679
+  _globals['_REQUESTOUTPUT']._serialized_start=2682
+  _globals['_REQUESTOUTPUT']._serialized_end=3104
+  _globals['_SCHEDULERSTATS']._serialized_start=3107
+  _globals['_SCHEDULERSTATS']._serialized_end=3268
+  _globals['_UTILITYRESULT']._serialized_start=3270
+  _globals['_UTILITYRESULT']._serialized_end=3348
+  _globals['_GETENGINEINFOREQUEST']._serialized_start=3350
+  _globals['_GETENGINEINFOREQUEST']._serialized_end=3372
+  _globals['_GETENGINEINFORESPONSE']._serialized_start=3375
+  _globals['_GETENGINEINFORESPONSE']._serialized_end=3692
+  _globals['_ENGINECORESERVICE']._serialized_start=3695
+  _globals['_ENGINECORESERVICE']._serialized_end=3912
 # @@protoc_insertion_point(module_scope)

@@ -21,14 +21,16 @@ class SessionRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., utility: _Optional[_Union[UtilityCall, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("frontend_id", "protocol_version", "kv_cache_events")
+    __slots__ = ("frontend_id", "protocol_version", "kv_cache_events", "iteration_details")
     FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_DETAILS_FIELD_NUMBER: _ClassVar[int]
     frontend_id: str
     protocol_version: int
     kv_cache_events: bool
-    def __init__(self, frontend_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., kv_cache_events: _Optional[bool] = ...) -> None: ...
+    iteration_details: bool
+    def __init__(self, frontend_id: _Optional[str] = ..., protocol_version: _Optional[int] = ..., kv_cache_events: _Optional[bool] = ..., iteration_details: _Optional[bool] = ...) -> None: ...
 
 class AddRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "arrival_time", "priority", "cache_salt", "trace_headers", "eos_token_ids", "pooling")
@@ -110,7 +112,7 @@ class UtilityCall(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., method: _Optional[str] = ..., args_json: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_result", "engine_state", "kv_cache_snapshot", "kv_cache_events", "weight_version")
+    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_result", "engine_state", "kv_cache_snapshot", "kv_cache_events", "weight_version", "iteration_details")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_STATS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +122,7 @@ class SessionResponse(_message.Message):
     KV_CACHE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_DETAILS_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     scheduler_stats: SchedulerStats
@@ -129,7 +132,38 @@ class SessionResponse(_message.Message):
     kv_cache_snapshot: KvCacheSnapshot
     kv_cache_events: _containers.RepeatedCompositeFieldContainer[KvCacheEvent]
     weight_version: str
-    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_result: _Optional[_Union[UtilityResult, _Mapping]] = ..., engine_state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., kv_cache_snapshot: _Optional[_Union[KvCacheSnapshot, _Mapping]] = ..., kv_cache_events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    iteration_details: IterationDetails
+    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_result: _Optional[_Union[UtilityResult, _Mapping]] = ..., engine_state: _Optional[_Union[_common_pb2.EngineState, str]] = ..., kv_cache_snapshot: _Optional[_Union[KvCacheSnapshot, _Mapping]] = ..., kv_cache_events: _Optional[_Iterable[_Union[KvCacheEvent, _Mapping]]] = ..., weight_version: _Optional[str] = ..., iteration_details: _Optional[_Union[IterationDetails, _Mapping]] = ...) -> None: ...
+
+class IterationDetails(_message.Message):
+    __slots__ = ("step", "started_at", "num_requests", "num_tokens", "num_prefill_requests", "num_prefill_tokens", "num_decode_requests", "schedule_seconds", "forward_seconds", "sample_seconds", "update_seconds", "wave", "wave_step")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    WAVE_STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    started_at: float
+    num_requests: int
+    num_tokens: int
+    num_prefill_requests: int
+    num_prefill_tokens: int
+    num_decode_requests: int
+    schedule_seconds: float
+    forward_seconds: float
+    sample_seconds: float
+    update_seconds: float
+    wave: int
+    wave_step: int
+    def __init__(self, step: _Optional[int] = ..., started_at: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_prefill_requests: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_requests: _Optional[int] = ..., schedule_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., update_seconds: _Optional[float] = ..., wave: _Optional[int] = ..., wave_step: _Optional[int] = ...) -> None: ...
 
 class KvCacheSnapshot(_message.Message):
     __slots__ = ("epoch", "seq", "block_size", "block_hashes")

@@ -342,3 +342,14 @@ def test_pipelined_schedule_gives_the_same_tokens(depth: int) -> None:
 
     assert toks(got) == toks(expected)
     assert piped.kv_cache.num_free_blocks == 12
+
+
+def test_a_step_that_admits_nothing_runs_only_the_running_requests() -> None:
+    s = make_scheduler()
+    s.add_request(make_request("a", prompt_len=4))
+    step(s)
+    s.add_request(make_request("b", prompt_len=4))
+    out = s.schedule(admit=False)
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("a", 1)]
+    s.update_from_output(out, RunnerOutput(fake_execute(out)))
+    assert [r.request_id for r in s.schedule().requests] == ["a", "b"]

@@ -3,6 +3,7 @@ barrier on every forward pass and all-reduce, as expert-parallel ranks do."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -10,6 +11,8 @@ import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
+from services.engine.core.iteration_details import IterationDetails
+from services.engine.messages import SessionOutputs
 from services.engine.request import FinishReason
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from tests.unit.engine.fakes import FakeRunner, collect, request, tokens
@@ -84,5 +87,59 @@ def test_idle_rank_runs_dummies_until_the_wave_ends_then_both_idle() -> None:
         assert runners[0].dummy_steps > counts[0][1]
     finally:
         barrier.abort()  # release a rank stuck at the barrier when the test fails
+        for core in cores:
+            core.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_throttled_ranks_start_requests_only_in_the_same_aligned_steps() -> None:
+    """prefill_interval 4: requests that arrive mid-wave, at either rank, wait for the
+    wave's next step 0, 4, 8, ... and both ranks prefill in exactly those steps."""
+    barrier, votes = threading.Barrier(2), [False, False]
+    runners = [LockstepRunner(barrier, votes, r) for r in range(2)]
+    for runner in runners:
+        runner.delay_s = 0.02  # steps long enough for arrivals to land mid-wave
+    cores = [EngineCore(EngineConfig(engine_index=r), runners[r]) for r in range(2)]
+
+    def announce(wave: int) -> None:
+        for core in cores:
+            core.start_wave(wave)
+
+    queues = []
+    for r, core in enumerate(cores):
+        core.join_waves(check_interval=8, announce=announce, prefill_interval=4)
+        queues.append(core.sessions.open(f"s{r}"))
+        core.sessions.subscribe_details(f"s{r}")
+        core.start()
+    try:
+        cores[0].add_request(request("a", "s0", max_tokens=60))  # a 1.2 s wave
+        arrivals = {"b": 0, "c": 1, "d": 1, "e": 0}
+        details: list[list[IterationDetails]] = [[], []]
+        finished: set[str] = set()
+        while len(finished) < 1 + len(arrivals):
+            for r, q in enumerate(queues):
+                try:
+                    item = q.get(timeout=0.01)
+                except queue.Empty:
+                    continue
+                if isinstance(item, IterationDetails):
+                    details[r].append(item)
+                elif isinstance(item, SessionOutputs):
+                    finished |= {u.request_id for u in item.updates if u.finished}
+            # One arrival every few steps of rank 0, at either rank.
+            if arrivals and len(details[0]) >= 3 * (5 - len(arrivals)):
+                rid, rank = next(iter(arrivals.items()))
+                del arrivals[rid]
+                cores[rank].add_request(request(rid, f"s{rank}", max_tokens=6))
+        prefills = [(d.wave, d.wave_step) for rank in details for d in rank
+                    if d.num_prefill_requests]
+        assert len(prefills) >= 3, details
+        assert all(step % 4 == 0 for _, step in prefills), prefills
+        # Not only at a wave's start: some waited for a later aligned step.
+        assert any(step > 0 for _, step in prefills), prefills
+        assert {r for r, rank in enumerate(details) for d in rank
+                if d.num_prefill_requests} == {0, 1}
+    finally:
+        barrier.abort()
         for core in cores:
             core.shutdown()

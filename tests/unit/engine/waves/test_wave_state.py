@@ -86,3 +86,19 @@ def test_ranks_stay_in_lockstep_and_idle_after_the_last_request() -> None:
     assert ended == [11, 53]
     assert all(s.wave == 2 and not s.running for s in ranks)
     assert ranks[1].num_dummy_steps == 16 and ranks[0].num_dummy_steps == 16 - 13
+
+
+def test_prefills_are_admitted_every_interval_from_the_wave_start() -> None:
+    w = WaveState(check_interval=8, prefill_interval=3)
+    w.start(0)
+    admits = []
+    for _ in range(7):
+        admits.append(w.admits)
+        w.stepped(dummy=False)
+    assert admits == [True, False, False, True, False, False, True]
+    w.stepped(dummy=False)
+    w.agreed(False)
+    w.start(1)  # a new wave counts from its own start
+    assert w.admits
+    with pytest.raises(ValueError, match="prefill_interval"):
+        WaveState(prefill_interval=0)
