@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
 from tests.integration.cluster import Cluster
+from tests.unit.engine.fakes import SessionClient
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -40,7 +42,8 @@ def reference(moe_checkpoint: Path) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def cluster(moe_checkpoint: Path) -> Iterator[Cluster]:
     c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval", "4",
-                 "--data-parallel-timeout", "15", "--kv-cache-memory", "16MiB"],
+                 "--data-parallel-timeout", "15", "--kv-cache-memory", "16MiB",
+                 "--prefill-schedule-interval", "4", "--iteration-details"],
                 env={"OMP_NUM_THREADS": "1"})
     yield c
     c.stop()
@@ -109,6 +112,56 @@ def test_two_ranks_equal_one_process_and_idle_ranks_run_dummy_steps(
             break
         assert time.monotonic() < deadline, engines
         time.sleep(0.2)
+
+
+def test_throttled_ranks_prefill_in_the_same_wave_steps(cluster: Cluster) -> None:
+    """--prefill-schedule-interval 4: 16 streams on each rank arriving in bursts; every
+    step of either rank that prefilled is step 0, 4, 8, ... of its wave, as the
+    iteration details (a Session on each engine that asked for them) say."""
+    sessions = [SessionClient(grpc.insecure_channel(address), iteration_details=True)
+                for address in cluster.engine_addresses]
+    details: list[list[Any]] = [[], []]
+
+    def read(session: SessionClient) -> None:
+        for msg in session.responses:
+            if msg.HasField("iteration_details"):
+                details[msg.engine_index].append(msg.iteration_details)
+
+    readers = [threading.Thread(target=read, args=(s,), daemon=True) for s in sessions]
+    for reader in readers:
+        reader.start()
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        # A long request keeps the wave running, so that the bursts land mid-wave.
+        calls = [stub.Generate.future(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=PROMPTS["a"]), data_parallel_rank=0,
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=150,
+                                               ignore_eos=True)), timeout=120)]
+        for burst in range(4):
+            calls += [stub.Generate.future(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[burst + 1, i + 5, 9]), data_parallel_rank=i % 2,
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True)), timeout=120)
+                for i in range(8)]
+            time.sleep(0.15)  # the next burst lands mid-wave
+        for call in calls[1:]:
+            assert len(call.result().completions[0].token_ids) == MAX_TOKENS
+        calls[0].result()
+    idle = wait_idle(cluster.address)
+    for session in sessions:
+        session.close()
+    for reader in readers:
+        reader.join(30)
+    prefills = [(rank, d.wave, d.wave_step) for rank in (0, 1) for d in details[rank]
+                if d.num_prefill_requests]
+    assert {rank for rank, _, _ in prefills} == {0, 1}, prefills
+    assert all(step % 4 == 0 for _, _, step in prefills), prefills
+    assert any(step > 0 for _, _, step in prefills), prefills
+    assert all(d.forward_seconds > 0 for rank in details for d in rank)
+    # --iteration-details: each engine's stats carry its latest steps.
+    for rank in (0, 1):
+        summary = idle[rank]["iteration_details"]
+        assert summary["steps"] >= len(details[rank]) and summary["recent"]
 
 
 def test_a_rank_dying_mid_wave_ends_the_others_streams(cluster: Cluster) -> None:

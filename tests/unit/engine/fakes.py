@@ -189,11 +189,13 @@ def varied_requests(vocab: int, **sampling: object) -> list[Request]:
 class SessionClient:
     """A Session whose requests are fed from a queue, so the test controls the timing."""
 
-    def __init__(self, channel: grpc.Channel, kv_cache_events: bool = False) -> None:
+    def __init__(self, channel: grpc.Channel, kv_cache_events: bool = False,
+                 iteration_details: bool = False) -> None:
         self._requests: queue.Queue[pb.SessionRequest | None] = queue.Queue()
         stub = engine_core_service_pb2_grpc.EngineCoreServiceStub(channel)
         self.send(pb.SessionRequest(hello=pb.Hello(frontend_id="test", protocol_version=1,
-                                                   kv_cache_events=kv_cache_events)))
+                                                   kv_cache_events=kv_cache_events,
+                                                   iteration_details=iteration_details)))
         self.responses = stub.Session(iter(self._requests.get, None))
         # The engine opens every Session with its state alone.
         hello = next(self.responses)
