@@ -64,6 +64,17 @@ class EngineConfig:
         "the latest steps in the stats (`corestream admin stats`). Off, they cost nothing; "
         "a Session can still ask for them in its hello.", default=False
     )
+    max_step_faults: int = doc(
+        "Steps that may fail in a row (an exception in the forward, or a collective of "
+        "the expert-parallel group whose peer died or froze) before the engine dies. Each "
+        "failure pauses the engine (PAUSED_FAULT) with its weights, KV cache and requests, "
+        "re-forms its group, and reruns the step; 0 dies at the first.", default=3
+    )
+    engine_recovery_timeout_s: float = doc(
+        "Seconds a paused engine keeps trying to re-form its group (a peer must come "
+        "back, or be replaced) before it gives up and dies, its requests ending with "
+        "UNAVAILABLE.", default=120.0
+    )
     log_level: str = doc("Log level: debug, info, warning, error.", default="info")
     shutdown_timeout: float = doc(
         "Seconds that in-flight requests get to finish after SIGTERM before they are aborted "
@@ -110,6 +121,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not low <= value <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+        if not 0 <= self.max_step_faults <= 1000:
+            raise ValueError(f"max_step_faults must be in [0, 1000], got {self.max_step_faults}")
+        if not (0 < self.engine_recovery_timeout_s < math.inf):
+            raise ValueError("engine_recovery_timeout_s must be a finite number > 0, "
+                             f"got {self.engine_recovery_timeout_s}")
         for name in ("shutdown_timeout", "watchdog_timeout"):
             value = getattr(self, name)
             if not (0 <= value < math.inf):

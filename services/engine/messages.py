@@ -54,6 +54,7 @@ class EngineState(enum.IntEnum):
     DRAINING = 3
     STOPPED = 4
     DEAD = 5
+    PAUSED_FAULT = 6
 
 
 @dataclass(frozen=True, slots=True)

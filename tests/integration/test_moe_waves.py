@@ -206,3 +206,49 @@ def test_expert_parallel_engines_of_two_tensor_parallel_ranks_each(
             assert got == reference
     finally:
         c.stop()
+
+
+def test_a_rank_whose_step_fails_pauses_with_its_peer_and_both_resume(
+        moe_checkpoint: Path) -> None:
+    """Rank 1's forward raises once mid-wave (the fault injection); rank 0 waits for it
+    at the experts' collective until the group's timeout (5 s) and fails too. Neither
+    dies: both pause (PAUSED_FAULT), re-form the group under epoch 1 and resume, and
+    every stream of both ranks ends with the tokens of the whole model in one process.
+    The engine processes are the same ones (nothing restarted or reloaded)."""
+    prompts = {f"p{i}": [3 + i, 40 + 2 * i, 7, 90 - i] for i in range(16)}
+    from tests.unit.engine.runner_driver import generate as run_model
+    from tests.unit.engine.runner_driver import make_runner
+
+    tokens = 40  # so that every request is in before the fault
+    reference = run_model(make_runner(moe_checkpoint, max_model_len=256), prompts, tokens)
+    c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval", "4",
+                 "--data-parallel-timeout", "5", "--kv-cache-memory", "16MiB"],
+                env={"OMP_NUM_THREADS": "1",
+                     "CORESTREAM_FAULT_INJECT": "raise_once_after_steps:20@1"})
+    try:
+        pids = [c.engine_pid(r) for r in (0, 1)]
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            calls = {rid: stub.Generate.future(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=ids), data_parallel_rank=i % 2,
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                   ignore_eos=True)), timeout=120)
+                for i, (rid, ids) in enumerate(prompts.items())}
+            got = {rid: list(call.result().completions[0].token_ids)
+                   for rid, call in calls.items()}
+        assert got == reference
+        after = stats(c.address)
+        for rank in (0, 1):
+            fault = after[rank]["fault"]
+            assert fault["faults"] == 1 and fault["epoch"] == 1, fault
+            assert after[rank]["state"] == "RUNNING"
+        assert "injected fault" in after[1]["fault"]["last_fault"]["reason"]
+        assert [c.engine_pid(r) for r in (0, 1)] == pids
+        print(*[line for line in c.output().splitlines() if "recovered under epoch" in line],
+              sep="\n")
+        # The re-formed group serves on.
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            assert generate(stub, prompts["p1"], rank=1, max_tokens=tokens) == reference["p1"]
+    finally:
+        c.stop()

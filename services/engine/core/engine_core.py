@@ -12,6 +12,7 @@ Nothing in the busy loop waits on the network.
 Collaborators, each in its own module:
     executor/protocol.py     Executor, the seam the loop drives (the model, at any TP size)
     core/lifecycle.py        states, watchdog, drain, stop and death
+    core/sentinel.py         a failed step pauses the engine, which recovers or dies
     core/emitter.py          outputs, replies and state changes to the Sessions, in one order
     core/utilities.py        utility calls (reset_prefix_cache, get_stats, pause, ...)
     core/compiles.py         constrained requests waiting for their grammars; step masks
@@ -46,6 +47,7 @@ from services.engine.core.emitter import OutputEmitter
 from services.engine.core.iteration_details import IterationRecorder, StepClock
 from services.engine.core.lifecycle import Lifecycle
 from services.engine.core.observer import EngineObserver
+from services.engine.core.sentinel import Sentinel
 from services.engine.core.session_router import SessionRouter
 from services.engine.core.sleep import Sleep
 from services.engine.core.utilities import PauseMode, Utilities
@@ -114,9 +116,14 @@ class EngineCore:
                            config.weight_version,
                            lambda fn: self.input_queue.put((InputType.CALL, fn)),
                            lambda: self.wave)
+        self.sentinel = Sentinel(self.name, config.max_step_faults,
+                                 config.engine_recovery_timeout_s, self.lifecycle,
+                                 self.scheduler, self.outputs, executor,
+                                 lambda fn: self.input_queue.put((InputType.CALL, fn)),
+                                 lambda: self.wave)
         self.utilities = Utilities(config, self.scheduler, executor, self.lifecycle,
                                    self.outputs, self._finish_all, lambda: self.wave,
-                                   self.weights, self.sleep, self.details)
+                                   self.weights, self.sleep, self.details, self.sentinel)
         self._observer = EngineObserver()
         self._stats = SchedulerStats()
         self._loop_thread = threading.Thread(target=self._run_busy_loop, name="engine-loop",
@@ -125,6 +132,9 @@ class EngineCore:
         self._batch_queue = (BatchQueue(executor, config.max_concurrent_batches, self.wakeup)
                              if config.max_concurrent_batches > 1 else None)
         self._awaiting_batch = False
+        # The batch being executed (not with the batch queue): what a failed step takes
+        # back (see sentinel.py).
+        self._executing: SchedulerOutput | None = None
 
     # ---- called from other threads ---------------------------------------------
 
@@ -195,7 +205,8 @@ class EngineCore:
 
     def call_utility(self, call: UtilityCall) -> None:
         """Run a utility on the loop thread; the reply reaches call.session_id."""
-        if self.state not in (EngineState.RUNNING, EngineState.DRAINING):
+        if self.state not in (EngineState.RUNNING, EngineState.DRAINING,
+                              EngineState.PAUSED_FAULT):
             # No loop will take it off the queue: answer now.
             message = self.lifecycle.not_running_message()
             self.outputs.reply(utility_reply(
@@ -236,13 +247,14 @@ class EngineCore:
     def _run_busy_loop(self) -> None:
         name_native_thread()
         try:
-            while self.state in (EngineState.RUNNING, EngineState.DRAINING):
+            while self.state in (EngineState.RUNNING, EngineState.DRAINING,
+                                 EngineState.PAUSED_FAULT):
                 self.lifecycle.feed_watchdog()
                 self._process_input_queue()
                 if self.weights.commit_pending and not self._batch_queue:
                     self.weights.run_commit()  # between steps, no batch in flight
                 if self._can_step():
-                    self.step()
+                    self._guarded_step()
                 if self.utilities.awaits_drain:
                     self.utilities.settle(batches_in_flight=bool(self._batch_queue))
                 self.outputs.flush_kv_events()
@@ -257,9 +269,10 @@ class EngineCore:
             self._stop()
 
     def _process_input_queue(self) -> None:
-        # Waiting for grammars to compile is idle too, also while draining.
-        idle = ((self.state is EngineState.RUNNING or bool(self.compiles))
-                and not self._can_step())
+        # Waiting for grammars to compile is idle too, also while draining; so is a
+        # pause for a fault (recovery posts its outcome on the queue).
+        idle = ((self.state in (EngineState.RUNNING, EngineState.PAUSED_FAULT)
+                 or bool(self.compiles)) and not self._can_step())
         if idle:
             self.lifecycle.pause_watchdog()
         # Waiting on an executing batch is not idle: the watchdog keeps watching.
@@ -284,6 +297,8 @@ class EngineCore:
             self.compiles.expire()
 
     def _can_step(self) -> bool:
+        if self.sentinel.halted:
+            return False  # (a batch queue is never paused: its faults are fatal)
         if self._waves is not None and self._waves.running:
             return True  # every rank steps while the wave runs, with or without work
         if self._batch_queue:
@@ -328,6 +343,9 @@ class EngineCore:
             # A drain lets in-flight requests finish; a pause must not hold them back.
             self.utilities.resume()
             self.lifecycle.begin_drain(payload)
+        elif kind is InputType.SHUTDOWN and self.state is EngineState.PAUSED_FAULT:
+            # Nothing can finish before the group re-forms: stop now.
+            self.lifecycle.begin_drain(0.0)
 
     def _add(self, request: Request) -> None:
         if self.state is not EngineState.RUNNING:
@@ -382,6 +400,20 @@ class EngineCore:
 
     # ---- the step: schedule, execute, update -------------------------------------
 
+    def _guarded_step(self) -> None:
+        """A step whose failure goes to the sentinel (it pauses, takes the step back and
+        recovers) rather than killing the engine; with a batch queue, or when the
+        sentinel gives up, the failure is fatal as before."""
+        try:
+            self.step()
+        except Exception as exc:
+            failed, self._executing = self._executing, None
+            self._clocks.clear()
+            if self._batch_queue is not None or not self.sentinel.on_step_fault(exc, failed):
+                raise
+            return
+        self.sentinel.stepped()
+
     def step(self) -> None:
         """Schedule, execute, update. The batch queue executes on its own thread while
         the loop schedules ahead; in a wave, a rank with nothing scheduled still
@@ -413,6 +445,8 @@ class EngineCore:
         out = self.compiles.with_grammar_mask(out)
         if timed:
             self._clocks[out.step] = StepClock(started_at, self.details.clock() - start)
+        if self._batch_queue is None:
+            self._executing = out
         self._observer.on_scheduled(out)
         return out
 
@@ -421,6 +455,7 @@ class EngineCore:
         return None if self.utilities.pause_mode is PauseMode.KEEP else self._schedule(admit)
 
     def _update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
+        self._executing = None
         clock = self._clocks.pop(out.step, None) if self._clocks else None
         start = self.details.clock() if clock is not None else 0.0
         # Aborts that arrived while the batch executed go out before its outputs.

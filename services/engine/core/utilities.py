@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from services.engine.config import EngineConfig
 from services.engine.core.emitter import OutputEmitter
 from services.engine.core.iteration_details import IterationRecorder
+from services.engine.core.sentinel import Sentinel
 from services.engine.core.sleep import Sleep
 from services.engine.core.weight_updates import WeightUpdates
 from services.engine.executor.protocol import Executor
@@ -54,7 +55,7 @@ class Utilities:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, executor: Executor,
                  lifecycle: Lifecycle, outputs: OutputEmitter, finish_all: FinishAll,
                  wave: Callable[[], WaveState | None], weights: WeightUpdates,
-                 sleep: Sleep, details: IterationRecorder) -> None:
+                 sleep: Sleep, details: IterationRecorder, sentinel: Sentinel) -> None:
         self._config = config
         self._scheduler = scheduler
         self._executor = executor
@@ -65,6 +66,7 @@ class Utilities:
         self._weights = weights
         self._sleep = sleep
         self._details = details
+        self._sentinel = sentinel
         self.pause_mode: PauseMode | None = None
         # Replies of "wait" pauses, sent once no request runs (settle) or on resume.
         self._drain_waiters: list[tuple[Future[dict[str, Any]], bool]] = []
@@ -85,6 +87,9 @@ class Utilities:
             "sleep": sleep.sleep,
             "wake_up": sleep.wake_up,
             "sleep_info": sleep.info,
+            "fault_status": sentinel.status,
+            "fault_recover": sentinel.recover,
+            "fault_abort": sentinel.abort,
         }
 
     def run(self, call: UtilityCall) -> None:
@@ -180,6 +185,7 @@ class Utilities:
                 "dummy_steps": wave.num_dummy_steps} if wave is not None else {}),
             **({"iteration_details": self._details.summary()}
                if self._details.num_steps else {}),
+            **({"fault": self._sentinel.status(args)} if self._sentinel.faults else {}),
         }
 
     def _pause(self, args: dict[str, Any]) -> Reply:

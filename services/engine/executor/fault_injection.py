@@ -5,7 +5,10 @@ the forward pass, a device call that never returns) inside real processes starte
 by `corestream serve`. The environment variable `CORESTREAM_FAULT_INJECT`, read
 once at engine start, arms one fault:
 
-    raise_after_steps:N[@I]   the execute after N successful ones raises
+    raise_after_steps:N[@I]   the execute after N successful ones raises (and every
+                              later one: a fault that does not go away)
+    raise_once_after_steps:N[@I]  the execute after N successful ones raises, once (a
+                              transient fault: the engine's sentinel recovers from it)
     hang_after_steps:N[@I]    the execute after N successful ones never returns
     worker_raise_after_steps:N[@I]  with --tensor-parallel-size > 1: the last worker
                               raises in the forward after N (its own process fails)
@@ -29,7 +32,7 @@ from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "CORESTREAM_FAULT_INJECT"
-KINDS = ("raise_after_steps", "hang_after_steps", "crash_at_start",
+KINDS = ("raise_after_steps", "raise_once_after_steps", "hang_after_steps", "crash_at_start",
          "worker_raise_after_steps", "worker_hang_after_steps")
 WORKER_KINDS = ("worker_raise_after_steps", "worker_hang_after_steps")
 
@@ -67,6 +70,7 @@ class FaultInjectingRunner:
         self._runner = runner
         self._spec = spec
         self._steps = 0
+        self._raised = False
 
     def __getattr__(self, name: str) -> object:
         # Everything but execute goes to the runner, and what it lacks (an optional
@@ -77,6 +81,12 @@ class FaultInjectingRunner:
         if self._steps >= self._spec.after_steps:
             if self._spec.kind == "raise_after_steps":
                 raise InjectedFault(f"injected fault after {self._steps} steps")
+            if self._spec.kind == "raise_once_after_steps":
+                if not self._raised:
+                    self._raised = True
+                    raise InjectedFault(f"injected fault after {self._steps} steps (once)")
+                self._steps += 1
+                return self._runner.execute(out)
             logger.warning("injected hang after %d steps", self._steps)
             threading.Event().wait()  # never set: a device call that never returns
         self._steps += 1

@@ -72,6 +72,13 @@ class Executor(Protocol):
         """All-reduce over the expert-parallel group: does any rank have work?"""
         ...
 
+    def reform_group(self, state: list[int]) -> tuple[int, list[list[int]]]:
+        """After a failed step, re-form the expert-parallel group under a new epoch
+        (every live rank calls this; it returns once all have) and gather every rank's
+        `state` ints: (epoch, states in rank order). Optional: an executor without it
+        has no group, and its engine retries the step as it is."""
+        ...
+
     def start_profile(self, folder: Path, name: str) -> dict[str, Any]:
         """Start the profiler; the reply of the `profile` utility call. Optional: an
         executor without it answers that call with an error."""

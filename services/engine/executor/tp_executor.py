@@ -60,6 +60,7 @@ from services.engine.executor.tp_worker import (
     WorkerSpec,
     run_worker,
 )
+from services.engine.parallel.dp_group import current_dp_group
 from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.weights.sources import SourceSpec, spec_to_json
@@ -221,6 +222,14 @@ class TensorParallelExecutor:
 
     def any_rank_has_work(self, has_work: bool) -> bool:
         return self._runner.any_rank_has_work(has_work)
+
+    def reform_group(self, state: list[int]) -> tuple[int, list[list[int]]]:
+        if current_dp_group() is not None:
+            # NOTE: every TP rank is in the DP group of its own TP rank; each would have
+            # to re-form it, through a call to the workers: not built yet.
+            raise RuntimeError("re-forming an expert-parallel group of tensor-parallel "
+                               "engines is not supported yet")
+        return self._runner.reform_group(state)
 
     def start_profile(self, folder: Path, name: str) -> dict[str, Any]:
         return self._runner.start_profile(folder, name)

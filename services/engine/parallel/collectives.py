@@ -9,7 +9,9 @@ process can be in a DP group and a TP group at once, each on its own store and p
 
 Every rank must call the collectives of a group in the same order with tensors of the
 same shape; the group's timeout bounds each of them, so a rank that stops joining fails
-its peers instead of hanging them.
+its peers instead of hanging them. After such a failure the ranks `reform` the group: a
+fresh gloo group under the next *epoch* (its keys prefixed in the same store), which the
+first rank to ask moves on and the others join.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ class Collectives:
         self.rank = rank
         self.world_size = world_size
         self._store = store
+        self._timeout = timeout
         self._gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         self._nccl = nccl
+        self.epoch = 0
+        """How often the group was re-formed (`reform`)."""
 
     @property
     def transport(self) -> str:
@@ -59,6 +64,24 @@ class Collectives:
         self._gloo.barrier().wait()
         del self._gloo
         del self._store
+
+    def reform(self) -> int:
+        """Replace the group's connections by fresh ones under the next epoch; returns
+        it. Every live rank must call this (the call returns once all have, or raises
+        after the group's timeout). The old group is dropped without a barrier: a peer
+        may be gone. The epoch is agreed in the store: the first rank to ask moves it
+        on from the one this rank knows, a later one finds it moved and joins it."""
+        if self._nccl is not None:
+            raise RuntimeError("re-forming a group whose tensors travel over NCCL is not "
+                               "supported yet")
+        known = str(self.epoch).encode()
+        epoch = int(self._store.compare_set(EPOCH_KEY, known, str(self.epoch + 1).encode()))
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"epoch-{epoch}", self._store),
+                                           self.rank, self.world_size, self._timeout)
+        self.epoch = epoch
+        logger.info("%s re-formed as rank %d of %d under epoch %d", type(self).__name__,
+                    self.rank, self.world_size, epoch)
+        return epoch
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """`[world_size, *tensor.shape]`: every rank's `tensor`, in rank order.
@@ -105,6 +128,8 @@ class Collectives:
 
 
 GroupT = TypeVar("GroupT", bound=Collectives)
+EPOCH_KEY = "corestream/epoch"
+"""The store's key holding the group's current epoch (see `Collectives.reform`)."""
 
 
 def connect(
@@ -128,6 +153,9 @@ def connect(
     store = dist.TCPStore(
         master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout
     )
+    if rank == 0:
+        # Epoch 0, before the group exists: no rank can ask to re-form before then.
+        store.compare_set(EPOCH_KEY, b"", b"0")
     nccl = None
     if device is not None and device.type == "cuda":
         nccl = _try_nccl(store, rank, world_size, device, cls.__name__)

@@ -318,6 +318,17 @@ class Scheduler:
             pooling=req.pooling,
         )
 
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """Take back a step that failed before its update: its tokens go back to being
+        uncomputed, to be scheduled again (its requests keep their blocks), and the
+        requests that ended before it are reported again with the next step."""
+        for sr in out.requests:
+            req = self.requests.get(sr.request_id)
+            if (req is not None and req.status is RequestStatus.RUNNING
+                    and req.num_preemptions == sr.attempt):
+                req.num_inflight_tokens -= len(sr.token_ids)
+        self._finished_since_last_step |= out.finished_request_ids
+
     def update_from_output(
         self, out: SchedulerOutput, result: RunnerOutput
     ) -> list[RequestUpdate]:

@@ -295,6 +295,17 @@ class ModelRunner:
             return has_work
         return bool(group.all_reduce(torch.tensor([int(has_work)], dtype=torch.int64)).item())
 
+    def reform_group(self, state: list[int]) -> tuple[int, list[list[int]]]:
+        """Re-form the DP group after a failed step (every live rank calls this) and
+        gather each rank's `state`: (the new epoch, every rank's state in rank order).
+        Without a group: (0, [state])."""
+        group = current_dp_group()
+        if group is None:
+            return 0, [state]
+        epoch = group.reform()
+        gathered = group.all_gather(torch.tensor(state, dtype=torch.int64))
+        return epoch, gathered.tolist()
+
     def start_profile(self, folder: Path, name: str) -> dict[str, Any]:
         """Start the torch profiler (the profile utility call)."""
         if self._profiler is None or not self._profiler.running:

@@ -328,8 +328,8 @@ class Balancer:
             r for a, c in self._clients.items() if (r := self._rank(a, c)) is not None)
         if rank in self._seen_ranks:
             raise unavailable(
-                f"data_parallel_rank {rank}: that engine is down or draining; retry later, "
-                "or leave data_parallel_rank unset to use any engine")
+                f"data_parallel_rank {rank}: that engine is down, draining or paused by a "
+                "fault; retry later, or leave data_parallel_rank unset to use any engine")
         known = sorted(self._seen_ranks)
         raise invalid_argument(
             "data_parallel_rank",

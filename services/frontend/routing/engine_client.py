@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
 
 _ENDED_STATES = (common_pb2.ENGINE_STATE_STOPPED, common_pb2.ENGINE_STATE_DEAD)
-_NOT_ACCEPTING_STATES = (common_pb2.ENGINE_STATE_DRAINING, *_ENDED_STATES)
+_NOT_ACCEPTING_STATES = (common_pb2.ENGINE_STATE_DRAINING, common_pb2.ENGINE_STATE_PAUSED_FAULT,
+                         *_ENDED_STATES)
 
 
 @dataclass(frozen=True)

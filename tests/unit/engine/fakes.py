@@ -60,6 +60,69 @@ class FakeRunner:
         return ""
 
 
+class LockstepRunner(FakeRunner):
+    """A FakeRunner whose every forward (real or dummy) and every all-reduce waits for
+    all ranks, so a rank that stepped alone would hang the test (the barrier times out
+    after `timeout_s`, which fails that rank's step). `reform_group` re-forms the ranks:
+    all meet, and the barrier is mended."""
+
+    def __init__(self, barrier: threading.Barrier, votes: list[bool], rank: int,
+                 timeout_s: float = 10.0) -> None:
+        super().__init__()
+        self.barrier, self.votes, self.rank = barrier, votes, rank
+        self.timeout_s = timeout_s
+        self.dummy_steps = 0
+        self.fail_once_at: int | None = None
+        """Raise in the execute call after this many real steps, once."""
+        self.reformed: list[int] = []
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self.fail_once_at is not None and self.steps == self.fail_once_at:
+            self.fail_once_at = None
+            raise RuntimeError(f"rank {self.rank}: injected fault")
+        self.barrier.wait(self.timeout_s)
+        return super().execute(out)
+
+    def execute_dummy(self) -> None:
+        self.dummy_steps += 1
+        self.barrier.wait(self.timeout_s)
+
+    def any_rank_has_work(self, has_work: bool) -> bool:
+        self.votes[self.rank] = has_work
+        self.barrier.wait(self.timeout_s)
+        result = any(self.votes)
+        self.barrier.wait(self.timeout_s)  # nobody votes again before everyone has read
+        return result
+
+    def reform_group(self, state: list[int]) -> tuple[int, list[list[int]]]:
+        group = _REFORMS.setdefault(id(self.barrier), _Reform(self.barrier.parties))
+        return group.join(self.rank, state, self.barrier, self)
+
+
+class _Reform:
+    """Where lockstep ranks meet to re-form (one per barrier)."""
+
+    def __init__(self, parties: int) -> None:
+        self.meet = threading.Barrier(parties)
+        self.states: dict[int, list[int]] = {}
+        self.epoch = 0
+
+    def join(self, rank: int, state: list[int], barrier: threading.Barrier,
+             runner: LockstepRunner) -> tuple[int, list[list[int]]]:
+        self.states[rank] = state
+        if self.meet.wait(30) == 0:
+            barrier.reset()  # nobody waits on it now: every rank is here
+            self.epoch += 1
+        self.meet.wait(30)
+        runner.reformed.append(self.epoch)
+        states = [self.states[r] for r in sorted(self.states)]
+        self.meet.wait(30)  # all have read before a later re-forming writes
+        return self.epoch, states
+
+
+_REFORMS: dict[int, _Reform] = {}
+
+
 def request(rid: str, session: str = "s", prompt: tuple[int, ...] = (1, 2, 3),
             max_tokens: int = 4) -> Request:
     return Request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens),

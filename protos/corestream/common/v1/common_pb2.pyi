@@ -28,6 +28,7 @@ class EngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_STATE_DRAINING: _ClassVar[EngineState]
     ENGINE_STATE_STOPPED: _ClassVar[EngineState]
     ENGINE_STATE_DEAD: _ClassVar[EngineState]
+    ENGINE_STATE_PAUSED_FAULT: _ClassVar[EngineState]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS_TOKEN: FinishReason
@@ -44,6 +45,7 @@ ENGINE_STATE_RUNNING: EngineState
 ENGINE_STATE_DRAINING: EngineState
 ENGINE_STATE_STOPPED: EngineState
 ENGINE_STATE_DEAD: EngineState
+ENGINE_STATE_PAUSED_FAULT: EngineState
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "min_tokens", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "n", "logprobs", "prompt_logprobs", "json_schema", "regex", "grammar", "choice", "json_object")

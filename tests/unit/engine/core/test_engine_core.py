@@ -124,8 +124,15 @@ def test_execute_failure_kills_engine_and_fails_requests() -> None:
         assert last.error_code == UNAVAILABLE and "device lost" in last.error_message
         assert "engine-core dp=0 is dead" in last.error_message
         assert states[-1] is EngineState.DEAD and "device lost" in core.death_reason
-        msg = other.get(timeout=5)
-        assert isinstance(msg, SessionOutputs) and msg.state is EngineState.DEAD
+        # The sentinel paused and retried the step max_step_faults times first.
+        assert states.count(EngineState.PAUSED_FAULT) == EngineConfig().max_step_faults == 3
+        assert runner.steps == 4
+        seen = []
+        while not seen or seen[-1] is not EngineState.DEAD:
+            msg = other.get(timeout=5)
+            assert isinstance(msg, SessionOutputs) and not msg.updates
+            seen.append(msg.state)
+        assert set(seen) == {EngineState.PAUSED_FAULT, EngineState.RUNNING, EngineState.DEAD}
         core.add_request(request("late"))
         by_id, _ = collect(q, {"late"})
         assert by_id["late"][-1].error_code == UNAVAILABLE

@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -14,33 +15,18 @@ from services.engine.core.engine_core import EngineCore
 from services.engine.core.iteration_details import IterationDetails
 from services.engine.messages import SessionOutputs
 from services.engine.request import FinishReason
-from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
-from tests.unit.engine.fakes import FakeRunner, collect, request, tokens
+from tests.unit.engine.fakes import LockstepRunner, collect, request, tokens
 
 
-class LockstepRunner(FakeRunner):
-    """A FakeRunner whose every forward (real or dummy) and every all-reduce waits for
-    all ranks, so a rank that stepped alone would hang the test (the barrier times out)."""
-
-    def __init__(self, barrier: threading.Barrier, votes: list[bool], rank: int) -> None:
-        super().__init__()
-        self.barrier, self.votes, self.rank = barrier, votes, rank
-        self.dummy_steps = 0
-
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        self.barrier.wait(10)
-        return super().execute(out)
-
-    def execute_dummy(self) -> None:
-        self.dummy_steps += 1
-        self.barrier.wait(10)
-
-    def any_rank_has_work(self, has_work: bool) -> bool:
-        self.votes[self.rank] = has_work
-        self.barrier.wait(10)
-        result = any(self.votes)
-        self.barrier.wait(10)  # nobody votes again before everyone has read
-        return result
+def wait_until_idle(cores: list[EngineCore]) -> list[Any]:
+    """The ranks' wave states once no wave runs (a shutdown mid-wave would leave the
+    other rank alone at the barrier)."""
+    waves = [c.wave for c in cores]
+    deadline = time.monotonic() + 10
+    while any(w is not None and w.running for w in waves):
+        assert time.monotonic() < deadline, "the wave did not end"
+        time.sleep(0.01)
+    return waves
 
 
 @pytest.mark.timeout(60)
@@ -66,11 +52,7 @@ def test_idle_rank_runs_dummies_until_the_wave_ends_then_both_idle() -> None:
         cores[0].add_request(request("a", max_tokens=6))
         by_id, _ = collect(q, {"a"})
         assert tokens(by_id["a"]) == [4, 5, 6, 7, 8, 9]
-        waves = [c.wave for c in cores]
-        deadline = time.monotonic() + 10
-        while any(w is not None and w.running for w in waves):
-            assert time.monotonic() < deadline, "the wave did not end"
-            time.sleep(0.01)
+        waves = wait_until_idle(cores)
         assert all(w is not None and w.wave == 1 for w in waves)
         assert announced == [(0, 0)]
         assert runners[1].dummy_steps >= 6 and runners[1].steps == 0
@@ -139,6 +121,7 @@ def test_throttled_ranks_start_requests_only_in_the_same_aligned_steps() -> None
         assert any(step > 0 for _, step in prefills), prefills
         assert {r for r, rank in enumerate(details) for d in rank
                 if d.num_prefill_requests} == {0, 1}
+        wait_until_idle(cores)
     finally:
         barrier.abort()
         for core in cores:
