@@ -40,6 +40,9 @@ COMMANDS: dict[str, tuple[str, type[Any]]] = {
     "sleep": ("Sleep", admin_pb2.SleepRequest),
     "wake-up": ("WakeUp", admin_pb2.WakeUpRequest),
     "is-sleeping": ("IsSleeping", admin_pb2.IsSleepingRequest),
+    "fault-status": ("GetFaultStatus", admin_pb2.GetFaultStatusRequest),
+    "fault-recover": ("RecoverFault", admin_pb2.RecoverFaultRequest),
+    "fault-abort": ("AbortFault", admin_pb2.AbortFaultRequest),
 }
 # Calls that reach every engine: no --engine.
 _ALL_ENGINES = ("update-weights", "abort-weight-update")

@@ -232,6 +232,24 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             is_sleeping=all_ok(results) and all(result_json(r)["is_sleeping"]
                                                 for r in results))
 
+    async def GetFaultStatus(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.GetFaultStatusRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetFaultStatusResponse:
+        return admin_pb2.GetFaultStatusResponse(
+            results=await self._call_all(request, context, "fault_status", {}))
+
+    async def RecoverFault(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.RecoverFaultRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RecoverFaultResponse:
+        return admin_pb2.RecoverFaultResponse(
+            results=await self._call_all(request, context, "fault_recover", {}))
+
+    async def AbortFault(  # noqa: N802 (gRPC method name)
+        self, request: admin_pb2.AbortFaultRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AbortFaultResponse:
+        return admin_pb2.AbortFaultResponse(
+            results=await self._call_all(request, context, "fault_abort", {}))
+
     async def _weights(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
         try:
             return await work

@@ -243,6 +243,10 @@ def test_a_rank_whose_step_fails_pauses_with_its_peer_and_both_resume(
             assert fault["faults"] == 1 and fault["epoch"] == 1, fault
             assert after[rank]["state"] == "RUNNING"
         assert "injected fault" in after[1]["fault"]["last_fault"]["reason"]
+        with grpc.insecure_channel(c.address) as channel:
+            faults = admin_grpc.AdminServiceStub(channel).GetFaultStatus(
+                admin_pb.GetFaultStatusRequest(), timeout=20).results
+        assert [json.loads(r.result_json)["epoch"] for r in faults] == [1, 1]
         assert [c.engine_pid(r) for r in (0, 1)] == pids
         print(*[line for line in c.output().splitlines() if "recovered under epoch" in line],
               sep="\n")

@@ -303,3 +303,39 @@ class IsSleepingResponse(_message.Message):
     is_sleeping: bool
     results: _containers.RepeatedCompositeFieldContainer[EngineResult]
     def __init__(self, is_sleeping: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class GetFaultStatusRequest(_message.Message):
+    __slots__ = ("engine_index",)
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
+
+class GetFaultStatusResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class RecoverFaultRequest(_message.Message):
+    __slots__ = ("engine_index",)
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
+
+class RecoverFaultResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...
+
+class AbortFaultRequest(_message.Message):
+    __slots__ = ("engine_index",)
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
+
+class AbortFaultResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[EngineResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[EngineResult, _Mapping]]] = ...) -> None: ...

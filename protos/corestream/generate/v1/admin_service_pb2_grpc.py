@@ -123,6 +123,21 @@ class AdminServiceStub:
                 request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingRequest.SerializeToString,
                 response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingResponse.FromString,
                 _registered_method=True)
+        self.GetFaultStatus = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/GetFaultStatus',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetFaultStatusRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetFaultStatusResponse.FromString,
+                _registered_method=True)
+        self.RecoverFault = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/RecoverFault',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.RecoverFaultRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.RecoverFaultResponse.FromString,
+                _registered_method=True)
+        self.AbortFault = channel.unary_unary(
+                '/corestream.generate.v1.AdminService/AbortFault',
+                request_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortFaultRequest.SerializeToString,
+                response_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortFaultResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -268,6 +283,34 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetFaultStatus(self, request, context):
+        """Faults (engine sentinel). A step that fails (an exception, or a collective of an
+        expert-parallel group whose peer failed) pauses its engine (ENGINE_STATE_PAUSED_FAULT)
+        with its weights, KV cache and requests; the engine re-forms its group and resumes
+        on its own, or dies past --engine-recovery-timeout-s.
+
+        Each engine's faults: result_json is {"state", "faults", "in_a_row", "epoch",
+        "recovering", "recovery_attempts", "last_fault", "last_recovery_error"}.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecoverFault(self, request, context):
+        """Try to re-form the group now (engines paused by a fault only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortFault(self, request, context):
+        """Give up on a paused engine: it dies, its requests end with UNAVAILABLE, and the
+        process exits (for its supervisor to restart).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -355,6 +398,21 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.IsSleeping,
                     request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingRequest.FromString,
                     response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'GetFaultStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFaultStatus,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetFaultStatusRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetFaultStatusResponse.SerializeToString,
+            ),
+            'RecoverFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecoverFault,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.RecoverFaultRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.RecoverFaultResponse.SerializeToString,
+            ),
+            'AbortFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortFault,
+                    request_deserializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortFaultRequest.FromString,
+                    response_serializer=corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortFaultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -820,6 +878,87 @@ class AdminService:
             '/corestream.generate.v1.AdminService/IsSleeping',
             corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingRequest.SerializeToString,
             corestream_dot_generate_dot_v1_dot_admin__service__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFaultStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/GetFaultStatus',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetFaultStatusRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.GetFaultStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecoverFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/RecoverFault',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.RecoverFaultRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.RecoverFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/corestream.generate.v1.AdminService/AbortFault',
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortFaultRequest.SerializeToString,
+            corestream_dot_generate_dot_v1_dot_admin__service__pb2.AbortFaultResponse.FromString,
             options,
             channel_credentials,
             insecure,
