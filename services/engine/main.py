@@ -71,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
         join_expert_parallel_group(config, runner_config, dp)
     runner = build_executor(config, runner_config, obs_config,
                             dp if expert_parallel else None, pooler)
-    runner.warmup()
+    replacing = expert_parallel and replaces_a_failed_rank()
+    if not replacing:
+        # (A replacement's warm-up would need the others at its collectives: its first
+        # steps pay for the lazy setup instead.)
+        runner.warmup()
     core = EngineCore(config, maybe_inject(runner, os.environ.get(FAULT_INJECT_ENV),
                                            config.engine_index))
     if hasattr(runner, "on_failure"):
@@ -90,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
                            "request of its own never joins a wave")
         core.join_waves(dp.wave_check_interval, relay.announce if relay else None,
                         dp.prefill_schedule_interval)
+        if replacing:
+            core.sentinel.join_reformed_group()
 
     def exit_when_dead(state: EngineState) -> None:
         if state is EngineState.DEAD:
@@ -189,6 +195,15 @@ def splits_experts(runner_config: RunnerConfig) -> bool:
 
     architectures = load_model_info(resolve_model(runner_config.model)).architectures
     return issubclass(model_class(list(architectures)), SparseMoeForCausalLM)
+
+
+def replaces_a_failed_rank() -> bool:
+    """Whether this engine joined its expert-parallel group as the replacement of a rank
+    that failed (the others re-form the group to take it in)."""
+    from services.engine.parallel.dp_group import current_dp_group
+
+    group = current_dp_group()
+    return group is not None and not group.formed
 
 
 def join_expert_parallel_group(config: EngineConfig, runner_config: RunnerConfig,

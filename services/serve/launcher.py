@@ -254,7 +254,8 @@ def parts(children: list[Child], moe_group: bool) -> list[Part]:
         coordinator.stop(GROUP_STOP_S)
         coordinator.start()
 
-    engine_parts = ([Part("engines", engines, essential=False, before_restart=new_group)]
+    engine_parts = ([Part("engines", engines, essential=False, before_restart=new_group,
+                          replaces_ranks=True)]
                     if moe_group else [Part(e.name, [e], essential=False) for e in engines])
     return [Part("coordinator", [coordinator], essential=True), *engine_parts,
             Part("frontend", [frontend], essential=True)]

@@ -35,6 +35,10 @@ log = logging.getLogger("services.serve")
 # The ranks left of a broken MoE group are restarted with it; they cannot finish a
 # collective without the dead rank, so they get little time to drain.
 GROUP_STOP_S = 5.0
+# NOTE: a rank other than the first of an MoE group is replaced alone: the others pause
+# (their sentinel) and re-form the group with the new process. The first rank hosts the
+# group's rendezvous store, which the others cannot reach again once it is gone: the
+# whole group restarts then, on a fresh port.
 
 
 @dataclass
@@ -78,7 +82,11 @@ class Part:
     """The cluster cannot serve without it (coordinator, frontend)."""
     before_restart: Callable[[], None] | None = None
     """Run before each restart (an MoE group takes a fresh rendezvous port)."""
+    replaces_ranks: bool = False
+    """An MoE group whose ranks but the first are replaced alone (see above)."""
     restart_at: float | None = None
+    replacing: list[Child] | None = None
+    """The children the pending restart replaces alone (None: all of them)."""
 
     @property
     def is_engine(self) -> bool:
@@ -145,6 +153,11 @@ class Supervision:
                     return reason
             elif self._clock() >= part.restart_at:
                 part.restart_at = None
+                if part.replacing is not None:
+                    for child in part.replacing:
+                        child.start()
+                    part.replacing = None
+                    continue
                 if part.before_restart is not None:
                     part.before_restart()
                 self.start(part)
@@ -162,9 +175,15 @@ class Supervision:
             return (f"{part.name} cannot start with these flags or this checkpoint (exit "
                     f"code {CONFIG_ERROR_EXIT}, its reason is above); no restart would cure it")
         delay = tracker.on_exit(cause)
-        # An MoE group is broken by any rank's exit: its other ranks go too.
-        for child in part.children:
-            child.stop(GROUP_STOP_S)
+        exited = [c for c in part.children if c.exited() is not None]
+        if part.replaces_ranks and delay is not None and part.children[0] not in exited:
+            part.replacing = exited
+            log.error("%s: replacing %s alone; the other ranks re-form the group with it",
+                      part.name, ", ".join(c.name for c in exited))
+        else:
+            # An MoE group is broken by any rank's exit: its other ranks go too.
+            for child in part.children:
+                child.stop(GROUP_STOP_S)
         if delay is not None:
             log.error("%s exited unexpectedly with %s; restart %d in %.1f s", part.name, cause,
                       tracker.restarts, delay)

@@ -256,3 +256,73 @@ def test_a_rank_whose_step_fails_pauses_with_its_peer_and_both_resume(
             assert generate(stub, prompts["p1"], rank=1, max_tokens=tokens) == reference["p1"]
     finally:
         c.stop()
+
+
+def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Path) -> None:
+    """SIGKILL rank 1 with streams running on both ranks. Rank 0 pauses (its collective
+    fails), keeps its requests, and re-forms the group with the replacement serve starts
+    for rank 1; rank 0's streams then complete with the tokens of an uninterrupted run,
+    rank 1's end UNAVAILABLE naming that engine, rank 0 is the same process (never
+    reloaded), and both serve new requests."""
+    tokens = 60
+    prompts = {f"p{i}": [5 + i, 60 - i, 11, 3 * i + 1] for i in range(8)}
+    from tests.unit.engine.runner_driver import generate as run_model
+    from tests.unit.engine.runner_driver import make_runner
+
+    reference = run_model(make_runner(moe_checkpoint, max_model_len=256), prompts, tokens)
+    c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval", "4",
+                 "--data-parallel-timeout", "15", "--kv-cache-memory", "16MiB"],
+                env={"OMP_NUM_THREADS": "1"})
+    try:
+        survivor = c.engine_pid(0)
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+
+            def request(ids: list[int], rank: int) -> pb.GenerateStreamRequest:
+                return pb.GenerateStreamRequest(
+                    token_ids=pb.TokenIds(ids=ids), data_parallel_rank=rank,
+                    sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                       ignore_eos=True))
+
+            streams = {rid: stub.GenerateStream(request(ids, i % 2), timeout=180)
+                       for i, (rid, ids) in enumerate(prompts.items())}
+            got: dict[str, list[int]] = {rid: [] for rid in prompts}
+            for rid, stream in streams.items():  # every stream has started
+                got[rid] += next(stream).token_ids
+            os.kill(c.engine_pid(1), signal.SIGKILL)
+            killed = time.monotonic()
+            errors = {}
+            for i, (rid, stream) in enumerate(streams.items()):
+                try:
+                    for chunk in stream:
+                        got[rid] += chunk.token_ids
+                except grpc.RpcError as e:
+                    errors[rid] = (i % 2, e.code(), e.details())
+            resumed = time.monotonic() - killed
+            on_rank0 = [rid for i, rid in enumerate(prompts) if i % 2 == 0]
+            assert {rid: got[rid] for rid in on_rank0} == {rid: reference[rid]
+                                                           for rid in on_rank0}
+            assert sorted(errors) == [rid for rid in prompts if rid not in on_rank0], errors
+            for rank, code, details in errors.values():
+                assert rank == 1 and code == grpc.StatusCode.UNAVAILABLE, details
+                assert "engine" in (details or ""), details
+            assert c.engine_pid(0) == survivor
+            # The group re-formed with the replacement: both serve again.
+            deadline = time.monotonic() + 120
+            while True:
+                faults = admin_grpc.AdminServiceStub(channel).GetFaultStatus(
+                    admin_pb.GetFaultStatusRequest(), timeout=20).results
+                epochs = [json.loads(r.result_json).get("epoch") if r.ok else None
+                          for r in faults]
+                if epochs == [1, 1]:
+                    break
+                assert time.monotonic() < deadline, faults
+                time.sleep(0.5)
+            serving = time.monotonic() - killed
+            for rank in (0, 1):
+                assert generate(stub, prompts["p0"], rank=rank, max_tokens=tokens) == \
+                    reference["p0"]
+        print(f"rank 1 killed: rank 0's streams completed {resumed:.1f} s later, both ranks "
+              f"serving after {serving:.1f} s")
+    finally:
+        c.stop()

@@ -133,6 +133,11 @@ class Sentinel:
         try:
             reform = getattr(self._executor, "reform_group", None)
             epoch, states = reform(wave_state) if reform is not None else (0, [wave_state])
+        except NotImplementedError as exc:
+            # No retry can help: die at once, as before the sentinel.
+            reason = f"{self.faults[-1].reason}; the group cannot be re-formed: {exc}"
+            self._post(lambda: self._lifecycle.die(reason, fail_requests=True))
+            return
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             self._post(lambda: self._attempt_failed(error))
@@ -165,21 +170,41 @@ class Sentinel:
         self._recovering = False
         if not self.paused:
             return
-        self.epoch = epoch
-        wave = self._wave()
-        if wave is not None:
-            # Every rank computes the same from the same gathered states. A rank that
-            # finished the failed step before the others failed theirs is a step ahead:
-            # all take the furthest, so the check intervals and admissions line up.
-            wave.wave = max(s[0] for s in states)
-            wave.steps = max(s[1] for s in states)
-            wave.running = any(s[2] for s in states)
+        self._agree(epoch, states)
         logger.warning("%s: recovered under epoch %d after %.2f s; resuming %d requests",
                        self._name, epoch, time.time() - self.faults[-1].at,
                        len(self._scheduler.requests))
         self.halted = False
         self._lifecycle.set_state(EngineState.RUNNING)
         self._outputs.broadcast()
+
+    def _agree(self, epoch: int, states: list[list[int]]) -> None:
+        self.epoch = epoch
+        wave = self._wave()
+        if wave is not None:
+            # Every rank computes the same from the same gathered states. A rank that
+            # finished the failed step before the others failed theirs is a step ahead:
+            # all take the furthest, so the check intervals and admissions line up. (A
+            # replacement brings zeros.)
+            wave.wave = max(s[0] for s in states)
+            wave.steps = max(s[1] for s in states)
+            wave.running = any(s[2] for s in states)
+
+    def join_reformed_group(self) -> None:
+        """This engine replaces a failed rank of its group (before its loop starts):
+        wait until the others take it in, then share their wave state."""
+        logger.warning("%s: replacing a failed rank; waiting for the group to take it in",
+                       self._name)
+        deadline = time.monotonic() + self._recovery_timeout_s
+        while True:
+            try:
+                epoch, states = self._executor.reform_group([0, 0, 0])
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+        self._agree(epoch, states)
+        logger.warning("%s: joined the group under epoch %d", self._name, epoch)
 
     # ---- utility calls ---------------------------------------------------------------
 

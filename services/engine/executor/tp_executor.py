@@ -227,8 +227,8 @@ class TensorParallelExecutor:
         if current_dp_group() is not None:
             # NOTE: every TP rank is in the DP group of its own TP rank; each would have
             # to re-form it, through a call to the workers: not built yet.
-            raise RuntimeError("re-forming an expert-parallel group of tensor-parallel "
-                               "engines is not supported yet")
+            raise NotImplementedError("re-forming an expert-parallel group of "
+                                      "tensor-parallel engines is not supported yet")
         return self._runner.reform_group(state)
 
     def start_profile(self, folder: Path, name: str) -> dict[str, Any]:

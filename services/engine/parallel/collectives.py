@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -37,17 +38,31 @@ class Collectives:
         world_size: int,
         timeout: datetime.timedelta,
         nccl: NcclCommunicator | None = None,
+        epoch: int = 0,
     ) -> None:
+        """`epoch` > 0: the group was re-formed before this rank came (it replaces one
+        that failed): it is formed by `reform`, when the others take it in."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size {world_size}), got {rank}")
         self.rank = rank
         self.world_size = world_size
         self._store = store
         self._timeout = timeout
-        self._gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self._gloo: dist.ProcessGroupGloo | None = (
+            dist.ProcessGroupGloo(store, rank, world_size, timeout) if epoch == 0 else None)
         self._nccl = nccl
-        self.epoch = 0
+        self.epoch = epoch
         """How often the group was re-formed (`reform`)."""
+        self._arrived = 0
+        """The latest epoch this rank announced itself for."""
+        self._target: int | None = None
+        # The epoch a failed `reform` was forming: a retry forms the same one (the
+        # others may be waiting there), unless the store's has moved on.
+
+    @property
+    def formed(self) -> bool:
+        """False for a rank that replaces a failed one until `reform` took it in."""
+        return self._gloo is not None
 
     @property
     def transport(self) -> str:
@@ -72,16 +87,39 @@ class Collectives:
         may be gone. The epoch is agreed in the store: the first rank to ask moves it
         on from the one this rank knows, a later one finds it moved and joins it."""
         if self._nccl is not None:
-            raise RuntimeError("re-forming a group whose tensors travel over NCCL is not "
-                               "supported yet")
-        known = str(self.epoch).encode()
-        epoch = int(self._store.compare_set(EPOCH_KEY, known, str(self.epoch + 1).encode()))
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"epoch-{epoch}", self._store),
-                                           self.rank, self.world_size, self._timeout)
-        self.epoch = epoch
+            raise NotImplementedError("re-forming a group whose tensors travel over NCCL "
+                                      "is not supported yet")
+        if self._gloo is None:
+            # A replacement: the epoch the others are re-forming under.
+            self._target = int(self._store.get(EPOCH_KEY))
+        elif self._target is None:
+            known = str(self.epoch).encode()
+            self._target = int(self._store.compare_set(EPOCH_KEY, known,
+                                                       str(self.epoch + 1).encode()))
+        else:
+            self._target = max(self._target, int(self._store.get(EPOCH_KEY)))
+        epoch = self._target
+        self._wait_for_all(epoch)
+        self._gloo = _gloo_group(self._store, epoch, self.rank, self.world_size, self._timeout)
+        self.epoch, self._target = epoch, None
         logger.info("%s re-formed as rank %d of %d under epoch %d", type(self).__name__,
                     self.rank, self.world_size, epoch)
         return epoch
+
+    def _wait_for_all(self, epoch: int) -> None:
+        """Announce this rank for `epoch` (once) and wait, up to the group's timeout,
+        until every rank has: gloo's rendezvous keys are formed only once everybody is
+        there (a retry would find an earlier attempt's stale addresses)."""
+        key = f"epoch-{epoch}/arrived"
+        if self._arrived != epoch:
+            self._store.add(key, 1)
+            self._arrived = epoch
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while (here := self._store.add(key, 0)) < self.world_size:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{here} of {self.world_size} ranks are back for epoch "
+                                   f"{epoch} after {self._timeout.total_seconds():g} s")
+            time.sleep(0.05)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """`[world_size, *tensor.shape]`: every rank's `tensor`, in rank order.
@@ -127,6 +165,14 @@ class Collectives:
         return tensor
 
 
+def _gloo_group(store: dist.Store, epoch: int, rank: int, world_size: int,
+                timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+    """The gloo group of `epoch` (each epoch's keys under a prefix of their own; epoch 0
+    is the group as first formed, on the store's own keys)."""
+    scoped = store if epoch == 0 else dist.PrefixStore(f"epoch-{epoch}", store)
+    return dist.ProcessGroupGloo(scoped, rank, world_size, timeout)
+
+
 GroupT = TypeVar("GroupT", bound=Collectives)
 EPOCH_KEY = "corestream/epoch"
 """The store's key holding the group's current epoch (see `Collectives.reform`)."""
@@ -156,10 +202,15 @@ def connect(
     if rank == 0:
         # Epoch 0, before the group exists: no rank can ask to re-form before then.
         store.compare_set(EPOCH_KEY, b"", b"0")
+    # Past 0 when this rank replaces one that failed: the group forms it later (reform).
+    epoch = int(store.get(EPOCH_KEY))
+    if epoch and device is not None and device.type == "cuda":
+        raise NotImplementedError("a rank replacing a failed one of a group on CUDA cannot "
+                                  "join it yet (NCCL communicators are not re-formed)")
     nccl = None
     if device is not None and device.type == "cuda":
         nccl = _try_nccl(store, rank, world_size, device, cls.__name__)
-    return cls(store, rank, world_size, timeout, nccl)
+    return cls(store, rank, world_size, timeout, nccl, epoch)
 
 
 def _try_nccl(

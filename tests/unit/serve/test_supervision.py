@@ -174,6 +174,32 @@ def test_an_moe_group_restarts_as_a_whole_with_a_fresh_rendezvous(tmp_path: Path
     assert rendezvous == [1] and restarts(registry, "engines") == 1
 
 
+def test_an_moe_groups_later_rank_is_replaced_alone_its_first_takes_the_group(
+        tmp_path: Path) -> None:
+    supervision, children, clock, registry = cluster(tmp_path / "restarts.json", moe=True,
+                                                     engines=3)
+    group = supervision.parts[1]
+    group.replaces_ranks = True
+    rendezvous: list[int] = []
+    group.before_restart = lambda: rendezvous.append(1)
+    # A later rank: the others pause and re-form with its replacement (engine sentinel).
+    children["engine-2"].code = -9
+    assert supervision.check() is None
+    assert [children[f"engine-{i}"].stops for i in range(3)] == [0, 0, 0]
+    clock.now += 0.5
+    assert supervision.check() is None
+    assert [children[f"engine-{i}"].starts for i in range(3)] == [1, 1, 2]
+    assert rendezvous == [] and restarts(registry, "engines") == 1
+    # The first rank hosts the rendezvous: the whole group restarts, on a fresh one.
+    children["engine-0"].code = -9
+    assert supervision.check() is None
+    assert [children[f"engine-{i}"].stops for i in range(3)] == [1, 1, 1]
+    clock.now += 1.0
+    assert supervision.check() is None
+    assert [children[f"engine-{i}"].starts for i in range(3)] == [2, 2, 3]
+    assert rendezvous == [1] and restarts(registry, "engines") == 2
+
+
 def test_admin_stats_shows_each_engines_restarts_and_the_other_processes() -> None:
     from corestream.generate.v1 import admin_service_pb2 as admin_pb2
 
