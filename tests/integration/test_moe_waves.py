@@ -326,3 +326,50 @@ def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Pa
               f"serving after {serving:.1f} s")
     finally:
         c.stop()
+
+
+def test_a_frozen_rank_pauses_its_peer_which_resumes_when_it_thaws(
+        moe_checkpoint: Path) -> None:
+    """SIGSTOP rank 1 mid-wave: rank 0 does not hang, its collective times out (5 s) and
+    it pauses, saying why; after SIGCONT rank 1's step fails too (the group it was in is
+    gone), both re-form, and rank 0's stream completes with every token."""
+    tokens = 80
+    prompt = [9, 8, 7, 6]
+    from tests.unit.engine.runner_driver import generate as run_model
+    from tests.unit.engine.runner_driver import make_runner
+
+    reference = run_model(make_runner(moe_checkpoint, max_model_len=256), {"a": prompt},
+                          tokens)["a"]
+    c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval", "4",
+                 "--data-parallel-timeout", "5", "--kv-cache-memory", "16MiB"],
+                env={"OMP_NUM_THREADS": "1"})
+    frozen = c.engine_pid(1)
+    try:
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            admin = admin_grpc.AdminServiceStub(channel)
+            stream = stub.GenerateStream(pb.GenerateStreamRequest(
+                token_ids=pb.TokenIds(ids=prompt), data_parallel_rank=0,
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                   ignore_eos=True)), timeout=180)
+            got = list(next(stream).token_ids)
+            os.kill(frozen, signal.SIGSTOP)
+            deadline = time.monotonic() + 30
+            while True:
+                status = json.loads(admin.GetFaultStatus(admin_pb.GetFaultStatusRequest(
+                    engine_index=0), timeout=10).results[0].result_json)
+                if status["state"] == "PAUSED_FAULT":
+                    break
+                assert time.monotonic() < deadline, status
+                time.sleep(0.2)
+            assert status["last_fault"]["reason"], status
+            os.kill(frozen, signal.SIGCONT)
+            for chunk in stream:
+                got += chunk.token_ids
+            assert got == reference
+            assert c.engine_pid(1) == frozen
+            faults = admin.GetFaultStatus(admin_pb.GetFaultStatusRequest(), timeout=20).results
+            assert [json.loads(r.result_json)["epoch"] for r in faults] == [1, 1]
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+        c.stop()
