@@ -33,10 +33,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def reference(moe_checkpoint: Path) -> dict[str, list[int]]:
-    """Greedy tokens of the whole model in one process."""
-    from tests.unit.engine.runner_driver import generate, make_runner
-
-    return generate(make_runner(moe_checkpoint, max_model_len=256), PROMPTS, MAX_TOKENS)
+    return one_process(moe_checkpoint, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +71,41 @@ def wait_idle(address: str, timeout: float = 30) -> dict[int, dict[str, Any]]:
             return s
         assert time.monotonic() < deadline, f"the wave did not end: {s}"
         time.sleep(0.2)
+
+
+def one_process(moe_checkpoint: Path, prompts: dict[str, list[int]],
+                tokens: int) -> dict[str, list[int]]:
+    """Greedy tokens of the whole model in this process: what every rank must give."""
+    from tests.unit.engine.runner_driver import generate as run_model
+    from tests.unit.engine.runner_driver import make_runner
+
+    return run_model(make_runner(moe_checkpoint, max_model_len=256), prompts, tokens)
+
+
+def group_of_two(moe_checkpoint: Path, collective_timeout_s: int,
+                 fault: str | None = None) -> Cluster:
+    """Two expert-parallel engines whose collectives give up after the timeout."""
+    env = {"OMP_NUM_THREADS": "1", **({"CORESTREAM_FAULT_INJECT": fault} if fault else {})}
+    return Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval",
+                    "4", "--data-parallel-timeout", str(collective_timeout_s),
+                    "--kv-cache-memory", "16MiB"], env=env)
+
+
+def greedy_calls(stub: pb_grpc.GenerateServiceStub, prompts: dict[str, list[int]],
+                 tokens: int) -> dict[str, list[int]]:
+    """Every prompt at once, prompt i on rank i % 2; their tokens."""
+    calls = {rid: stub.Generate.future(pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids), data_parallel_rank=i % 2,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
+                                           ignore_eos=True)), timeout=120)
+        for i, (rid, ids) in enumerate(prompts.items())}
+    return {rid: list(call.result().completions[0].token_ids) for rid, call in calls.items()}
+
+
+def fault_epochs(channel: grpc.Channel) -> list[int | None]:
+    results = admin_grpc.AdminServiceStub(channel).GetFaultStatus(
+        admin_pb.GetFaultStatusRequest(), timeout=20).results
+    return [json.loads(r.result_json).get("epoch") if r.ok else None for r in results]
 
 
 def test_two_ranks_equal_one_process_and_idle_ranks_run_dummy_steps(
@@ -164,15 +196,18 @@ def test_throttled_ranks_prefill_in_the_same_wave_steps(cluster: Cluster) -> Non
         assert summary["steps"] >= len(details[rank]) and summary["recent"]
 
 
-def test_a_rank_dying_mid_wave_ends_the_others_streams(cluster: Cluster) -> None:
+def test_the_first_rank_dying_mid_wave_ends_the_others_streams(cluster: Cluster) -> None:
+    """Rank 0 hosts the group's rendezvous store: without it the others cannot re-form
+    (a later rank is replaced alone: see the tests below). serve restarts the whole
+    group, and rank 1's stream ends UNAVAILABLE."""
     with grpc.insecure_channel(cluster.address) as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
         stream = stub.GenerateStream(pb.GenerateStreamRequest(
-            token_ids=pb.TokenIds(ids=PROMPTS["a"]), data_parallel_rank=0,
+            token_ids=pb.TokenIds(ids=PROMPTS["a"]), data_parallel_rank=1,
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=200,
                                                ignore_eos=True)), timeout=120)
         next(stream)
-        os.kill(cluster.engine_pid(1), signal.SIGKILL)
+        os.kill(cluster.engine_pid(0), signal.SIGKILL)
         killed = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             for _ in stream:
@@ -181,7 +216,7 @@ def test_a_rank_dying_mid_wave_ends_the_others_streams(cluster: Cluster) -> None
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     assert "engine" in (err.value.details() or "")
     assert elapsed < 20, elapsed  # within the group's collective timeout (15 s) + margin
-    print(f"rank 1 killed mid-wave: rank 0's stream ended UNAVAILABLE after {elapsed:.2f} s")
+    print(f"rank 0 killed mid-wave: rank 1's stream ended UNAVAILABLE after {elapsed:.2f} s")
 
 
 def test_expert_parallel_engines_of_two_tensor_parallel_ranks_each(
@@ -216,27 +251,14 @@ def test_a_rank_whose_step_fails_pauses_with_its_peer_and_both_resume(
     every stream of both ranks ends with the tokens of the whole model in one process.
     The engine processes are the same ones (nothing restarted or reloaded)."""
     prompts = {f"p{i}": [3 + i, 40 + 2 * i, 7, 90 - i] for i in range(16)}
-    from tests.unit.engine.runner_driver import generate as run_model
-    from tests.unit.engine.runner_driver import make_runner
-
     tokens = 40  # so that every request is in before the fault
-    reference = run_model(make_runner(moe_checkpoint, max_model_len=256), prompts, tokens)
-    c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval", "4",
-                 "--data-parallel-timeout", "5", "--kv-cache-memory", "16MiB"],
-                env={"OMP_NUM_THREADS": "1",
-                     "CORESTREAM_FAULT_INJECT": "raise_once_after_steps:20@1"})
+    reference = one_process(moe_checkpoint, prompts, tokens)
+    c = group_of_two(moe_checkpoint, 5, fault="raise_once_after_steps:20@1")
     try:
         pids = [c.engine_pid(r) for r in (0, 1)]
         with grpc.insecure_channel(c.address) as channel:
-            stub = pb_grpc.GenerateServiceStub(channel)
-            calls = {rid: stub.Generate.future(pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=ids), data_parallel_rank=i % 2,
-                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
-                                                   ignore_eos=True)), timeout=120)
-                for i, (rid, ids) in enumerate(prompts.items())}
-            got = {rid: list(call.result().completions[0].token_ids)
-                   for rid, call in calls.items()}
-        assert got == reference
+            assert greedy_calls(pb_grpc.GenerateServiceStub(channel), prompts, tokens) == \
+                reference
         after = stats(c.address)
         for rank in (0, 1):
             fault = after[rank]["fault"]
@@ -244,9 +266,7 @@ def test_a_rank_whose_step_fails_pauses_with_its_peer_and_both_resume(
             assert after[rank]["state"] == "RUNNING"
         assert "injected fault" in after[1]["fault"]["last_fault"]["reason"]
         with grpc.insecure_channel(c.address) as channel:
-            faults = admin_grpc.AdminServiceStub(channel).GetFaultStatus(
-                admin_pb.GetFaultStatusRequest(), timeout=20).results
-        assert [json.loads(r.result_json)["epoch"] for r in faults] == [1, 1]
+            assert fault_epochs(channel) == [1, 1]
         assert [c.engine_pid(r) for r in (0, 1)] == pids
         print(*[line for line in c.output().splitlines() if "recovered under epoch" in line],
               sep="\n")
@@ -266,13 +286,8 @@ def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Pa
     reloaded), and both serve new requests."""
     tokens = 60
     prompts = {f"p{i}": [5 + i, 60 - i, 11, 3 * i + 1] for i in range(8)}
-    from tests.unit.engine.runner_driver import generate as run_model
-    from tests.unit.engine.runner_driver import make_runner
-
-    reference = run_model(make_runner(moe_checkpoint, max_model_len=256), prompts, tokens)
-    c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval", "4",
-                 "--data-parallel-timeout", "15", "--kv-cache-memory", "16MiB"],
-                env={"OMP_NUM_THREADS": "1"})
+    reference = one_process(moe_checkpoint, prompts, tokens)
+    c = group_of_two(moe_checkpoint, 15)
     try:
         survivor = c.engine_pid(0)
         with grpc.insecure_channel(c.address) as channel:
@@ -309,14 +324,8 @@ def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Pa
             assert c.engine_pid(0) == survivor
             # The group re-formed with the replacement: both serve again.
             deadline = time.monotonic() + 120
-            while True:
-                faults = admin_grpc.AdminServiceStub(channel).GetFaultStatus(
-                    admin_pb.GetFaultStatusRequest(), timeout=20).results
-                epochs = [json.loads(r.result_json).get("epoch") if r.ok else None
-                          for r in faults]
-                if epochs == [1, 1]:
-                    break
-                assert time.monotonic() < deadline, faults
+            while (epochs := fault_epochs(channel)) != [1, 1]:
+                assert time.monotonic() < deadline, epochs
                 time.sleep(0.5)
             serving = time.monotonic() - killed
             for rank in (0, 1):
@@ -335,14 +344,8 @@ def test_a_frozen_rank_pauses_its_peer_which_resumes_when_it_thaws(
     gone), both re-form, and rank 0's stream completes with every token."""
     tokens = 80
     prompt = [9, 8, 7, 6]
-    from tests.unit.engine.runner_driver import generate as run_model
-    from tests.unit.engine.runner_driver import make_runner
-
-    reference = run_model(make_runner(moe_checkpoint, max_model_len=256), {"a": prompt},
-                          tokens)["a"]
-    c = Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval", "4",
-                 "--data-parallel-timeout", "5", "--kv-cache-memory", "16MiB"],
-                env={"OMP_NUM_THREADS": "1"})
+    reference = one_process(moe_checkpoint, {"a": prompt}, tokens)["a"]
+    c = group_of_two(moe_checkpoint, 5)
     frozen = c.engine_pid(1)
     try:
         with grpc.insecure_channel(c.address) as channel:
@@ -368,8 +371,7 @@ def test_a_frozen_rank_pauses_its_peer_which_resumes_when_it_thaws(
                 got += chunk.token_ids
             assert got == reference
             assert c.engine_pid(1) == frozen
-            faults = admin.GetFaultStatus(admin_pb.GetFaultStatusRequest(), timeout=20).results
-            assert [json.loads(r.result_json)["epoch"] for r in faults] == [1, 1]
+            assert fault_epochs(channel) == [1, 1]
     finally:
         os.kill(frozen, signal.SIGCONT)
         c.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -103,14 +104,21 @@ class Unreformable(FakeRunner):
         raise TimeoutError("the group did not re-form")
 
 
-@pytest.mark.timeout(60)
-def test_paused_engine_answers_status_and_abort_ends_its_requests() -> None:
+def faulting(recovery_timeout_s: float) -> tuple[EngineCore, Unreformable, Any]:
+    """A started engine whose step fails and whose group never re-forms, with request
+    "r" on Session "s" (returned: the core, its runner, the Session's queue)."""
     runner = Unreformable()
-    core = EngineCore(EngineConfig(engine_recovery_timeout_s=600), runner)
+    core = EngineCore(EngineConfig(engine_recovery_timeout_s=recovery_timeout_s), runner)
     q = core.sessions.open("s")
     core.start()
+    core.add_request(request("r", max_tokens=8))
+    return core, runner, q
+
+
+@pytest.mark.timeout(60)
+def test_paused_engine_answers_status_and_abort_ends_its_requests() -> None:
+    core, runner, q = faulting(600)
     try:
-        core.add_request(request("r", max_tokens=8))
         deadline = time.monotonic() + 10
         while core.state is not EngineState.PAUSED_FAULT:
             assert time.monotonic() < deadline
@@ -137,12 +145,8 @@ def test_paused_engine_answers_status_and_abort_ends_its_requests() -> None:
 
 @pytest.mark.timeout(60)
 def test_recovery_gives_up_after_the_timeout() -> None:
-    runner = Unreformable()
-    core = EngineCore(EngineConfig(engine_recovery_timeout_s=0.5), runner)
-    q = core.sessions.open("s")
-    core.start()
+    core, runner, q = faulting(0.5)
     try:
-        core.add_request(request("r", max_tokens=8))
         by_id, _ = collect(q, {"r"})
         assert by_id["r"][-1].error_code == UNAVAILABLE
         assert core.state is EngineState.DEAD
