@@ -108,6 +108,8 @@ class Sentinel:
             logger.error("%s: step failed %d times in a row (max_step_faults %d): %s",
                          self._name, self._in_a_row, self._max_step_faults, fault.reason)
             return False
+        if self._lifecycle.state is not EngineState.RUNNING:
+            return False  # draining: it is going anyway, and must not come back RUNNING
         logger.warning("%s: step %d failed (%s); pausing with %d requests kept, recovering",
                        self._name, fault.step, fault.reason, len(self._scheduler.requests))
         self.halted = True

@@ -203,3 +203,37 @@ def test_a_rank_whose_step_fails_and_its_peer_recover_together() -> None:
             threading.Thread(target=core.shutdown, daemon=True).start()
         time.sleep(0.5)
         barrier.abort()
+
+
+class FailingWhenDraining(FakeRunner):
+    """Its 4th step waits until the engine drains, then raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draining = threading.Event()
+
+    def execute(self, out):  # type: ignore[no-untyped-def]
+        if self.steps == 3:
+            assert self.draining.wait(10)
+            raise RuntimeError("device lost while draining")
+        return super().execute(out)
+
+
+@pytest.mark.timeout(60)
+def test_a_fault_while_draining_is_fatal_as_before() -> None:
+    runner = FailingWhenDraining()
+    core = EngineCore(EngineConfig(), runner)
+    states: list[EngineState] = []
+    core.add_state_listener(states.append)
+    core.add_state_listener(
+        lambda state: runner.draining.set() if state is EngineState.DRAINING else None)
+    q = core.sessions.open("s")
+    core.start()
+    try:
+        core.add_request(request("r", max_tokens=8))
+        threading.Thread(target=core.shutdown, args=(30.0,), daemon=True).start()
+        by_id, _ = collect(q, {"r"})
+        assert by_id["r"][-1].error_code == UNAVAILABLE
+        assert EngineState.PAUSED_FAULT not in states and states[-1] is EngineState.DEAD
+    finally:
+        core.shutdown()
