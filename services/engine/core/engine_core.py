@@ -75,6 +75,10 @@ from services.engine.waves.stepper import WaveStepper
 logger = logging.getLogger(__name__)
 
 
+class _UpdateFailed(Exception):
+    """A step's update raised: fatal (the sentinel recovers from failed executes only)."""
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
@@ -406,6 +410,8 @@ class EngineCore:
         sentinel gives up, the failure is fatal as before."""
         try:
             self.step()
+        except _UpdateFailed as exc:
+            raise exc.__cause__ or exc from None  # a bug in the update, not a fault
         except Exception as exc:
             failed, self._executing = self._executing, None
             self._clocks.clear()
@@ -456,6 +462,13 @@ class EngineCore:
 
     def _update(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         self._executing = None
+        try:
+            self._update_from(out, result)
+        except Exception as exc:
+            # The scheduler may be half updated: no retry can be trusted.
+            raise _UpdateFailed() from exc
+
+    def _update_from(self, out: SchedulerOutput, result: RunnerOutput) -> None:
         clock = self._clocks.pop(out.step, None) if self._clocks else None
         start = self.details.clock() if clock is not None else 0.0
         # Aborts that arrived while the batch executed go out before its outputs.

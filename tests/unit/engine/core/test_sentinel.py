@@ -11,8 +11,9 @@ import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
-from services.engine.messages import EngineState, SessionOutputs
+from services.engine.messages import EngineState, InputType, SessionOutputs
 from services.engine.request import UNAVAILABLE, FinishReason
+from services.engine.scheduler.output import RunnerOutput
 from tests.unit.engine.fakes import (
     FakeRunner,
     LockstepRunner,
@@ -222,6 +223,7 @@ class FailingWhenDraining(FakeRunner):
 @pytest.mark.timeout(60)
 def test_a_fault_while_draining_is_fatal_as_before() -> None:
     runner = FailingWhenDraining()
+    runner.delay_s = 0.05
     core = EngineCore(EngineConfig(), runner)
     states: list[EngineState] = []
     core.add_state_listener(states.append)
@@ -231,9 +233,36 @@ def test_a_fault_while_draining_is_fatal_as_before() -> None:
     core.start()
     try:
         core.add_request(request("r", max_tokens=8))
-        threading.Thread(target=core.shutdown, args=(30.0,), daemon=True).start()
+        # What shutdown() sends, queued right behind the add: the drain begins within
+        # the request's first steps (each takes 50 ms), before its 4th.
+        core.input_queue.put((InputType.SHUTDOWN, 30.0))
         by_id, _ = collect(q, {"r"})
         assert by_id["r"][-1].error_code == UNAVAILABLE
         assert EngineState.PAUSED_FAULT not in states and states[-1] is EngineState.DEAD
+    finally:
+        core.shutdown()
+
+
+class LosingTokens(FakeRunner):
+    """Returns no token for the requests that sample: the update raises (a bug)."""
+
+    def execute(self, out):  # type: ignore[no-untyped-def]
+        self.steps += 1
+        return RunnerOutput()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_update_is_fatal_not_retried() -> None:
+    core = EngineCore(EngineConfig(), LosingTokens())
+    states: list[EngineState] = []
+    core.add_state_listener(states.append)
+    q = core.sessions.open("s")
+    core.start()
+    try:
+        core.add_request(request("r", max_tokens=4))
+        by_id, _ = collect(q, {"r"})
+        assert by_id["r"][-1].error_code == UNAVAILABLE
+        assert states == [EngineState.RUNNING, EngineState.DEAD]
+        assert core.death_reason.startswith("KeyError")
     finally:
         core.shutdown()
