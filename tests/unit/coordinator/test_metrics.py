@@ -22,7 +22,7 @@ def test_engines_by_state_follow_registrations_reports_and_removals() -> None:
     a = engines.register(0, "127.0.0.1:1", "tiny", 512, common_pb2.ENGINE_STATE_RUNNING)
     engines.register(1, "127.0.0.1:2", "tiny", 512, common_pb2.ENGINE_STATE_STARTING)
     assert _engines(prometheus) == {"STARTING": 1, "RUNNING": 1, "DRAINING": 0, "STOPPED": 0,
-                                    "DEAD": 0}
+                                    "DEAD": 0, "PAUSED_FAULT": 0}
     engines.update(a, num_waiting=0, num_running=0, kv_cache_usage=0.0,
                    state=common_pb2.ENGINE_STATE_DEAD, step_counter=3)
     assert _engines(prometheus)["DEAD"] == 1 and _engines(prometheus)["RUNNING"] == 0
