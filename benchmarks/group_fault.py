@@ -15,9 +15,7 @@ sitting.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -27,31 +25,21 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+
+from benchmarks.workload import mixtral_checkpoint  # noqa: E402
 
 
-def mixtral(folder: Path) -> Path:
-    from services.common.tiny_checkpoint import ensure_tiny_checkpoint
-    from tests.unit.engine.hf_checkpoints import make_checkpoint
-
-    tiny = ensure_tiny_checkpoint()
-    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
-    make_checkpoint(folder, "mixtral", vocab_size=vocab, num_local_experts=4,
-                    num_experts_per_tok=2, hidden_size=256, intermediate_size=512,
-                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                    max_position_embeddings=512)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, folder / name)
-    return folder
-
-
-def one_run(model: Path) -> tuple[float, str, bool]:
+def one_run(model: Path, root: Path) -> tuple[float, str, bool]:
     import grpc
     from corestream.common.v1 import common_pb2
     from corestream.generate.v1 import generate_service_pb2 as pb
     from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
+    from tests.integration import cluster as cluster_module
     from tests.integration.cluster import Cluster
+
+    cluster_module.REPO = root  # serve runs from that tree (its services, its protos)
 
     def sampling(tokens: int) -> Any:
         return common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -107,13 +95,12 @@ def main() -> None:
                         help="the tree whose serve runs (default: this one)")
     args = parser.parse_args()
     root = args.root.resolve()
-    sys.path[:0] = [str(root), str(root / "protos")]
     with tempfile.TemporaryDirectory() as tmp:
-        model = mixtral(Path(tmp) / "mixtral")
+        model = mixtral_checkpoint(Path(tmp) / "mixtral")
         print(f"{root}: rank 1 of 2 SIGKILLed while rank 0 streams")
         print(f"{'run':<5}{'serving again (s)':>19}{'rank 0 stream':>16}{'rank 0 same':>13}")
         for run in range(args.runs):
-            serving, stream, same = one_run(model)
+            serving, stream, same = one_run(model, root)
             print(f"{run:<5}{serving:>19.1f}{stream:>16}{str(same):>13}")
 
 

@@ -21,9 +21,7 @@ that prefilled and of steps that only decoded, and how many steps prefilled.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -35,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
+from benchmarks.workload import mixtral_checkpoint  # noqa: E402
 from services.common.sampling import SamplingParams  # noqa: E402
 from services.engine.config import EngineConfig  # noqa: E402
 from services.engine.core.engine_core import EngineCore  # noqa: E402
@@ -80,22 +79,6 @@ def cost(args: argparse.Namespace) -> None:
     for way in WAYS:
         median = statistics.median(times[way])
         print(f"{way:<16}{median:>10.1f}{median - off:>+11.1f}u")
-
-
-def mixtral(folder: Path) -> Path:
-    from services.common.tiny_checkpoint import ensure_tiny_checkpoint
-    from tests.unit.engine.hf_checkpoints import make_checkpoint
-
-    tiny = ensure_tiny_checkpoint()
-    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
-    make_checkpoint(folder, "mixtral", vocab_size=vocab, num_local_experts=4,
-                    num_experts_per_tok=2, hidden_size=256, intermediate_size=512,
-                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                    max_position_embeddings=512)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (tiny / name).exists():
-            shutil.copy(tiny / name, folder / name)
-    return folder
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -173,7 +156,7 @@ def throttle_run(model: Path, interval: int, args: argparse.Namespace) -> dict[s
 
 def throttle(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        model = mixtral(Path(tmp) / "mixtral")
+        model = mixtral_checkpoint(Path(tmp) / "mixtral")
         results = {n: throttle_run(model, n, args) for n in (1, 4)}
     print(f"\n2 expert-parallel engines, {args.requests} streams (32 tokens), random "
           "arrivals on both ranks; milliseconds, median / p99")

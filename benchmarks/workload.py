@@ -136,3 +136,23 @@ def warmup_workload(num_requests: int = 8) -> list[BenchRequest]:
     """Other prompts (another seed), so that no prefix-cache hit flatters the timed run."""
     return [BenchRequest(r.prompt, min(r.max_tokens, 32))
             for r in mixed_workload(num_requests, seed=12345)]
+
+
+def mixtral_checkpoint(folder: Path) -> Path:
+    """A random 4-layer Mixtral (4 experts, top 2, hidden 256) with the tiny checkpoint's
+    tokenizer, written into `folder`: the expert-parallel benchmarks' model."""
+    import shutil
+
+    from services.common.tiny_checkpoint import ensure_tiny_checkpoint
+    from tests.unit.engine.hf_checkpoints import make_checkpoint
+
+    tiny = ensure_tiny_checkpoint()
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    make_checkpoint(folder, "mixtral", vocab_size=vocab, num_local_experts=4,
+                    num_experts_per_tok=2, hidden_size=256, intermediate_size=512,
+                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                    max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, folder / name)
+    return folder
