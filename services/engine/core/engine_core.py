@@ -118,12 +118,12 @@ class EngineCore:
         self.outputs.set_weight_version(config.weight_version)
         self.sleep = Sleep(executor, self.scheduler, self.weights, self.lifecycle,
                            config.weight_version,
-                           lambda fn: self.input_queue.put((InputType.CALL, fn)),
+                           self._post_to_loop,
                            lambda: self.wave)
         self.sentinel = Sentinel(self.name, config.max_step_faults,
                                  config.engine_recovery_timeout_s, self.lifecycle,
                                  self.scheduler, self.outputs, executor,
-                                 lambda fn: self.input_queue.put((InputType.CALL, fn)),
+                                 self._post_to_loop,
                                  lambda: self.wave)
         self.utilities = Utilities(config, self.scheduler, executor, self.lifecycle,
                                    self.outputs, self._finish_all, lambda: self.wave,
@@ -221,6 +221,10 @@ class EngineCore:
     def subscribe_kv_events(self, session_id: str) -> None:
         """Send the Session a snapshot of the prefix cache, then its every change."""
         self.input_queue.put((InputType.KV_SUBSCRIBE, session_id))
+
+    def _post_to_loop(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread (for collaborators that work on threads of their own)."""
+        self.input_queue.put((InputType.CALL, fn))
 
     def wakeup(self) -> None:
         self.input_queue.put((InputType.WAKEUP, None))

@@ -49,7 +49,7 @@ class Collectives:
         self._store = store
         self._timeout = timeout
         self._gloo: dist.ProcessGroupGloo | None = (
-            dist.ProcessGroupGloo(store, rank, world_size, timeout) if epoch == 0 else None)
+            _gloo_group(store, 0, rank, world_size, timeout) if epoch == 0 else None)
         self._nccl = nccl
         self.epoch = epoch
         """How often the group was re-formed (`reform`)."""
