@@ -68,6 +68,28 @@ class Streams:
         return self.versions
 
 
+def _frozen_streams(setup: Setup, first_prompt_token: int) -> Streams:
+    """Streams frozen by a keep pause while every engine still runs some of them.
+
+    On a loaded machine one engine's streams may all end before the other's first token
+    comes back, so the pause may find an engine idle; then the streams finish and new ones
+    start. The keep pause's own answer says what each engine held.
+    """
+    for _ in range(5):
+        streams = Streams(setup, first_prompt_token)
+        while not (len(streams.versions) == 2 * NUM_PER_ENGINE
+                   and all(streams.versions.values())):
+            time.sleep(0.01)
+        kept = setup.admin.PauseScheduling(admin_pb.PauseSchedulingRequest(
+            mode=admin_pb.PAUSE_MODE_KEEP), timeout=30)
+        assert all(r.ok for r in kept.results), kept
+        if all(json.loads(r.result_json)["num_running"] > 0 for r in kept.results):
+            return streams
+        setup.admin.ResumeScheduling(admin_pb.ResumeSchedulingRequest(), timeout=20)
+        streams.join()
+    raise AssertionError("no keep pause found requests running on every engine in 5 tries")
+
+
 def _switches(versions: list[str]) -> int:
     return sum(a != b for a, b in zip(versions, versions[1:], strict=False))
 
@@ -168,13 +190,12 @@ def test_a_wait_pause_past_its_timeout_says_so_and_stays_paused(setup: Setup) ->
             mode=admin_pb.PAUSE_MODE_WAIT, timeout_s=-1), timeout=30)
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "timeout_s" in (refused.value.details() or "")
-    streams = Streams(setup, 100)
-    while not (len(streams.versions) == 2 * NUM_PER_ENGINE and all(streams.versions.values())):
-        time.sleep(0.01)
+    streams = _frozen_streams(setup, 100)
     try:
+        # Each engine holds frozen requests with ~100 steps to go: the wait pause that
+        # takes over from the keep pause cannot see them finish within a millisecond.
         paused = setup.admin.PauseScheduling(admin_pb.PauseSchedulingRequest(
             mode=admin_pb.PAUSE_MODE_WAIT, timeout_s=0.001), timeout=30)
-        # 120 tokens per stream take far longer than a millisecond to finish.
         assert all(r.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
                    and "within 0.001 s" in r.message for r in paused.results), paused
         assert setup.admin.IsPaused(admin_pb.IsPausedRequest(), timeout=30).is_paused
