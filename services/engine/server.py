@@ -132,7 +132,7 @@ def output_to_proto(u: RequestUpdate, weight_version: str = "") -> pb.RequestOut
 def kv_event_to_proto(e: KvEvent) -> pb.KvCacheEvent:
     if isinstance(e, BlockStored):
         return pb.KvCacheEvent(seq=e.seq, stored=pb.BlockStored(
-            block_hash=e.block_hash, parent_hash=e.parent_hash))
+            block_hash=e.block_hash, parent_hash=e.parent_hash, token_ids=e.token_ids))
     if isinstance(e, BlockRemoved):
         return pb.KvCacheEvent(seq=e.seq, removed=pb.BlockRemoved(block_hash=e.block_hash))
     return pb.KvCacheEvent(seq=e.seq, cleared=pb.CacheCleared())

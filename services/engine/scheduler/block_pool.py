@@ -17,7 +17,7 @@ kv_events.py), so that frontends can mirror what this pool caches.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from services.common.block_hash import NO_PARENT, BlockHash
 from services.engine.scheduler.kv_events import KvEventLog
@@ -82,9 +82,9 @@ class BlockPool:
             self._ref_counts[b] += 1
 
     def cache(self, block_id: int, block_hash: BlockHash,
-              parent_hash: BlockHash = NO_PARENT) -> None:
+              parent_hash: BlockHash = NO_PARENT, token_ids: Sequence[int] = ()) -> None:
         """Record that a held, full block holds the contents named by block_hash;
-        parent_hash names the block before it (for the events only)."""
+        parent_hash and the block's own token_ids are for the events only."""
         if block_id in self._hash_of:
             return
         # Two requests that missed on the same prefix computed it twice: the first
@@ -94,7 +94,7 @@ class BlockPool:
         self._cached[block_hash] = block_id
         self._hash_of[block_id] = block_hash
         if self._events is not None:
-            self._events.stored(block_hash, parent_hash)
+            self._events.stored(block_hash, parent_hash, tuple(token_ids))
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of

@@ -113,8 +113,10 @@ class KVCacheManager:
             return
         self._hash_up_to(request, request.num_computed_tokens)
         hashes = request.block_hashes
+        size = self.block_size
         for i in range(first, num_full):
-            self.pool.cache(table[i], hashes[i], hashes[i - 1] if i else NO_PARENT)
+            self.pool.cache(table[i], hashes[i], hashes[i - 1] if i else NO_PARENT,
+                            request.token_slice(i * size, (i + 1) * size))
         self._num_cached[rid] = num_full
 
     def num_blocks_in(self, request: Request, start: int, hashes: set[bytes]) -> int:

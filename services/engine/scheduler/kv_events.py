@@ -6,7 +6,8 @@ a subscriber first gets a snapshot (every cached hash, and the seq of the last
 event it includes), then every later event. Replaying them keeps an exact copy:
 
     stored:  the block joined the cache (parent: the block before it, NO_PARENT
-             for a request's first block, so a mirror may rebuild the chains)
+             for a request's first block, so a mirror may rebuild the chains; its
+             token ids, for routers that hash blocks their own way, as llm-d's do)
     removed: the block was evicted, its memory reused
     cleared: every block was dropped (an admin reset)
 
@@ -32,6 +33,7 @@ class BlockStored:
     seq: int
     block_hash: BlockHash
     parent_hash: BlockHash
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +65,9 @@ class KvEventLog:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
-    def stored(self, block_hash: BlockHash, parent_hash: BlockHash) -> None:
-        self._pending.append(BlockStored(self._next_seq(), block_hash, parent_hash))
+    def stored(self, block_hash: BlockHash, parent_hash: BlockHash,
+               token_ids: tuple[int, ...] = ()) -> None:
+        self._pending.append(BlockStored(self._next_seq(), block_hash, parent_hash, token_ids))
 
     def removed(self, block_hash: BlockHash) -> None:
         self._pending.append(BlockRemoved(self._next_seq(), block_hash))

@@ -90,6 +90,20 @@ def test_manager_names_each_stored_block_by_its_parent() -> None:
         NO_PARENT, *r.block_hashes[:2]]
 
 
+def test_stored_blocks_carry_their_own_token_ids_prompt_and_output() -> None:
+    log = KvEventLog()
+    kv = KVCacheManager(num_blocks=8, block_size=4, events=log)
+    r = req("r", list(range(1, 7)), max_tokens=8)
+    compute(kv, r)  # 6 prompt tokens: one full block
+    r.output_token_ids.extend([50, 51, 52])
+    r.num_computed_tokens = r.num_tokens - 1  # the last sampled token is not computed yet
+    assert kv.allocate_slots(r.request_id, r.num_tokens, [])
+    kv.cache_full_blocks(r)  # the second block: two prompt tokens and two outputs
+    stored = [e for e in log.drain() if isinstance(e, BlockStored)]
+    assert [e.token_ids for e in stored] == [(1, 2, 3, 4), (5, 6, 50, 51)]
+    assert stored[1].block_hash == r.block_hashes[1]
+
+
 def test_mirror_replays_to_the_pool_through_a_random_workload_with_evictions() -> None:
     rng = random.Random(7)
     log = KvEventLog()
