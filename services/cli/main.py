@@ -27,6 +27,7 @@ from services.common.ports import PortUnavailable
 from services.common.security_config import SecurityConfig
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
+from services.engine.kv_publisher.config import KvEventsConfig
 from services.engine.waves.config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig
 from services.frontend.config import FrontendConfig
@@ -35,8 +36,8 @@ from services.serve.config import SERVE_OWNED, ServeConfig
 SERVICES: dict[str, tuple[tuple[type, ...], str, str]] = {
     "coordinator": ((CoordinatorConfig, SecurityConfig, ObservabilityConfig),
                     "services.coordinator.main", "Run the DP coordinator."),
-    "engine": ((EngineConfig, RunnerConfig, DataParallelConfig, PoolingConfig, SecurityConfig,
-                ObservabilityConfig),
+    "engine": ((EngineConfig, RunnerConfig, DataParallelConfig, KvEventsConfig, PoolingConfig,
+                SecurityConfig, ObservabilityConfig),
                "services.engine.main", "Run one engine-core."),
     "frontend": ((FrontendConfig, PoolingConfig, SecurityConfig, ObservabilityConfig),
                  "services.frontend.main", "Run the public frontend."),
@@ -48,7 +49,7 @@ SERVE_GROUPS: tuple[tuple[str, str, tuple[type, ...]], ...] = (
     ("frontend", "The public frontend: limits, routing, chat, the HTTP door.",
      (FrontendConfig,)),
     ("engine", "Each engine-core: model, scheduler, KV cache, threads, parallelism.",
-     (EngineConfig, RunnerConfig, DataParallelConfig)),
+     (EngineConfig, RunnerConfig, DataParallelConfig, KvEventsConfig)),
     ("coordinator", "The DP coordinator.", (CoordinatorConfig,)),
     ("pooling", "Pooling models (embeddings, classification, scores), for the engines and "
      "the frontend.", (PoolingConfig,)),

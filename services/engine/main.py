@@ -34,6 +34,8 @@ from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
 from services.engine.executor.fault_injection import ENV_VAR as FAULT_INJECT_ENV
 from services.engine.executor.fault_injection import maybe_inject, worker_fault
+from services.engine.kv_publisher.config import KvEventsConfig
+from services.engine.kv_publisher.publisher import KvEventPublisher
 from services.engine.load_reporter import LoadReporter
 from services.engine.messages import EngineState
 from services.engine.metrics import EngineMetrics
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     security = from_args(SecurityConfig, args)
     obs_config = from_args(ObservabilityConfig, args)
     dp = from_args(DataParallelConfig, args)
+    kv_events = from_args(KvEventsConfig, args)
     setup_logging(f"engine{config.engine_index}", config.log_level, obs_config.log_format)
     logger.info("config: %s %s %s", config, runner_config, obs_config)
     shutdown = ShutdownSignal.install()
@@ -102,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
             shutdown.set()
 
     core.add_state_listener(exit_when_dead)
+    publisher = None
+    if kv_events.enabled:
+        publisher = KvEventPublisher(kv_events, config.engine_index,
+                                     core.scheduler.kv_cache.block_size)
+        core.outputs.add_kv_sink(publisher.publish)
     observability = Observability("engine", obs_config, config.host,
                                   (config, runner_config, security),
                                   {"corestream.engine.index": config.engine_index})
@@ -146,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if relay is not None:
         relay.stop()
     server.stop(STOP_GRACE_S)  # lets every Session deliver its last message
+    if publisher is not None:
+        publisher.close()
     metrics.close()
     observability.shutdown()
     if core.state is EngineState.DEAD:
@@ -233,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     # `python -m services.engine.main`: the flags of `corestream engine` (services.cli's
     # SERVICES lists the same classes; the engine may not import the CLI).
     parser = argparse.ArgumentParser(prog="corestream engine")
-    for cls in (EngineConfig, RunnerConfig, DataParallelConfig, PoolingConfig, SecurityConfig,
-                ObservabilityConfig):
+    for cls in (EngineConfig, RunnerConfig, DataParallelConfig, KvEventsConfig, PoolingConfig,
+                SecurityConfig, ObservabilityConfig):
         add_arguments(parser, cls)
     return run(parser.parse_args(argv))
 

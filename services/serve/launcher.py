@@ -65,6 +65,7 @@ from services.common.shutdown import ShutdownSignal
 from services.common.tiny_checkpoint import resolve_model
 from services.coordinator.config import CoordinatorConfig
 from services.engine.config import EngineConfig
+from services.engine.kv_publisher.config import KvEventsConfig
 from services.engine.models.registry import supported, unsupported_message
 from services.engine.waves.config import DataParallelConfig
 from services.engine.worker.config import RunnerConfig, format_cpu_list
@@ -180,6 +181,7 @@ def plan(
     engine = from_args(EngineConfig, args, exclude=SERVE_OWNED)
     observability = to_argv(from_args(ObservabilityConfig, args, exclude=SERVE_OWNED))
     pooling = to_argv(from_args(PoolingConfig, args, exclude=SERVE_OWNED))
+    kv_events = to_argv(from_args(KvEventsConfig, args, exclude=SERVE_OWNED))
 
     def private_metrics() -> list[str]:
         # Each child's own port; serve's endpoint reads them all (services/serve/metrics.py).
@@ -198,7 +200,7 @@ def plan(
                DP_MASTER_FLAG, f"{HOST}:{free_port()}"]
     for index, placed in enumerate(place_engines(runner, serve.engines)):
         children.append(Child(f"engine-{index}", [
-            "engine", *to_argv(engine), *to_argv(placed), *dp, *pooling,
+            "engine", *to_argv(engine), *to_argv(placed), *dp, *pooling, *kv_events,
             *to_argv(security["engine"]),
             *observability, *private_metrics(), "--model", model,
             "--host", HOST, "--port", "0", "--engine-index", str(index),

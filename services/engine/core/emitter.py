@@ -41,6 +41,12 @@ class OutputEmitter:
         # in one order. Routing only puts on unbounded queues; it never blocks.
         self._order = threading.Lock()
         self._weight_version = ""
+        self._kv_sinks: list[Callable[[tuple[KvEvent, ...]], None]] = []
+
+    def add_kv_sink(self, sink: Callable[[tuple[KvEvent, ...]], None]) -> None:
+        """Also hand every batch of prefix-cache events to `sink`, on the loop thread
+        (the vLLM-format publisher): set before the loop starts."""
+        self._kv_sinks.append(sink)
 
     def set_weight_version(self, version: str) -> None:
         """The version stamped on every output from now on (set between steps)."""
@@ -51,6 +57,9 @@ class OutputEmitter:
         are routed in their seq order (other threads emit too)."""
         if not updates and not kv_events:
             return
+        if kv_events:
+            for sink in self._kv_sinks:
+                sink(kv_events)
         if updates:
             self.observer.on_updates(updates)
         by_session: dict[str, list[RequestUpdate]] = {}
