@@ -91,6 +91,15 @@ class FrontendConfig:
         default=120.0,
     )
 
+    vllm_metric_names: bool = doc(
+        "Also export the load an endpoint picker reads (the engines' totals: "
+        "corestream:server_num_requests_waiting, _running, _kv_cache_usage_perc, "
+        "_cache_config_info) under vLLM's names (vllm:num_requests_waiting, ..., "
+        "vllm:gpu_cache_usage_perc, vllm:cache_config_info), so that pickers set up for "
+        "vLLM (the Gateway API Inference Extension's EPP, llm-d, SGLang's gateway) read "
+        "this server unchanged.", default=False
+    )
+
     restart_status_file: str = doc(
         "Set by `corestream serve`: its JSON record of restarted processes, reported by "
         "AdminService/GetEngineStats. Empty: not started by serve.", default=""

@@ -44,7 +44,13 @@ from services.frontend.chat.service import ChatServicer
 from services.frontend.chat.template import ChatTemplates
 from services.frontend.config import FrontendConfig
 from services.frontend.generate_service import GenerateServicer
+from services.frontend.model_server_metrics import (
+    EngineCapacities,
+    ServerLoadCollector,
+    engine_loads,
+)
 from services.frontend.openai_api.app import HttpServer, HttpSettings, OpenAIApi
+from services.frontend.openai_api.sglang_routes import WorkerState
 from services.frontend.pipeline import Pipeline
 from services.frontend.pooling import service as pooling_service
 from services.frontend.pooling.operations import PoolingOperations
@@ -90,6 +96,10 @@ class FrontendServer:
             prefill_tokens_per_request=config.prefill_tokens_per_request,
         )
         self._weight_sync = WeightSync(self.balancer)
+        self.capacities = EngineCapacities(self.balancer)
+        self.observability.registry.register(ServerLoadCollector(
+            config.served_model_name or model.name, self.balancer, self.capacities,
+            config.vllm_metric_names))
         self._model = model
         self._pipeline = Pipeline(config, tokenizer, model, self.balancer, self.observability,
                                   pooler)
@@ -154,6 +164,7 @@ class FrontendServer:
             self._watcher.start()
         else:
             await self.balancer.set_static(self._config.engines)
+        self.capacities.start()
         return self.port
 
     async def stop(self, drain_timeout_s: float) -> None:
@@ -178,6 +189,7 @@ class FrontendServer:
             await self._health_server.stop(0)
         if self._watcher is not None:
             await self._watcher.close()
+        await self.capacities.close()
         await self.balancer.close()
 
     def _http_api(self, keys: frozenset[bytes], admin_keys: frozenset[bytes]) -> OpenAIApi:
@@ -186,10 +198,14 @@ class FrontendServer:
                                                 self._model.path) if n))
         settings = HttpSettings(model_names=names, max_model_len=self._model.max_model_len,
                                 max_body_bytes=config.max_message_bytes, api_keys=keys,
-                                admin_keys=admin_keys)
+                                admin_keys=admin_keys,
+                                root=self._model.path or self._model.name)
+        worker = WorkerState(
+            self._model, names[0], lambda: engine_loads(self.balancer, self.capacities),
+            lambda: self.balancer.tensor_parallel_size, lambda: self.balancer.weight_version)
         return OpenAIApi(settings, self._pipeline, self._answering,
                          lambda: self.balancer.ready, self.observability.registry,
-                         self._weight_sync, self.pooling)
+                         self._weight_sync, self.pooling, worker)
 
     async def _wait_until_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

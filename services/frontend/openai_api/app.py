@@ -7,7 +7,8 @@ process: no loopback gRPC call.
 Errors come back in OpenAI's shape with the HTTP status matching the gRPC code.
 `/health` and `/metrics` (the frontend's Prometheus registry) sit beside the API, and
 vLLM's routes for RL trainers (pause, resume, live weight updates: rl_routes.py) and
-for pooling models (embeddings, score, rerank, classify: pooling_routes.py).
+for pooling models (embeddings, score, rerank, classify: pooling_routes.py), and
+SGLang's worker routes for its model gateway (/generate, /v1/loads: sglang_routes.py).
 
 Starlette serves it under uvicorn, on the frontend's own event loop. A client that
 disconnects cancels its request's task, which aborts the request in the engine.
@@ -64,6 +65,7 @@ from services.frontend.openai_api.schemas import (
     completion_names,
     completion_requests,
 )
+from services.frontend.openai_api.sglang_routes import SglangRoutes, WorkerState
 from services.frontend.pipeline import Pipeline
 from services.frontend.pooling.operations import PoolingOperations
 from services.frontend.weight_sync import WeightSync
@@ -84,13 +86,17 @@ class HttpSettings:
     admin_keys: frozenset[bytes] = frozenset()
     """Keys the RL routes (rl_routes.py) take when there are any; else those take the
     API keys, as the gRPC AdminService does."""
+    root: str = ""
+    """The checkpoint served (its path or name), /v1/models' `root`."""
 
 
 class OpenAIApi:
     def __init__(self, settings: HttpSettings, pipeline: Pipeline,
                  chat: ChatAnswering, is_ready: Callable[[], bool],
                  registry: CollectorRegistry, weight_sync: WeightSync | None = None,
-                 pooling: PoolingOperations | None = None) -> None:
+                 pooling: PoolingOperations | None = None,
+                 worker_state: WorkerState | None = None) -> None:
+        """`worker_state`: serve SGLang's worker routes (sglang_routes.py) from it."""
         self._settings = settings
         self._pipeline = pipeline
         self._chat = chat
@@ -111,6 +117,9 @@ class OpenAIApi:
                 *(PoolingRoutes(pooling, self.model, settings.max_model_len,
                                 self._authenticate, self._body).routes()
                   if pooling is not None else []),
+                *(SglangRoutes(worker_state, pipeline, self._tasks, self._authenticate,
+                               self._body, is_ready).routes()
+                  if worker_state is not None else []),
             ],
             middleware=[Middleware(RequestIds)],
             exception_handlers={HTTPException: http_exception, Exception: internal_error},
@@ -138,7 +147,8 @@ class OpenAIApi:
         except RequestError as e:
             return error_response(e)
         return JSONResponse(responses.models_list(self.model, self._created,
-                                                  self._settings.max_model_len, self._tasks))
+                                                  self._settings.max_model_len, self._tasks,
+                                                  self._settings.root))
 
     async def completions(self, request: Request) -> Response:
         names: Mapping[str, str] = COMPLETION_NAMES

@@ -33,7 +33,7 @@ def call_metadata(request: Request) -> dict[str, str]:
     return dict(request.headers)
 
 
-async def whole(request: Request, work: Awaitable[dict[str, Any]],
+async def whole(request: Request, work: Awaitable[Any],
                 request_id: str, names: Mapping[str, str] | None = None) -> Response:
     """The JSON of `work`, cancelled (and the request aborted) if the client leaves."""
     task = asyncio.ensure_future(work)

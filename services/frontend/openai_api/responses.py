@@ -320,12 +320,16 @@ def _with_warnings(body: Json, warnings: Sequence[str]) -> Json:
 
 
 def models_list(model: str, created: int, max_model_len: int,
-                tasks: Sequence[str] = ("generate",)) -> Json:
+                tasks: Sequence[str] = ("generate",), root: str = "") -> Json:
     """GET /v1/models: the one served model, and what it serves (`generate`; `embed`
-    and `score`; `classify`, and `score` with one label), as GetModelInfo.tasks says."""
+    and `score`; `classify`, and `score` with one label), as GetModelInfo.tasks says.
+    `root` is the checkpoint it came from and `parent` the base model of an adapter
+    (none: no adapters), as vLLM reports them; routers (llm-d, SGLang's gateway) read
+    both to tell base models from adapters."""
     return {"object": "list", "data": [
         {"id": model, "object": "model", "created": created, "owned_by": "corestream",
-         "max_model_len": max_model_len, "tasks": list(tasks)},
+         "root": root or model, "parent": None, "max_model_len": max_model_len,
+         "tasks": list(tasks)},
     ]}
 
 

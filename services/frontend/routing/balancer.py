@@ -169,6 +169,14 @@ class Balancer:
                            if c.connected and c.weight_version})
         return ",".join(versions)
 
+    def engine_loads(self) -> list[tuple[EngineClient, EngineLoadInfo | None]]:
+        """Every engine's client with its latest load figures (None where there are no
+        fresh ones: static engines, or the coordinator out of reach). Safe to call from
+        another thread: it copies."""
+        fresh = self._has_load_figures and not self.degraded
+        loads = dict(self._loads) if fresh else {}
+        return [(client, loads.get(address)) for address, client in list(self._clients.items())]
+
     async def set_static(self, addresses: Iterable[str]) -> None:
         await self._apply([EngineLoadInfo(a, routable=True, alive=True) for a in addresses])
         self._has_load_figures = False

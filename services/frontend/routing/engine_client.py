@@ -151,6 +151,16 @@ class EngineClient:
             await self._channel.close()
             self._channel = None
 
+    async def get_info(self, timeout_s: float) -> engine_pb2.GetEngineInfoResponse:
+        """The engine's GetEngineInfo (its KV-cache size, among others); grpc.aio errors
+        pass through."""
+        if self._channel is None:
+            raise unavailable(f"{self.name}: no channel (the client is not started)")
+        stub = engine_pb2_grpc.EngineCoreServiceStub(self._channel)
+        info: engine_pb2.GetEngineInfoResponse = await stub.GetEngineInfo(
+            engine_pb2.GetEngineInfoRequest(), timeout=timeout_s)
+        return info
+
     def add(
         self,
         request: engine_pb2.AddRequest,

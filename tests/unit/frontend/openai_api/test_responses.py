@@ -334,9 +334,12 @@ def test_models_list() -> None:
     body = _roundtrip(models_list("tiny", 1700000000, 4096))
     assert body == {"object": "list", "data": [
         {"id": "tiny", "object": "model", "created": 1700000000, "owned_by": "corestream",
-         "max_model_len": 4096, "tasks": ["generate"]}]}
+         "root": "tiny", "parent": None, "max_model_len": 4096, "tasks": ["generate"]}]}
     model = openai.types.Model.model_validate(body["data"][0])
-    assert model.model_extra == {"max_model_len": 4096, "tasks": ["generate"]}
+    assert model.model_extra == {"root": "tiny", "parent": None, "max_model_len": 4096,
+                                 "tasks": ["generate"]}
+    served = models_list("alias", 1700000000, 4096, root="/models/tiny")["data"][0]
+    assert (served["id"], served["root"], served["parent"]) == ("alias", "/models/tiny", None)
     pooling = models_list("st", 1700000000, 512, ("embed", "score"))
     assert pooling["data"][0]["tasks"] == ["embed", "score"]
 
