@@ -177,6 +177,8 @@ def follow(q: queue.Queue[SessionItem], mirror: Mirror, seq: int) -> None:
 def test_subscriber_mirrors_the_cache_in_every_step_path(path: str) -> None:
     core = make_core(path)
     sub, other = core.sessions.open("sub"), core.sessions.open("other")
+    sunk: list[KvEvent] = []  # what the vLLM-format publisher would be handed
+    core.outputs.add_kv_sink(sunk.extend)
     core.start()
     try:
         core.subscribe_kv_events("sub")  # the loop is idle: the subscription wakes it
@@ -199,6 +201,11 @@ def test_subscriber_mirrors_the_cache_in_every_step_path(path: str) -> None:
         assert mirror.hashes == set(last.block_hashes) == set(
             core.scheduler.kv_cache.pool.cached_hashes())
         assert mirror.seq > len(mirror.hashes)  # blocks were evicted along the way
+        # A sink gets every event once, in order, whether or not a Session subscribed.
+        sunk_mirror = Mirror(0, [])
+        sunk_mirror.apply(e for e in sunk if e.seq <= last.seq)
+        assert sunk_mirror.hashes == mirror.hashes
+        assert all(len(e.token_ids) == 4 for e in sunk if isinstance(e, BlockStored))
     finally:
         core.shutdown()
 
@@ -214,7 +221,8 @@ def runner() -> FakeRunner:
 def event_from_proto(e: pb.KvCacheEvent) -> KvEvent:
     kind = e.WhichOneof("kind")
     if kind == "stored":
-        return BlockStored(e.seq, e.stored.block_hash, e.stored.parent_hash)
+        return BlockStored(e.seq, e.stored.block_hash, e.stored.parent_hash,
+                           tuple(e.stored.token_ids))
     if kind == "removed":
         return BlockRemoved(e.seq, e.removed.block_hash)
     assert kind == "cleared"
@@ -268,8 +276,10 @@ def test_subscribers_mirror_the_engine_cache_and_others_see_nothing(
         pending.difference_update(o.request_id for o in m.outputs if o.finish_reason)
         return not pending
 
-    read(a, mirror_a, all_finished)  # the last step's events come with its outputs
+    messages = read(a, mirror_a, all_finished)  # the last step's events come with its outputs
     assert mirror_a.hashes == set(pool.cached_hashes())
+    stored = [e.stored for m in messages for e in m.kv_cache_events if e.HasField("stored")]
+    assert stored and all(len(e.token_ids) == 4 for e in stored)
     assert mirror_a.seq > len(mirror_a.hashes)  # some were removed again
 
     b, snap_b = subscribe(channel)  # joins an idle engine later
