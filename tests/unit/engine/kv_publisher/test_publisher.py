@@ -105,3 +105,13 @@ def test_a_port_in_use_is_a_clear_start_error() -> None:
                 kv_events_replay_endpoint=f"tcp://127.0.0.1:{port}"), rank=0, block_size=16)
     finally:
         taken.close(0)
+
+
+def test_malformed_replay_requests_are_ignored_and_the_socket_keeps_serving(
+        sockets: tuple[zmq.Socket, zmq.Socket, KvEventPublisher]) -> None:
+    _, replay, publisher = sockets
+    publisher.publish(_stored(1))
+    for frames in ((b"",), (b"", b"short"), (b"", b"x" * 9), (b"a", b"b", b"c" * 8)):
+        replay.send_multipart(frames)
+    assert [s for s, _ in _replay(replay, 0)] == [0]  # the only answer is to this one
+    assert not replay.poll(200)
