@@ -27,6 +27,7 @@ CASES: dict[str, tuple[Path, ...]] = {
     "default": (),
     "gpu-mtls-dp2": (CHART / "ci" / "gpu-mtls-dp2-values.yaml",),
     "cpu-tp2": (CHART / "ci" / "cpu-tp2-values.yaml",),
+    "inference-pool": (CHART / "ci" / "inference-pool-values.yaml",),
 }
 
 

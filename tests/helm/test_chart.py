@@ -28,8 +28,9 @@ pytestmark = [pytest.mark.usefixtures("helm_binary"), pytest.mark.timeout(120)]
 
 # The chart's kubeVersion floor and the Kubernetes release the pinned helm was built for.
 KUBERNETES_VERSIONS = ("1.30.0", "1.35.0")
-# Custom resources: the API schemas do not know them (checked in test_servicemonitor).
-CRD_GROUPS = ("monitoring.coreos.com/",)
+# Custom resources: the API schemas do not know them (checked in test_servicemonitor and
+# test_inference_pool).
+CRD_GROUPS = ("monitoring.coreos.com/", "inference.networking.k8s.io/")
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 SERVICE_CONTAINERS = ("frontend", "coordinator", "engine")
 
