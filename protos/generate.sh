@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate the Python code beside every .proto with the pinned grpcio-tools.
+# Regenerate the Python code beside every .proto with the pinned grpcio-tools: ours and
+# the vendored third-party ones under corestream/vendor/ (see the README there).
 set -euo pipefail
 py="${PYTHON:-python}"
 case "$py" in */*) py="$(cd "$(dirname "$py")" && pwd)/$(basename "$py")" ;; esac

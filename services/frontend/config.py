@@ -37,6 +37,12 @@ class FrontendConfig:
         "/v1/models, /health) on the same host; -1 turns it off, 0 picks a free port.",
         default=-1,
     )
+    vllm_grpc: bool = doc(
+        "Also serve vLLM's gRPC engine API (vllm.grpc.engine.VllmEngine, as the smg "
+        "gateway calls vLLM workers) on the gRPC port. While on, every engine publishes "
+        "its prefix-cache events to this frontend for SubscribeKvEvents, whatever the "
+        "routing policy.", default=True
+    )
     coordinator: str = doc(
         "HOST:PORT of the DP coordinator; engines are learned from its WatchLoad stream.",
         default="",

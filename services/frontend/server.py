@@ -1,5 +1,6 @@
 """The frontend's gRPC server, wired: GenerateService (generate_service.py),
-ChatService (chat/service.py) and AdminService (admin.py) plus health and reflection,
+ChatService (chat/service.py), AdminService (admin.py) and vLLM's VllmEngine
+(vllm_grpc/, unless --no-vllm-grpc) plus health and reflection,
 the OpenAI-compatible HTTP API beside it (openai_api/), all on one request path
 (pipeline.py) that routes over the engines a coordinator or a static list gives.
 
@@ -21,6 +22,7 @@ from corestream.generate.v1 import admin_service_pb2_grpc as admin_pb2_grpc
 from corestream.generate.v1 import chat_service_pb2_grpc as chat_pb2_grpc
 from corestream.generate.v1 import generate_service_pb2_grpc as generate_pb2_grpc
 from corestream.generate.v1 import pooling_service_pb2_grpc as pooling_pb2_grpc
+from corestream.vendor.smg_grpc_proto import vllm_engine_pb2_grpc as vllm_pb2_grpc
 
 from services.common.auth import BearerAuthInterceptor, load_keys
 from services.common.grpc_server import (
@@ -61,6 +63,9 @@ from services.frontend.routing.load_watcher import LoadWatcher
 from services.frontend.routing.policies import RoutingPolicy
 from services.frontend.routing.prefix_index import PrefixIndex
 from services.frontend.tokenizer import TextTokenizer
+from services.frontend.vllm_grpc import service as vllm_service
+from services.frontend.vllm_grpc.kv_events import KvEventHub
+from services.frontend.vllm_grpc.service import VllmEngineServicer
 from services.frontend.weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -85,11 +90,14 @@ class FrontendServer:
         self._health_server: grpc.aio.Server | None = None
         self._frontend_id = f"frontend-{uuid.uuid4().hex[:12]}"
         policy = RoutingPolicy(config.routing_policy)
+        # vLLM's SubscribeKvEvents relays the engines' cache events: with the API on,
+        # every engine's Session subscribes to them.
+        self.kv_events = KvEventHub() if config.vllm_grpc else None
         self.balancer = Balancer(
             self._frontend_id, on_readiness=self._on_readiness,
-            client_factory=functools.partial(EngineClient,
-                                             watchdog_timeout_s=config.watchdog_timeout,
-                                             security=security),
+            client_factory=functools.partial(
+                EngineClient, watchdog_timeout_s=config.watchdog_timeout, security=security,
+                kv_listener=None if self.kv_events is None else self.kv_events.on_session_response),
             policy=policy,
             prefix_index=PrefixIndex(config.prefix_index_max_blocks)
             if policy is RoutingPolicy.CACHE_AWARE else None,
@@ -138,10 +146,15 @@ class FrontendServer:
             admin.AdminServicer(self.balancer,
                                 restart_status_file=self._config.restart_status_file,
                                 weight_sync=self._weight_sync), server)
+        services = [generate_service.SERVICE_NAME, chat_service.SERVICE_NAME,
+                    pooling_service.SERVICE_NAME, admin.SERVICE_NAME]
+        if self.kv_events is not None:
+            vllm_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
+                self._config, self._pipeline, self.pooling, self._model, self.balancer,
+                self._weight_sync, self.kv_events), server)
+            services.append(vllm_service.SERVICE_NAME)
         self._health = await add_aio_health_and_reflection(
-            server, [generate_service.SERVICE_NAME, chat_service.SERVICE_NAME,
-                     pooling_service.SERVICE_NAME, admin.SERVICE_NAME],
-            self._security.reflection)
+            server, services, self._security.reflection)
         # Both ports are bound before either serves: a busy one (PortUnavailable) stops
         # the start with nothing running.
         address = host_port(self._config.host, self._config.port)

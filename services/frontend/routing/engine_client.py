@@ -19,7 +19,9 @@ anything itself: the client treats it as dead in the same way.
 With a prefix index (cache-aware routing) the client subscribes to the engine's
 prefix-cache events in its Hello and applies the snapshot and the events to the
 index; the engine's entries are dropped whenever the Session ends, since a new
-Session starts with a fresh snapshot (of a new epoch, if the engine restarted).
+Session starts with a fresh snapshot (of a new epoch, if the engine restarted). With a
+`kv_listener` (vLLM's SubscribeKvEvents, vllm_grpc/kv_events.py) the client subscribes
+too, whatever the routing, and hands it every response carrying a snapshot or events.
 
 Utility calls (admin) share the Session: `call_utility` sends one with a fresh
 call id and awaits the UtilityResult carrying that id; a lost session fails the
@@ -69,6 +71,9 @@ class EngineFailure:
 
 
 EngineEvent = engine_pb2.RequestOutput | EngineFailure
+KvListener = Callable[["EngineClient", engine_pb2.SessionResponse], None]
+"""Called on the event loop with each Session response that carries a cache snapshot
+or cache events."""
 
 
 class _SessionEnded(Exception):
@@ -92,10 +97,12 @@ class EngineClient:
         watchdog_timeout_s: float = 0.0,
         security: SecurityConfig = PLAINTEXT,
         prefix_index: PrefixIndex | None = None,
+        kv_listener: KvListener | None = None,
     ) -> None:
         """`watchdog_timeout_s` 0 disables the silence watchdog."""
         self.address = address
         self._prefix_index = prefix_index
+        self._kv_listener = kv_listener
         self._security = security
         self._frontend_id = frontend_id
         self._on_change = on_change
@@ -253,7 +260,8 @@ class EngineClient:
             engine_pb2.SessionRequest(
                 hello=engine_pb2.Hello(
                     frontend_id=self._frontend_id, protocol_version=PROTOCOL_VERSION,
-                    kv_cache_events=self._prefix_index is not None,
+                    kv_cache_events=(self._prefix_index is not None
+                                     or self._kv_listener is not None),
                 )
             )
         )
@@ -332,6 +340,9 @@ class EngineClient:
                 future.set_result(UtilityOutcome(result.result_json, result.failure_message))
         if self._prefix_index is not None:
             self._apply_cache_events(self._prefix_index, response)
+        if self._kv_listener is not None and (response.kv_cache_events
+                                              or response.HasField("kv_cache_snapshot")):
+            self._kv_listener(self, response)
         for output in response.outputs:
             queue = self._streams.get(output.request_id)
             if queue is None:  # aborted here while the engine was still producing
