@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -187,6 +188,16 @@ def _families(prefix: str, model_name: str, load: ServerLoad) -> Iterator[Metric
         family = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
         family.add_metric([model_name], value)
         yield family
+    if prefix == VLLM_PREFIX:
+        # No adapters are served: pickers with LoRA affinity (GAIE's) find none loaded
+        # here, and no room for any, instead of a missing metric. The value is the time
+        # of the figures, which pickers use to pick the latest series.
+        lora = GaugeMetricFamily(
+            prefix + "lora_requests_info", "LoRA adapters running and waiting (none: no "
+            "adapters are served); the value is the time of the figures.",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric(["0", "", ""], time.time())
+        yield lora
     if load.block_size:
         info = GaugeMetricFamily(
             prefix + "cache_config_info", "The KV cache of the engines together (value 1): "

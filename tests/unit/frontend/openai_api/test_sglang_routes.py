@@ -232,6 +232,9 @@ def test_metrics_carry_the_server_totals_and_with_the_flag_vllms_names() -> None
                 {"model_name": MODEL.name, "block_size": str(BLOCK_SIZE),
                  "num_gpu_blocks": str(NUM_BLOCKS)}, 1.0)]
         assert "vllm:gpu_cache_usage_perc" in found
+        [(lora, stamp)] = found["vllm:lora_requests_info"]
+        assert lora == {"max_lora": "0", "running_lora_adapters": "",
+                        "waiting_lora_adapters": ""} and stamp > 0
 
     serve(body, engine=engine, vllm_metric_names=True)
 
