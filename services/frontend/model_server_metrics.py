@@ -112,6 +112,11 @@ class EngineCapacities:
         except grpc.aio.AioRpcError as e:
             log.debug("GetEngineInfo of %s failed: %s", client.name, e.code().name)
             return
+        except Exception as e:
+            # A client closed under the call (a retired engine) must not end the follow:
+            # the next round asks the engines still there.
+            log.debug("GetEngineInfo of %s failed: %r", client.name, e)
+            return
         if info.num_kv_blocks and info.block_size:
             self._known[client.address] = EngineCapacity(info.block_size, info.num_kv_blocks)
 

@@ -36,8 +36,9 @@ from tests.integration.cluster import REPO, Cluster, free_port, frozen
 
 TIMEOUT_S = 180
 MODEL = "tiny-llama-v2"
-# Long enough that a request frozen after its first token cannot end first.
-LONG = 1500
+# Long enough that a request frozen after its first token cannot end first (the tiny
+# model's context is 2048 tokens).
+LONG = 2000
 
 
 @pytest.fixture(scope="module")
