@@ -3,10 +3,11 @@
 Clients send `authorization: Bearer <key>` metadata. With API keys configured every
 RPC needs one of them (or an admin key), except grpc.health.v1, which probes call
 without credentials; server reflection needs a key too, since it tells a stranger
-the whole API. With admin keys configured, the admin services need one of those; a
-valid API key there is PERMISSION_DENIED. A presented key's SHA-256 is compared
-with hmac.compare_digest against every configured key's, so the time taken tells
-neither how much of a guess matched, nor which key it was close to, nor a key's length.
+the whole API. With admin keys configured, the admin services (and the admin methods
+of other services) need one of those; a valid API key there is PERMISSION_DENIED. A
+presented key's SHA-256 is compared with hmac.compare_digest against every configured
+key's, so the time taken tells neither how much of a guess matched, nor which key it
+was close to, nor a key's length.
 """
 
 from __future__ import annotations
@@ -97,10 +98,13 @@ def _denying_handler(
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_keys: Sequence[bytes], admin_keys: Sequence[bytes] = (),
-                 admin_services: Sequence[str] = ()) -> None:
+                 admin_services: Sequence[str] = (), admin_methods: Sequence[str] = ()
+                 ) -> None:
+        """`admin_methods` are full method names ("/package.Service/Method")."""
         self._api_keys = tuple(map(_digest, api_keys))
         self._admin_keys = tuple(map(_digest, admin_keys))
         self._admin_services = frozenset(admin_services)
+        self._admin_methods = frozenset(admin_methods)
 
     def check(self, method: str, metadata: Sequence[tuple[str, Any]] | None
               ) -> tuple[grpc.StatusCode, str] | None:
@@ -108,7 +112,8 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         service = _service_of(method)
         if service == HEALTH_SERVICE:
             return None
-        admin = service in self._admin_services and bool(self._admin_keys)
+        admin = ((service in self._admin_services or method in self._admin_methods)
+                 and bool(self._admin_keys))
         required = self._admin_keys if admin else self._api_keys + self._admin_keys
         if not required:
             return None
@@ -122,8 +127,9 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         if _matches(token, required):
             return None
         if admin and _matches(token, self._api_keys):
+            what = service if service in self._admin_services else method.lstrip("/")
             return (grpc.StatusCode.PERMISSION_DENIED,
-                    f"{service} needs an admin key; this API key is not one")
+                    f"{what} needs an admin key; this API key is not one")
         return grpc.StatusCode.UNAUTHENTICATED, "invalid API key"
 
     async def intercept_service(

@@ -250,4 +250,6 @@ def _auth_interceptors(api_keys: tuple[bytes, ...],
                        admin_keys: tuple[bytes, ...]) -> list[grpc.aio.ServerInterceptor]:
     if not api_keys and not admin_keys:
         return []
-    return [BearerAuthInterceptor(api_keys, admin_keys, admin_services=[admin.SERVICE_NAME])]
+    # vLLM's API holds operator calls too (cache flush, profiler): admin, as AdminService's.
+    return [BearerAuthInterceptor(api_keys, admin_keys, admin_services=[admin.SERVICE_NAME],
+                                  admin_methods=vllm_service.ADMIN_METHODS)]

@@ -54,6 +54,9 @@ from services.frontend.weight_sync import Results, WeightSync, all_ok
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = vllm_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+ADMIN_METHODS = tuple(f"/{SERVICE_NAME}/{m}" for m in ("FlushCache", "StartProfile",
+                                                       "StopProfile"))
+"""Operator calls: with admin keys configured, they need one (as AdminService does)."""
 # Routers may pick their client by it: this is the vLLM API, whoever serves it.
 SERVER_TYPE = "vllm-grpc"
 _FLUSH_RETRY_S = 0.1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
@@ -196,3 +197,29 @@ def test_the_flag_turns_the_api_and_the_subscription_off(
     serve_generate(tokenizer, model_info, engine, body, routing_policy="least_load",
                    vllm_grpc=False)
     assert [h.kv_cache_events for h in engine.hellos] == [False]
+
+
+def test_operator_calls_need_an_admin_key(tokenizer: TextTokenizer, model_info: ModelInfo,
+                                          tmp_path: Path) -> None:
+    (tmp_path / "api").write_text("user-key\n")
+    (tmp_path / "admin").write_text("admin-key\n")
+    user = (("authorization", "Bearer user-key"),)
+
+    async def body(_: pb_grpc.GenerateServiceStub, channel: grpc.aio.Channel) -> None:
+        stub = vllm_grpc.VllmEngineStub(channel)
+        health = await stub.HealthCheck(vllm_pb2.HealthCheckRequest(), metadata=user)
+        assert health.healthy
+        for call in (stub.FlushCache(smg_pb2.FlushCacheRequest(), metadata=user),
+                     stub.StartProfile(smg_pb2.StartProfileRequest(), metadata=user),
+                     stub.StopProfile(smg_pb2.StopProfileRequest(), metadata=user)):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call
+            assert error.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "needs an admin key" in (error.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.GetLoads(vllm_pb2.GetLoadsRequest())
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    serve_generate(tokenizer, model_info, FakeEngine(script(tokenizer)), body,
+                   api_key_file=str(tmp_path / "api"),
+                   admin_api_key_file=str(tmp_path / "admin"))
