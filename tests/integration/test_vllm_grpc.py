@@ -158,6 +158,8 @@ def test_state_rpcs(cluster: Cluster, ours: pb_grpc.GenerateServiceStub) -> None
     loads = result["loads"]
     assert loads["dp_rank_count"] == 2
     assert sorted(load.get("dp_rank", 0) for load in loads["loads"]) == [0, 1]
+    assert result["flush"]["success"] is True, result["flush"]
+    assert result["flush"]["message"].count("num_blocks_dropped") == 2  # every engine
 
 
 def test_tokenizer_bundle_holds_the_models_files(cluster: Cluster) -> None:

@@ -56,6 +56,9 @@ def info(stub: vllm_engine_pb2_grpc.VllmEngineStub, _: Json) -> Json:
         "server": as_json(stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(),
                                              timeout=10)),
         "loads": as_json(stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=10)),
+        # Idle engines flush at once; the timeout covers a request another test left.
+        "flush": as_json(stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=20),
+                                         timeout=30)),
     }
 
 
