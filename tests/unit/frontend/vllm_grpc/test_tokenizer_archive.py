@@ -10,7 +10,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
+from services.frontend.tokenizer import TextTokenizer
 from services.frontend.vllm_grpc.tokenizer_archive import (
     CHUNK_BYTES,
     TokenizerArchive,
@@ -77,3 +79,15 @@ def test_the_archive_is_built_once(folder: Path) -> None:
         assert await archive.get() == first
 
     asyncio.run(body())
+
+
+def test_a_gguf_models_bundle_is_its_metadatas_tokenizer(smollm2_view: Path) -> None:
+    # The view's files were written from the GGUF's metadata: what a router builds from
+    # the bundle tokenizes as the frontend does, with the file's chat template.
+    archive = zipfile.ZipFile(io.BytesIO(build_archive(smollm2_view)))
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json",
+            "chat_template.jinja"} <= set(archive.namelist())
+    rebuilt = Tokenizer.from_str(archive.read("tokenizer.json").decode())
+    text = "Hello, GGUF tokenizers! 123"
+    assert rebuilt.encode(text).ids == TextTokenizer.from_dir(smollm2_view).encode(text)
+    assert b"im_start" in archive.read("chat_template.jinja")
