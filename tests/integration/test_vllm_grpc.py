@@ -110,10 +110,14 @@ def test_sampling_parameters_take_effect(cluster: Cluster,
               "max_tokens": 10, "ignore_eos": True, "n": 2, "logprobs": 2}
     one = completes(vllm_generate(cluster, tokenized={"input_ids": PROMPT},
                                   sampling_params=seeded))
-    two = completes(vllm_generate(cluster, tokenized={"input_ids": PROMPT},
-                                  sampling_params=seeded))
+    streamed = vllm_generate(cluster, tokenized={"input_ids": PROMPT}, stream=True,
+                             sampling_params=seeded)
     assert [c.get("index", 0) for c in one] == [0, 1]
-    assert [c["output_ids"] for c in one] == [c["output_ids"] for c in two]  # the seed
+    # The seed: the same samples again, streamed as two interleaved sequences.
+    assert [streamed_ids(streamed, i) for i in (0, 1)] == [c["output_ids"] for c in one]
+    assert [c.get("index", 0) for c in completes(streamed)] == [0, 1]
+    assert {len(top["token_ids"]) for r in streamed if "chunk" in r
+            for top in r["chunk"]["output_logprobs"]["top_logprobs"]} == {2}
     for complete in one:
         assert len(complete["output_ids"]) == 10
         logprobs = complete["output_logprobs"]
