@@ -16,12 +16,19 @@ class KvEventsConfig:
         "Publish KV-cache events in vLLM's format on this ZeroMQ PUB endpoint "
         "(tcp://HOST:PORT, ipc://PATH); empty: off. As vLLM does, a wildcard host "
         "(tcp://*:5557) or ipc:// binds; any other address connects (llm-d's indexer "
-        "binds and the engines dial it). Engine N uses port + N.", default=""
+        "binds and the engines dial it). Engine N uses port + N (see "
+        "kv_events_offset_ports).", default=""
     )
     kv_events_replay_endpoint: str = doc(
         "A ZeroMQ ROUTER endpoint (bound) that resends the buffered batches from a given "
         "sequence number, for a subscriber that missed some; empty: no replay. Engine N "
-        "uses port + N.", default=""
+        "uses port + N (see kv_events_offset_ports).", default=""
+    )
+    kv_events_offset_ports: bool = doc(
+        "Engine N publishes and replays on port + N (ipc paths and inproc names get a "
+        "_dpN suffix), as vLLM's data-parallel ranks do, so that engines sharing a host "
+        "(`corestream serve --engines N`) can share the flags; off where every engine has "
+        "an address of its own (one Kubernetes pod each).", default=True
     )
     kv_events_topic: str = doc(
         "The topic frame of every message, as llm-d's `kv@POD_IP@MODEL`.", default=""

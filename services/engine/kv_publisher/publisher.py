@@ -39,8 +39,9 @@ _STOP = object()
 
 class KvEventPublisher:
     def __init__(self, config: KvEventsConfig, rank: int, block_size: int) -> None:
-        self.endpoint = endpoint_for_rank(config.kv_events_endpoint, rank)
-        self.replay_endpoint = endpoint_for_rank(config.kv_events_replay_endpoint, rank)
+        offset = rank if config.kv_events_offset_ports else 0
+        self.endpoint = endpoint_for_rank(config.kv_events_endpoint, offset)
+        self.replay_endpoint = endpoint_for_rank(config.kv_events_replay_endpoint, offset)
         self._format = config.kv_events_format
         self._rank = rank
         self._block_size = block_size

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from services.common.block_hash import NO_PARENT, hash_block
-from services.common.ports import free_port
+from services.common.ports import free_port, port_in_use
 from services.engine.kv_publisher.config import KvEventsConfig
 from services.engine.kv_publisher.publisher import KvEventPublisher
 from services.engine.kv_publisher.wire import END_SEQ
@@ -115,3 +115,19 @@ def test_malformed_replay_requests_are_ignored_and_the_socket_keeps_serving(
         replay.send_multipart(frames)
     assert [s for s, _ in _replay(replay, 0)] == [0]  # the only answer is to this one
     assert not replay.poll(200)
+
+
+@pytest.mark.parametrize("offset", [True, False])
+def test_engine_n_moves_its_ports_up_by_n_unless_told_not_to(offset: bool) -> None:
+    base = free_port()  # dialled, never bound: it may be anything
+    replay = next(p for p in iter(free_port, None) if port_in_use("127.0.0.1", p + 3) is None)
+    publisher = KvEventPublisher(KvEventsConfig(
+        kv_events_endpoint=f"tcp://127.0.0.1:{base}",
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{replay}",
+        kv_events_offset_ports=offset), rank=3, block_size=16)
+    try:
+        shift = 3 if offset else 0
+        assert publisher.endpoint == f"tcp://127.0.0.1:{base + shift}"
+        assert publisher.replay_endpoint == f"tcp://127.0.0.1:{replay + shift}"
+    finally:
+        publisher.close()
