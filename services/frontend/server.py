@@ -151,7 +151,7 @@ class FrontendServer:
         if self.kv_events is not None:
             vllm_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(
                 self._config, self._pipeline, self.pooling, self._model, self.balancer,
-                self._weight_sync, self.kv_events), server)
+                self._weight_sync, self.kv_events, self._kv_tokens), server)
             services.append(vllm_service.SERVICE_NAME)
         self._health = await add_aio_health_and_reflection(
             server, services, self._security.reflection)
@@ -224,6 +224,11 @@ class FrontendServer:
         deadline = time.monotonic() + timeout_s
         while self._pipeline.num_running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+
+    def _kv_tokens(self, address: str) -> int:
+        """An engine's KV-cache size in tokens, as last read (0 before)."""
+        capacity = self.capacities.get(address)
+        return 0 if capacity is None else capacity.block_size * capacity.num_blocks
 
     def _on_readiness(self, ready: bool) -> None:
         task = asyncio.get_running_loop().create_task(self._publish_readiness())

@@ -162,6 +162,8 @@ def test_state_rpcs(cluster: Cluster, ours: pb_grpc.GenerateServiceStub) -> None
     loads = result["loads"]
     assert loads["dp_rank_count"] == 2
     assert sorted(load.get("dp_rank", 0) for load in loads["loads"]) == [0, 1]
+    # The KV cache's size, as the frontend read it from each engine's GetEngineInfo.
+    assert all(load.get("max_total_num_tokens", 0) > 0 for load in loads["loads"])
     assert result["flush"]["success"] is True, result["flush"]
     assert result["flush"]["message"].count("num_blocks_dropped") == 2  # every engine
 

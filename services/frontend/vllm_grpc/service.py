@@ -35,7 +35,6 @@ from corestream.vendor.smg_grpc_proto import vllm_engine_pb2_grpc as vllm_pb2_gr
 from services.common.model_info import ModelInfo
 from services.frontend.config import FrontendConfig
 from services.frontend.errors import RequestError, invalid_argument, to_status
-from services.frontend.generate.validation import check_prompt_text
 from services.frontend.grpc_calls import aborting_on_error, call_metadata, start_call
 from services.frontend.pipeline import Pipeline
 from services.frontend.pooling.operations import PoolingOperations
@@ -47,7 +46,7 @@ from services.frontend.vllm_grpc.generate_request import (
 )
 from services.frontend.vllm_grpc.generate_response import ResponseBuilder
 from services.frontend.vllm_grpc.kv_events import KvEventHub
-from services.frontend.vllm_grpc.loads import loads_response
+from services.frontend.vllm_grpc.loads import KvTokens, loads_response
 from services.frontend.vllm_grpc.tokenizer_archive import TokenizerArchive, chunks
 from services.frontend.weight_sync import Results, WeightSync, all_ok
 
@@ -73,7 +72,8 @@ def _version() -> str:
 class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
     def __init__(self, config: FrontendConfig, pipeline: Pipeline, pooling: PoolingOperations,
                  model: ModelInfo, balancer: Balancer, weight_sync: WeightSync,
-                 kv_events: KvEventHub) -> None:
+                 kv_events: KvEventHub, kv_tokens: KvTokens = lambda address: 0) -> None:
+        """`kv_tokens`: an engine's KV-cache size in tokens by address (0: unknown)."""
         self._config = config
         self._pipeline = pipeline
         self._pooling = pooling
@@ -81,6 +81,7 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
         self._balancer = balancer
         self._weights = weight_sync
         self._kv_events = kv_events
+        self._kv_tokens = kv_tokens
         template = Path(config.chat_template) if config.chat_template else None
         self._tokenizer = TokenizerArchive(Path(model.path), template)
         self._model_config = _read_config(Path(model.path))
@@ -111,7 +112,6 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
             self._pipeline.check_accepting()
             self._pipeline.check_sampling(ours.sampling)
             if ours.WhichOneof("prompt") == "text":
-                check_prompt_text(ours.text)
                 token_ids = await self._pipeline.encode(ours.text, add_special_tokens=True)
             else:
                 token_ids = list(ours.token_ids.ids)
@@ -208,7 +208,8 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
     ) -> vllm_pb2.GetLoadsResponse:
         try:
             return loads_response(self._balancer, self._version,
-                                  request.dp_rank if request.HasField("dp_rank") else None)
+                                  request.dp_rank if request.HasField("dp_rank") else None,
+                                  self._kv_tokens)
         except RequestError as e:
             await context.abort_with_status(to_status(e))
             raise  # not reached: abort raises

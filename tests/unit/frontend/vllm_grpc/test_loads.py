@@ -18,6 +18,7 @@ class _Client:
     engine_index: int | None
     connected: bool = True
     num_in_flight: int = 0
+    address: str = ""
 
 
 @dataclass
@@ -34,13 +35,19 @@ def balancer(*loads: tuple[_Client, EngineLoadInfo | None]) -> Balancer:
 
 def test_coordinator_figures_per_rank_in_rank_order() -> None:
     view = balancer(
-        (_Client(1), EngineLoadInfo("b", True, True, num_waiting=2, num_running=3,
-                                    kv_cache_usage=0.5, engine_index=1)),
-        (_Client(0), EngineLoadInfo("a", True, True, num_running=1, engine_index=0)),
+        (_Client(1, address="b"), EngineLoadInfo("b", True, True, num_waiting=2,
+                                                 num_running=3, kv_cache_usage=0.5,
+                                                 engine_index=1)),
+        (_Client(0, address="a"), EngineLoadInfo("a", True, True, num_running=1,
+                                                 engine_index=0)),
         (_Client(2, connected=False), None))
     loads = scheduler_loads(view)
     assert [(s.dp_rank, s.num_running_reqs, s.num_waiting_reqs, s.num_total_reqs,
              s.token_usage) for s in loads] == [(0, 1, 0, 1, 0.0), (1, 3, 2, 5, 0.5)]
+    assert {s.max_total_num_tokens for s in loads} == {0}  # sizes not known (yet)
+    sized = scheduler_loads(view, kv_tokens={"a": 1000, "b": 4096}.__getitem__)
+    assert [(s.max_total_num_tokens, s.num_used_tokens) for s in sized] == [
+        (1000, 0), (4096, 2048)]
     (only,) = scheduler_loads(view, dp_rank=1)
     assert only.num_waiting_reqs == 2
     response = loads_response(view, "corestream test")
