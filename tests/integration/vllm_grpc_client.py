@@ -50,6 +50,10 @@ def generate(stub: vllm_engine_pb2_grpc.VllmEngineStub, request: Json) -> Json:
 
 
 def info(stub: vllm_engine_pb2_grpc.VllmEngineStub, _: Json) -> Json:
+    # The frontend reads each engine's KV-cache size on its own schedule (every few
+    # seconds until known): GetLoads reports 0 until then.
+    _wait_for(lambda: all(load.max_total_num_tokens > 0 for load in stub.GetLoads(
+        vllm_engine_pb2.GetLoadsRequest(), timeout=10).loads))
     return {
         "health": as_json(stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=10)),
         "model": as_json(stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=10)),
