@@ -115,6 +115,7 @@ def test_abort_by_request_id_completes_with_abort(tokenizer: TextTokenizer,
             sampling_params=vllm_pb2.SamplingParams(ignore_eos=True)))
         first = await anext(aiter(call))
         assert first.WhichOneof("response") == "chunk"
+        engine.frozen = True  # it cannot finish the request first, however slow we are
         await stub.Abort(vllm_pb2.AbortRequest(request_ids=["long", "unknown"]))
         rest = [r async for r in call]
         assert rest[-1].complete.finish_reason == "abort"
@@ -132,6 +133,7 @@ def test_a_client_that_goes_away_aborts_the_engine_request(
         call = vllm_grpc.VllmEngineStub(channel).Generate(vllm_pb2.GenerateRequest(
             request_id="gone", text=TEXT, stream=True))
         await anext(aiter(call))
+        engine.frozen = True
         call.cancel()
         await asyncio.wait_for(engine.aborted.wait(), 5)
         assert engine.aborts == ["gone"]
