@@ -58,12 +58,13 @@ def vllm_field_names(error: RequestError) -> RequestError:
 def check_unsupported(request: vllm_pb2.GenerateRequest) -> None:
     """INVALID_ARGUMENT for a field set to something corestream cannot honour. Empty
     messages carry nothing and pass."""
-    if request.mm_inputs.ByteSize() or len(request.extra_mm_inputs) or \
-            request.media_refs.ByteSize():
-        field = ("mm_inputs" if request.mm_inputs.ByteSize()
-                 else "extra_mm_inputs" if len(request.extra_mm_inputs) else "media_refs")
-        raise invalid_argument(field, f"{field}: this server serves text-only models; "
-                               "multimodal inputs are not supported")
+    multimodal = {"mm_inputs": request.mm_inputs.ByteSize(),
+                  "extra_mm_inputs": len(request.extra_mm_inputs),
+                  "media_refs": request.media_refs.ByteSize()}
+    for field, size in multimodal.items():
+        if size:
+            raise invalid_argument(field, f"{field}: this server serves text-only models; "
+                                   "multimodal inputs are not supported")
     if request.kv_transfer_params.ByteSize():
         raise _no_kv_transfer("kv_transfer_params")
     if request.HasField("kv_transfer_params_json"):
