@@ -186,7 +186,9 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
             # -1: the model names none (0 is a token id).
             pad_token_id=pad if isinstance(pad, int) else -1,
             bos_token_id=-1 if model.bos_token_id is None else model.bos_token_id,
-            max_req_input_len=self._config.max_prompt_tokens or model.max_model_len - 1,
+            # A prompt must leave room for one token, whatever --max-prompt-tokens says.
+            max_req_input_len=min(self._config.max_prompt_tokens or model.max_model_len,
+                                  model.max_model_len - 1),
             # The frontend applies no per-model sampling defaults (generation_config.json's
             # are not read): the request's values and ours are all there is.
             default_sampling_params_json="{}")
