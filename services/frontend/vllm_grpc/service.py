@@ -1,10 +1,11 @@
 """VllmEngine (`vllm.grpc.engine`): vLLM's gRPC engine API, as the smg gateway and
 other routers call vLLM workers, served by the frontend on corestream's own paths.
 
-- Generate walks the one request path (pipeline.py) as our GenerateStream does:
-  the same validation, limits, routing, telemetry, time limit, and an abort of every
-  sample when the client goes away. The request is translated at the door
-  (generate_request.py) and the chunks on the way out (generate_response.py).
+- Generate walks the one request path (pipeline.py) through its public steps, as
+  ChatService does (request, checks, tokenize, prepared, run): the same validation,
+  limits, routing, telemetry, time limit, and an abort of every sample when the client
+  goes away. The request is translated at the door (generate_request.py) and the
+  chunks on the way out (generate_response.py).
 - Embed runs on the pooling path (pooling/operations.py), Abort on the runner's
   registry of client request ids, FlushCache and the profiler on the engines' utility
   calls (weight_sync.py's fan-out, as AdminService does).
@@ -35,6 +36,9 @@ from corestream.vendor.smg_grpc_proto import vllm_engine_pb2_grpc as vllm_pb2_gr
 from services.common.model_info import ModelInfo
 from services.frontend.config import FrontendConfig
 from services.frontend.errors import RequestError, invalid_argument, to_status
+from services.frontend.generate.runner import PreparedRequest
+from services.frontend.generate.telemetry import RequestTelemetry
+from services.frontend.generate.validation import check_prompt_token_ids
 from services.frontend.grpc_calls import aborting_on_error, call_metadata, start_call
 from services.frontend.pipeline import Pipeline
 from services.frontend.pooling.operations import PoolingOperations
@@ -105,31 +109,46 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
                         ) -> AsyncIterator[vllm_pb2.GenerateResponse]:
         params = request.sampling_params
         try:
-            ours = to_generate_request(request_id, request)
-            # The checks that need no tokenizer first, as the request path orders them:
-            # the prompt is tokenized here so that its length is known for the responses
-            # (and truncate_prompt_tokens can apply), then the path checks it all again.
-            self._pipeline.check_accepting()
-            self._pipeline.check_sampling(ours.sampling)
-            if ours.WhichOneof("prompt") == "text":
-                token_ids = await self._pipeline.encode(ours.text, add_special_tokens=True)
-            else:
-                token_ids = list(ours.token_ids.ids)
-            token_ids = truncated(token_ids, params, self._model.max_model_len)
-            ours.ClearField("text")
-            ours.token_ids.ids[:] = token_ids
-            builder = ResponseBuilder(
-                token_ids, request.stream,
-                params.logprobs if params.HasField("logprobs") else None,
-                params.prompt_logprobs if params.HasField("prompt_logprobs") else None)
-            async for chunk in self._pipeline.generate(request_id, ours, metadata):
-                response = builder.on_chunk(chunk)
-                if response is not None:
-                    yield response
+            async with self._pipeline.request(request_id, metadata) as telemetry:
+                prepared = await self._prepare(request_id, request, telemetry)
+                builder = ResponseBuilder(
+                    prepared.prompt_token_ids, request.stream,
+                    params.logprobs if params.HasField("logprobs") else None,
+                    params.prompt_logprobs if params.HasField("prompt_logprobs") else None)
+                async for chunk in self._pipeline.run(prepared, telemetry):
+                    response = builder.on_chunk(chunk)
+                    if response is not None:
+                        yield response
         except RequestError as e:
             raise vllm_field_names(e) from None
         for complete in builder.completes():
             yield complete
+
+    async def _prepare(self, request_id: str, request: vllm_pb2.GenerateRequest,
+                       telemetry: RequestTelemetry) -> PreparedRequest:
+        """The request path's steps as GenerateService's request takes them, with the
+        prompt tokenized here: its length is in every response, and
+        truncate_prompt_tokens cuts it before the length limits apply."""
+        pipeline = self._pipeline
+        with telemetry.phase("validate"):
+            ours = to_generate_request(request_id, request)
+            pipeline.check_accepting()
+            sampling = pipeline.check_sampling(ours.sampling)
+            text = ours.text if ours.WhichOneof("prompt") == "text" else None
+            if text is None:
+                check_prompt_token_ids(ours.token_ids.ids, self._model.vocab_size)
+        if text is None:
+            token_ids = list(ours.token_ids.ids)
+        else:
+            with telemetry.phase("tokenize"):
+                token_ids = await pipeline.encode(text, add_special_tokens=True)
+        token_ids = truncated(token_ids, request.sampling_params, self._model.max_model_len)
+        return await pipeline.prepared(PreparedRequest(
+            request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
+            skip_special_tokens=ours.skip_special_tokens,
+            data_parallel_rank=(ours.data_parallel_rank
+                                if ours.HasField("data_parallel_rank") else None),
+        ), text, telemetry)
 
     async def Abort(  # noqa: N802 (gRPC method name)
         self, request: vllm_pb2.AbortRequest, context: grpc.aio.ServicerContext
