@@ -35,7 +35,8 @@ Json = dict[str, Any]
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    c = Cluster(["--engines", "2"])
+    # Routing that needs no cache events: SubscribeKvEvents must get them anyway.
+    c = Cluster(["--engines", "2", "--routing-policy", "least_load"])
     yield c
     c.stop()
 
