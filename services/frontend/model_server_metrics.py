@@ -101,9 +101,10 @@ class EngineCapacities:
     async def _follow(self) -> None:
         while True:
             await self.refresh()
-            # Sooner while an engine's size is missing: a picker reads the size once.
-            missing = any(c.connected and c.address not in self._known
-                          for c in self._balancer.clients)
+            # Sooner while an engine's size is missing (none known yet: no engine had
+            # connected at the first look): a picker reads the size once.
+            missing = not self._known or any(c.connected and c.address not in self._known
+                                             for c in self._balancer.clients)
             await asyncio.sleep(0.2 if missing else REFRESH_S)
 
     async def _ask(self, client: EngineClient) -> None:
