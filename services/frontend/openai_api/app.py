@@ -36,7 +36,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.common.metrics import exposition
@@ -48,7 +48,6 @@ from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.openai_api import http_calls, responses
 from services.frontend.openai_api.http_errors import (
     RequestIds,
-    error_body,
     error_response,
     http_exception,
     internal_error,
@@ -66,13 +65,13 @@ from services.frontend.openai_api.schemas import (
     completion_requests,
 )
 from services.frontend.openai_api.sglang_routes import SglangRoutes, WorkerState
+from services.frontend.openai_api.sse import sse_response
 from services.frontend.pipeline import Pipeline
 from services.frontend.pooling.operations import PoolingOperations
 from services.frontend.weight_sync import WeightSync
 
 T = TypeVar("T")
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(frozen=True)
@@ -174,7 +173,7 @@ class OpenAIApi:
         if body.stream:
             events = self._completion_events(_merged(streams), rid, created, logprobs,
                                              body.include_usage, body.return_token_ids)
-            return await _sse(request, events, request_id, names)
+            return await sse_response(events, request_id, names)
 
         async def whole() -> dict[str, Any]:
             choices = []
@@ -231,7 +230,7 @@ class OpenAIApi:
         logprobs = bool(body.logprobs)
         if body.stream:
             events = self._chat_events(answer, rid, created, body.include_usage)
-            return await _sse(request, events, request_id, names)
+            return await sse_response(events, request_id, names)
 
         async def whole() -> dict[str, Any]:
             result = await collect_chat(request_id, answer)
@@ -311,36 +310,6 @@ def _validation_error(exc: pydantic.ValidationError) -> RequestError:
     first = exc.errors()[0]
     param = ".".join(str(part) for part in first["loc"])
     return invalid_argument(param, f"{param}: {first['msg']}" if param else first["msg"])
-
-
-async def _sse(request: Request, events: AsyncIterator[dict[str, Any]],
-               request_id: str, names: Mapping[str, str]) -> Response:
-    """Server-sent events, after the first event: a request that fails before its first
-    token (validation, routing) gets its HTTP status, not a stream with an error."""
-    try:
-        first = await anext(events, None)
-    except RequestError as e:
-        return error_response(e, request_id, names)
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            if first is not None:
-                yield _event(first)
-            async for event in events:
-                yield _event(event)
-        except RequestError as e:
-            # Too late for a status: the error goes in the stream, as OpenAI's does.
-            yield _event(error_body(e, names)[1])
-        finally:
-            await events.aclose()
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={**_SSE_HEADERS, "X-Request-Id": request_id})
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _indexed(chunks: AsyncIterator[T], base: int) -> AsyncIterator[tuple[int, T]]:

@@ -21,10 +21,9 @@ rather than ignored: logprobs, LoRA, structural tags, a streamed batch.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -34,7 +33,7 @@ from corestream.common.v1 import common_pb2
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.common.model_info import ModelInfo
@@ -42,8 +41,9 @@ from services.frontend.collect import collect_generate
 from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.model_server_metrics import EngineLoad
 from services.frontend.openai_api import http_calls
-from services.frontend.openai_api.http_errors import error_body, error_response
+from services.frontend.openai_api.http_errors import error_response
 from services.frontend.openai_api.schemas import Int32, Int64, TokenId
+from services.frontend.openai_api.sse import sse_response
 from services.frontend.pipeline import Pipeline
 
 Json = dict[str, Any]
@@ -52,7 +52,6 @@ T = TypeVar("T")
 # SGLang's default when sampling_params has no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # SGLang's sampling_params name -> ours (SamplingParams), where they differ.
 _SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                    "sampling_seed": "seed", "no_stop_trim": "include_stop_str_in_output",
@@ -250,8 +249,8 @@ class SglangRoutes:
             proto = protos[0]
             proto.request_id = request_id
             chunks = self._pipeline.generate(request_id, proto, metadata)
-            return await _sse(request, _stream_events(chunks, request_id, started),
-                              request_id)
+            return await sse_response(_stream_events(chunks, request_id, started),
+                                      request_id, _FIELD_NAMES)
         for i, proto in enumerate(protos):
             proto.request_id = request_id if len(protos) == 1 else f"{request_id}-{i}"
 
@@ -403,34 +402,6 @@ async def _stream_events(chunks: AsyncIterator[generate_pb2.GenerateStreamRespon
                      time.monotonic() - started if done else None)
         yield {"text": "".join(text), "output_ids": list(tokens), "meta_info": meta,
                "index": chunk.index}
-
-
-async def _sse(request: Request, events: AsyncIterator[Json], request_id: str) -> Response:
-    """Server-sent events after the first one, so that a request refused before its first
-    token gets its HTTP status rather than a stream holding the error."""
-    try:
-        first = await anext(events, None)
-    except RequestError as e:
-        return error_response(e, request_id, _FIELD_NAMES)
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            if first is not None:
-                yield _event(first)
-            async for event in events:
-                yield _event(event)
-        except RequestError as e:
-            yield _event(error_body(e, _FIELD_NAMES)[1])
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={**_SSE_HEADERS, "X-Request-Id": request_id})
-
-
-def _event(data: Mapping[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def _capacity_tokens(engine: EngineLoad) -> int:
