@@ -5,6 +5,7 @@ second and the CPU seconds their processes used, from their own
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import time
@@ -18,6 +19,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.throughput import stream_all
 from benchmarks.workload import BenchRequest, warmup_workload
 from tests.integration.cluster import Cluster, free_port
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """The flags every side-by-side benchmark takes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--kv-cache-memory", default="1073741824")
+    return parser.parse_args()
 
 
 @dataclass

@@ -13,7 +13,6 @@ on a shared machine), the medians and their ratios (traced / untraced).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,18 +20,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
 
-from benchmarks.side_by_side import report, run_rounds, start  # noqa: E402
+from benchmarks.side_by_side import parse_args, report, run_rounds, start  # noqa: E402
 from benchmarks.workload import bench_checkpoint, mixed_workload  # noqa: E402
 from tests.integration.otlp_collector import OtlpCollector  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--kv-cache-memory", default="1073741824")
-    args = parser.parse_args()
+    args = parse_args(__doc__.split("\n\n")[0])
 
     model = bench_checkpoint()
     workload = mixed_workload(args.num_requests)
