@@ -169,6 +169,10 @@ def test_state_rpcs(cluster: Cluster, ours: pb_grpc.GenerateServiceStub) -> None
     assert result["flush"]["message"].count("num_blocks_dropped") == 2  # every engine
 
 
+def test_server_info_says_when_every_engine_is_paused(cluster: Cluster) -> None:
+    assert client(cluster, "paused") == {"before": False, "during": True, "after": False}
+
+
 def test_tokenizer_bundle_holds_the_models_files(cluster: Cluster) -> None:
     result = client(cluster, "tokenizer")
     *earlier, last = result["sha256s"]

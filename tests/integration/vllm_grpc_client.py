@@ -137,9 +137,28 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def paused(stub: vllm_engine_pb2_grpc.VllmEngineStub, args: Json) -> Json:
+    """GetServerInfo's is_paused before, during and after a keep pause of every engine."""
+    with grpc.insecure_channel(args["address"]) as channel:
+        admin = admin_grpc.AdminServiceStub(channel)
+
+        def is_paused() -> bool:
+            return stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(),
+                                      timeout=10).is_paused
+
+        before = is_paused()
+        admin.PauseScheduling(admin_pb2.PauseSchedulingRequest(
+            mode=admin_pb2.PAUSE_MODE_KEEP), timeout=TIMEOUT_S)
+        try:
+            during = is_paused()
+        finally:
+            admin.ResumeScheduling(admin_pb2.ResumeSchedulingRequest(), timeout=TIMEOUT_S)
+        return {"before": before, "during": during, "after": is_paused()}
+
+
 SCENARIOS: dict[str, Callable[[vllm_engine_pb2_grpc.VllmEngineStub, Json], Json]] = {
     "generate": lambda stub, args: generate(stub, args["request"]), "info": info,
-    "abort": abort, "tokenizer": tokenizer, "kv_events": kv_events,
+    "abort": abort, "tokenizer": tokenizer, "kv_events": kv_events, "paused": paused,
 }
 
 

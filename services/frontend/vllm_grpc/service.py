@@ -52,7 +52,7 @@ from services.frontend.vllm_grpc.generate_response import ResponseBuilder
 from services.frontend.vllm_grpc.kv_events import KvEventHub
 from services.frontend.vllm_grpc.loads import KvTokens, loads_response
 from services.frontend.vllm_grpc.tokenizer_archive import TokenizerArchive, chunks
-from services.frontend.weight_sync import Results, WeightSync, all_ok
+from services.frontend.weight_sync import Results, WeightSync, all_ok, result_json
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ ADMIN_METHODS = tuple(f"/{SERVICE_NAME}/{m}" for m in ("FlushCache", "StartProfi
 """Operator calls: with admin keys configured, they need one (as AdminService does)."""
 # Routers may pick their client by it: this is the vLLM API, whoever serves it.
 SERVER_TYPE = "vllm-grpc"
+PAUSE_LOOKUP_TIMEOUT_S = 1.0
 _FLUSH_RETRY_S = 0.1
 _PROFILE_OPTIONS = ("output_dir", "start_step", "num_steps", "with_stack", "record_shapes")
 
@@ -217,8 +218,14 @@ class VllmEngineServicer(vllm_pb2_grpc.VllmEngineServicer):
     ) -> vllm_pb2.GetServerInfoResponse:
         ranks = {c.engine_index for c in self._balancer.clients if c.connected}
         block_sizes = self._kv_events.block_sizes()
+        # Paused as AdminService.IsPaused says: every engine answered and is paused. A
+        # router polls this: an engine slow to answer makes it "not paused", not slow.
+        stats = await self._weights.call(self._weights.clients(), "get_stats", {},
+                                         PAUSE_LOOKUP_TIMEOUT_S)
+        paused = bool(stats) and all_ok(stats) and all(
+            result_json(r).get("paused") for r in stats)
         return vllm_pb2.GetServerInfoResponse(
-            active_requests=self._pipeline.num_running,
+            active_requests=self._pipeline.num_running, is_paused=paused,
             last_receive_timestamp=self._last_receive,
             uptime_seconds=time.time() - self._started, server_type=SERVER_TYPE,
             data_parallel_size=len(ranks), model_dtype=self._model.dtype,

@@ -160,6 +160,7 @@ def test_state_rpcs_answer_from_the_frontend(tokenizer: TextTokenizer,
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         server = await stub.GetServerInfo(vllm_pb2.GetServerInfoRequest())
         assert server.server_type == "vllm-grpc" and server.data_parallel_size == 1
+        assert not server.is_paused
         assert server.block_size == 16  # from the engine's cache snapshot
         # The test model has no folder: no tokenizer to bundle.
         with pytest.raises(grpc.aio.AioRpcError) as error:
