@@ -173,10 +173,10 @@ class ServerLoadCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         load = server_load(engine_loads(self._balancer, self._capacities))
         for prefix in self._prefixes:
-            yield from _families(prefix, self._model_name, load)
+            yield from load_families(prefix, self._model_name, load)
 
 
-def _families(prefix: str, model_name: str, load: ServerLoad) -> Iterator[Metric]:
+def load_families(prefix: str, model_name: str, load: ServerLoad) -> Iterator[Metric]:
     gauges = [
         ("num_requests_waiting", "Requests waiting to be scheduled, over the engines "
          "behind this server.", load.num_waiting),

@@ -14,6 +14,8 @@ import jsonschema
 import pytest
 import yaml
 
+from services.common.metrics import PREFIX
+from services.frontend.model_server_metrics import ServerLoad, load_families
 from tests.helm.chart import CHART, RenderError, containers, render
 
 pytestmark = [pytest.mark.usefixtures("helm_binary"), pytest.mark.timeout(120)]
@@ -121,3 +123,71 @@ def test_bad_values_are_refused(overrides: list[str], words: str) -> None:
     with pytest.raises(RenderError) as refused:
         render(set_json=overrides)
     assert words in str(refused.value)
+
+
+# The EndpointPickerConfig fields, plugin types and core-metrics-extractor parameters of
+# GAIE v1.5.0's EPP (apix/config/v1alpha1/endpointpickerconfig_types.go and the plugins'
+# factories under pkg/epp/framework/plugins at tag v1.5.0; v1.6.0 no longer ships the
+# EPP), written out so that a field the picker would not know fails here.
+EPP_CONFIG_FIELDS = {"apiVersion", "kind", "featureGates", "plugins", "schedulingProfiles",
+                     "saturationDetector", "dataLayer", "flowControl", "parser"}
+EPP_PLUGIN_TYPES = {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer",
+                    "max-score-picker", "single-profile-handler", "metrics-data-source",
+                    "core-metrics-extractor"}
+EXTRACTOR_FIELDS = {"engineLabelKey", "defaultEngine", "engineConfigs"}
+ENGINE_CONFIG_FIELDS = {"name", "queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec",
+                        "loraSpec", "cacheInfoSpec", "cacheBlockSizeLabelName",
+                        "cacheNumBlocksLabelName", "cacheBlockSizeSpec", "cacheNumBlocksSpec"}
+
+
+def _epp_config(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    [config_map] = [o for o in objs if o["kind"] == "ConfigMap"
+                    and o["metadata"]["name"].endswith("-epp-config")]
+    config: dict[str, Any] = yaml.safe_load(config_map["data"]["endpoint-picker.yaml"])
+    return config
+
+
+def test_the_epp_config_reads_corestreams_own_metric_names_from_the_frontends() -> None:
+    objs = render(POOL_VALUES)
+    config = _epp_config(objs)
+    assert (config["apiVersion"], config["kind"]) == (
+        "inference.networking.x-k8s.io/v1alpha1", "EndpointPickerConfig")
+    assert set(config) <= EPP_CONFIG_FIELDS
+    # Without the gate the EPP ignores dataLayer and scrapes vLLM's names.
+    assert "dataLayer" in config["featureGates"]
+    plugins = {p["type"]: p for p in config["plugins"]}
+    assert set(plugins) <= EPP_PLUGIN_TYPES
+    refs = {r["pluginRef"] for profile in config["schedulingProfiles"]
+            for r in profile["plugins"]}
+    [source] = config["dataLayer"]["sources"]
+    refs |= {source["pluginRef"], *(e["pluginRef"] for e in source["extractors"])}
+    assert refs <= set(plugins)  # every reference names a plugin instance
+    assert plugins["metrics-data-source"]["parameters"]["path"] == "/metrics"
+
+    extractor = plugins["core-metrics-extractor"]["parameters"]
+    assert set(extractor) <= EXTRACTOR_FIELDS
+    [engine] = extractor["engineConfigs"]
+    assert set(engine) <= ENGINE_CONFIG_FIELDS
+    assert engine["name"] == extractor["defaultEngine"] == "corestream"
+    # The frontend pods the pool selects carry the label that picks this engine config.
+    labels = _frontend(objs)["spec"]["template"]["metadata"]["labels"]
+    assert labels[extractor["engineLabelKey"]] == engine["name"]
+    # The names are the ones the frontend exports, labels and all.
+    load = ServerLoad(num_running=1, num_waiting=2, kv_cache_usage=0.5, block_size=16,
+                      num_blocks=64)
+    families = {f.name: f for f in load_families(PREFIX + "server_", "m", load)}
+    for spec in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec",
+                 "cacheInfoSpec"):
+        assert engine[spec] in families, (spec, engine[spec], sorted(families))
+    [sample] = families[engine["cacheInfoSpec"]].samples
+    assert {"block_size", "num_gpu_blocks"} <= set(sample.labels)  # the extractor's labels
+    assert engine["loraSpec"] == ""  # no adapters: nothing to scrape
+
+
+def test_the_epp_config_scrapes_https_with_tls_and_can_be_left_out() -> None:
+    tls = _epp_config(render(POOL_VALUES, ['security={"tls":{"enabled":true,'
+                                           '"existingSecret":"certs"}}']))
+    [source] = [p for p in tls["plugins"] if p["type"] == "metrics-data-source"]
+    assert source["parameters"]["scheme"] == "https"
+    objs = render(POOL_VALUES, ['inferencePool={"enabled":true,"endpointPicker":{"config":false}}'])
+    assert not [o for o in objs if o["metadata"]["name"].endswith("-epp-config")]
