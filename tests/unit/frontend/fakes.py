@@ -32,6 +32,7 @@ from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from tokenizers import AddedToken, Tokenizer
 
 from services.common.model_info import ModelInfo
+from services.common.pooling import Pooler
 from services.common.tiny_checkpoint import train_byte_level_bpe
 from services.frontend.config import FrontendConfig
 from services.frontend.main import event_loop_factory
@@ -221,6 +222,7 @@ def serve_generate(
     engine: FakeEngine | None,
     body: GenerateBody,
     event_loop: str = "asyncio",
+    pooler: Pooler | None = None,
     **config: Any,
 ) -> None:
     async def main() -> None:
@@ -229,7 +231,8 @@ def serve_generate(
         if engine is not None:
             engine_server, address = await start_fake_engine(engine)
         frontend = FrontendServer(
-            FrontendConfig(port=0, engines=(address,), **config), tokenizer, model_info
+            FrontendConfig(port=0, engines=(address,), **config), tokenizer, model_info,
+            pooler=pooler,
         )
         port = await frontend.start()
         try:

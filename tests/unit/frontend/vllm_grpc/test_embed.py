@@ -18,10 +18,8 @@ from corestream.vendor.smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 
 from services.common.model_info import ModelInfo
 from services.common.pooling import Pooler, PoolingTask, PoolingType
-from services.frontend.config import FrontendConfig
-from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TextTokenizer
-from tests.unit.frontend.fakes import FakeEngine, start_fake_engine
+from tests.unit.frontend.fakes import FakeEngine, serve_generate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,39 +40,27 @@ def test_embed_answers_as_pooling_service(tokenizer: TextTokenizer,
                                           model_info: ModelInfo) -> None:
     pooler = Pooler(PoolingTask.EMBED, PoolingType.MEAN, normalize=False, hidden_size=4)
 
-    async def main() -> None:
-        engine_server, address = await start_fake_engine(PoolingEngine([]))
-        frontend = FrontendServer(FrontendConfig(port=0, engines=(address,)), tokenizer,
-                                  model_info, pooler=pooler)
-        port = await frontend.start()
-        try:
-            async with asyncio.timeout(10):
-                while not frontend.balancer.ready:
-                    await asyncio.sleep(0.01)
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = vllm_grpc.VllmEngineStub(channel)
-                ids = [5, 6, 7]
-                ours = await pooling_grpc.PoolingServiceStub(channel).Embed(
-                    pooling_pb2.EmbedRequest(inputs=[pooling_pb2.PoolingInput(
-                        token_ids=generate_pb2.TokenIds(ids=ids))]))
-                theirs = await stub.Embed(vllm_pb2.EmbedRequest(
-                    request_id="e1", tokenized=vllm_pb2.TokenizedInput(input_ids=ids)))
-                assert list(theirs.embedding) == list(ours.embeddings[0].values) == [
-                    3.0, 18.0, 0.5, -1.0]
-                assert (theirs.embedding_dim, theirs.prompt_tokens) == (4, 3)
-                # The text alone is tokenized.
-                text = await stub.Embed(vllm_pb2.EmbedRequest(
-                    tokenized=vllm_pb2.TokenizedInput(original_text="hello world")))
-                assert text.prompt_tokens == len(tokenizer.encode("hello world"))
-                with pytest.raises(grpc.aio.AioRpcError) as error:
-                    await stub.Embed(vllm_pb2.EmbedRequest(
-                        tokenized=vllm_pb2.TokenizedInput(input_ids=[5, 99999])))
-                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "tokenized.input_ids" in (error.value.details() or "")
-                info = await stub.GetModelInfo(vllm_pb2.GetModelInfoRequest())
-                assert not info.is_generation
-        finally:
-            await frontend.stop(0)
-            await engine_server.stop(0)
+    async def body(_: object, channel: grpc.aio.Channel) -> None:
+        stub = vllm_grpc.VllmEngineStub(channel)
+        ids = [5, 6, 7]
+        ours = await pooling_grpc.PoolingServiceStub(channel).Embed(
+            pooling_pb2.EmbedRequest(inputs=[pooling_pb2.PoolingInput(
+                token_ids=generate_pb2.TokenIds(ids=ids))]))
+        theirs = await stub.Embed(vllm_pb2.EmbedRequest(
+            request_id="e1", tokenized=vllm_pb2.TokenizedInput(input_ids=ids)))
+        assert list(theirs.embedding) == list(ours.embeddings[0].values) == [
+            3.0, 18.0, 0.5, -1.0]
+        assert (theirs.embedding_dim, theirs.prompt_tokens) == (4, 3)
+        # The text alone is tokenized.
+        text = await stub.Embed(vllm_pb2.EmbedRequest(
+            tokenized=vllm_pb2.TokenizedInput(original_text="hello world")))
+        assert text.prompt_tokens == len(tokenizer.encode("hello world"))
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.Embed(vllm_pb2.EmbedRequest(
+                tokenized=vllm_pb2.TokenizedInput(input_ids=[5, 99999])))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tokenized.input_ids" in (error.value.details() or "")
+        info = await stub.GetModelInfo(vllm_pb2.GetModelInfoRequest())
+        assert not info.is_generation
 
-    asyncio.run(main())
+    serve_generate(tokenizer, model_info, PoolingEngine([]), body, pooler=pooler)
