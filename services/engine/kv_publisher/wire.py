@@ -30,12 +30,12 @@ corestream has no LoRA, so lora_id and lora_name are nil.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
-from services.common.block_hash import NO_PARENT, BlockHash
+from services.common.block_hash import BlockHash
+from services.common.kv_runs import RemovedRun, Run, RunBuilder, StoredRun
 from services.engine.scheduler.kv_events import BlockRemoved, BlockStored, KvEvent
 
 MEDIUM = "GPU"
@@ -43,45 +43,17 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's last message: this sequence number, then an empty payload."""
 
 
-@dataclass
-class StoredRun:
-    hashes: list[BlockHash]
-    parent: BlockHash | None
-    token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class RemovedRun:
-    hashes: list[BlockHash]
-
-
-class Cleared:
-    pass
-
-
-Run = StoredRun | RemovedRun | Cleared
-
-
 def merge(events: Iterable[KvEvent]) -> list[Run]:
     """The events in order, chained stores and consecutive removals merged."""
-    out: list[Run] = []
+    runs = RunBuilder()
     for e in events:
-        last = out[-1] if out else None
         if isinstance(e, BlockStored):
-            if isinstance(last, StoredRun) and e.parent_hash == last.hashes[-1]:
-                last.hashes.append(e.block_hash)
-                last.token_ids.extend(e.token_ids)
-            else:
-                parent = e.parent_hash if e.parent_hash != NO_PARENT else None
-                out.append(StoredRun([e.block_hash], parent, list(e.token_ids)))
+            runs.stored(e.seq, e.block_hash, e.parent_hash, e.token_ids)
         elif isinstance(e, BlockRemoved):
-            if isinstance(last, RemovedRun):
-                last.hashes.append(e.block_hash)
-            else:
-                out.append(RemovedRun([e.block_hash]))
+            runs.removed(e.seq, e.block_hash)
         else:
-            out.append(Cleared())
-    return out
+            runs.cleared(e.seq)
+    return runs.runs
 
 
 def fold_hash(block_hash: BlockHash) -> int:

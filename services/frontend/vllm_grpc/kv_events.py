@@ -46,6 +46,7 @@ import grpc
 from corestream.engine.v1 import engine_core_service_pb2 as engine_pb2
 from corestream.vendor.smg_grpc_proto import common_pb2 as smg_common_pb2
 
+from services.common.kv_runs import RemovedRun, Run, RunBuilder, StoredRun
 from services.frontend.errors import RequestError
 from services.frontend.routing.engine_client import EngineClient
 
@@ -63,40 +64,38 @@ def block_hash_int64(block_hash: bytes) -> int:
 
 def to_vllm_events(events: Sequence[engine_pb2.KvCacheEvent], block_size: int
                    ) -> list[smg_common_pb2.KvCacheEvent]:
-    """One engine response's events as vLLM's, chains and removals grouped."""
-    out: list[smg_common_pb2.KvCacheEvent] = []
-    chain_end = b""  # the last stored block, while the latest event out is a store
+    """One engine response's events as vLLM's, chains and removals grouped (each group
+    keeps the seq of its first event as its event_id)."""
+    runs = RunBuilder()
     for event in events:
         kind = event.WhichOneof("kind")
-        latest = out[-1] if out else None
         if kind == "stored":
-            stored = event.stored
-            block = smg_common_pb2.KvBlock(block_hash=block_hash_int64(stored.block_hash),
-                                           token_ids=stored.token_ids, block_size=block_size)
-            if (latest is not None and latest.HasField("stored") and chain_end
-                    and stored.parent_hash == chain_end):
-                latest.stored.blocks.append(block)
-            else:
-                group = smg_common_pb2.KvBlocksStored(
-                    blocks=[block], tier=smg_common_pb2.KV_CACHE_TIER_DEVICE)
-                if stored.parent_hash:
-                    group.parent_block_hash = block_hash_int64(stored.parent_hash)
-                out.append(smg_common_pb2.KvCacheEvent(event_id=event.seq, stored=group))
-            chain_end = stored.block_hash
-            continue
-        chain_end = b""
-        if kind == "removed":
-            removed_hash = block_hash_int64(event.removed.block_hash)
-            if latest is not None and latest.HasField("removed"):
-                latest.removed.block_hashes.append(removed_hash)
-            else:
-                out.append(smg_common_pb2.KvCacheEvent(
-                    event_id=event.seq, removed=smg_common_pb2.KvBlocksRemoved(
-                        block_hashes=[removed_hash], tier=smg_common_pb2.KV_CACHE_TIER_DEVICE)))
+            runs.stored(event.seq, event.stored.block_hash, event.stored.parent_hash,
+                        event.stored.token_ids)
+        elif kind == "removed":
+            runs.removed(event.seq, event.removed.block_hash)
         else:
-            out.append(smg_common_pb2.KvCacheEvent(event_id=event.seq,
-                                                   cleared=smg_common_pb2.KvCacheCleared()))
-    return out
+            runs.cleared(event.seq)
+    return [_to_proto(run, block_size) for run in runs.runs]
+
+
+def _to_proto(run: Run, block_size: int) -> smg_common_pb2.KvCacheEvent:
+    if isinstance(run, StoredRun):
+        group = smg_common_pb2.KvBlocksStored(
+            blocks=[smg_common_pb2.KvBlock(block_hash=block_hash_int64(h), block_size=block_size,
+                                           token_ids=run.token_ids[i * block_size:
+                                                                   (i + 1) * block_size])
+                    for i, h in enumerate(run.hashes)],
+            tier=smg_common_pb2.KV_CACHE_TIER_DEVICE)
+        if run.parent is not None:
+            group.parent_block_hash = block_hash_int64(run.parent)
+        return smg_common_pb2.KvCacheEvent(event_id=run.first_seq, stored=group)
+    if isinstance(run, RemovedRun):
+        return smg_common_pb2.KvCacheEvent(
+            event_id=run.first_seq, removed=smg_common_pb2.KvBlocksRemoved(
+                block_hashes=[block_hash_int64(h) for h in run.hashes],
+                tier=smg_common_pb2.KV_CACHE_TIER_DEVICE))
+    return smg_common_pb2.KvCacheEvent(event_id=run.seq, cleared=smg_common_pb2.KvCacheCleared())
 
 
 @dataclass
