@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import errno
+import fcntl
+import json
 import os
+import random
 import socket
+import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import IO
 
 
 class PortUnavailable(OSError):
@@ -24,11 +31,90 @@ def unavailable(host: str, port: int, flag: str, error: OSError | None = None,
     return PortUnavailable(f"{reason}; pass {flag} to listen on another")
 
 
+_LOWEST = 10000
+_HELD_S = 120.0  # how long a port handed out stays promised to whoever asked for it
+_issued_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (another process may still take it before it is bound)."""
+    """A port free on `host` now, for a process started next to listen on.
+
+    It is drawn below the kernel's ephemeral range where that leaves room: a port the
+    kernel hands out for a bind to port 0 (gloo's pair sockets, a client's connection,
+    another server) comes from that range, so in it a port chosen here and bound a moment
+    later by a child is taken from under it now and then. Below it, the only rival is
+    another process choosing the same number, and a ledger shared by this user's
+    processes on the host (a locked file in the temp folder) keeps two from doing so
+    within two minutes of each other."""
+    low, _ = _ephemeral_range()
+    if low - _LOWEST < 4096:
+        return _kernel_port(host)
+    rng = random.SystemRandom()
+    with _issued_lock, _Ledger() as promised:
+        for _ in range(64):
+            port = rng.randrange(_LOWEST, low)
+            if port not in promised and _bindable(host, port):
+                promised[port] = time.time()
+                return port
+    return _kernel_port(host)
+
+
+class _Ledger:
+    """Ports handed out lately by any process of this user, under an exclusive lock."""
+
+    def __init__(self) -> None:
+        self._path = Path(tempfile.gettempdir()) / f"corestream-ports-{os.getuid()}.json"
+        self._file: IO[str] | None = None
+        self._ports: dict[int, float] = {}
+
+    def __enter__(self) -> dict[int, float]:
+        try:
+            self._file = open(self._path, "a+")  # noqa: SIM115 (closed in __exit__)
+            fcntl.flock(self._file, fcntl.LOCK_EX)
+            self._file.seek(0)
+            now = time.time()
+            self._ports = {int(p): t for p, t in json.loads(self._file.read() or "{}").items()
+                           if now - t < _HELD_S}
+        except (OSError, ValueError):
+            self._ports = {}  # no ledger (a read-only temp folder, a torn file): chance only
+        return self._ports
+
+    def __exit__(self, *_: object) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.seek(0)
+            self._file.truncate()
+            self._file.write(json.dumps(self._ports))
+            self._file.flush()
+        except OSError:
+            pass
+        finally:
+            self._file.close()  # releases the lock
+
+
+def _kernel_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    # Without SO_REUSEADDR: a port in TIME_WAIT counts as taken, the safe side.
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def port_in_use(host: str, port: int) -> str | None:

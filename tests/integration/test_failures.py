@@ -174,13 +174,22 @@ def test_watchdog_stuck_and_frozen_engines_then_serve_sigkill() -> None:
 @pytest.mark.timeout(300)
 def test_sigterm_drains_fifty_streams_and_exits_zero() -> None:
     drain_s = 5.0
-    with cluster(["--shutdown-timeout", str(drain_s)]) as (c, children):
+    # Every step takes at least 10 ms, so no long stream can make its remaining tokens
+    # within the drain, however fast the CPU (the tiny model alone makes 1500 tokens in
+    # under 5 s on some), while the short ones need only ~20 steps of it.
+    step_ms, long_tokens = 10, 1500
+    with cluster(["--shutdown-timeout", str(drain_s)], fault=f"slow_steps:{step_ms}") as (
+            c, children):
         with grpc.insecure_channel(c.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
-            streams = [start_stream(stub, 20 if i % 2 else 1500, f"p{i}") for i in range(50)]
+            streams = [start_stream(stub, 20 if i % 2 else long_tokens, f"p{i}")
+                       for i in range(50)]
             for s in streams:
                 assert s.first.wait(120), "a stream never started"
             sigterm_at = time.monotonic()
+            most = max(s.chunks for s in streams[::2])
+            # The precondition of "cut": what is left exceeds what the drain can make.
+            assert long_tokens - most > (drain_s + 3) * 1000 / step_ms, most
             c.proc.send_signal(signal.SIGTERM)
             time.sleep(1.5)  # serve passes SIGTERM on to the frontend first
             with pytest.raises(grpc.RpcError) as refused:

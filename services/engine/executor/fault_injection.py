@@ -15,6 +15,8 @@ once at engine start, arms one fault:
     worker_hang_after_steps:N[@I]   ... the last worker's forward never returns
     crash_at_start[@I]        the engine exits with code 1 once its model is loaded,
                               before it serves (every start: a crash loop for serve)
+    slow_steps:MS[@I]         every execute takes at least MS milliseconds (a slow
+                              device: a floor on how long N tokens take, whatever the CPU)
 
 `@I` limits the fault to the engine with engine_index I (all engines otherwise).
 Never set it in production; the engine logs a warning when a fault is armed.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from services.engine.executor.protocol import Executor
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "CORESTREAM_FAULT_INJECT"
 KINDS = ("raise_after_steps", "raise_once_after_steps", "hang_after_steps", "crash_at_start",
-         "worker_raise_after_steps", "worker_hang_after_steps")
+         "worker_raise_after_steps", "worker_hang_after_steps", "slow_steps")
 WORKER_KINDS = ("worker_raise_after_steps", "worker_hang_after_steps")
 
 
@@ -78,6 +81,9 @@ class FaultInjectingRunner:
         return getattr(self._runner, name)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if self._spec.kind == "slow_steps":
+            time.sleep(self._spec.after_steps / 1000)
+            return self._runner.execute(out)
         if self._steps >= self._spec.after_steps:
             if self._spec.kind == "raise_after_steps":
                 raise InjectedFault(f"injected fault after {self._steps} steps")
