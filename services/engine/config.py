@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services.common.config import doc
 from services.common.weight_version import check_weight_version
+from services.engine.speculative.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -75,6 +76,12 @@ class EngineConfig:
         "back, or be replaced) before it gives up and dies, its requests ending with "
         "UNAVAILABLE.", default=120.0
     )
+    speculative_config: str = doc(
+        "Speculative decoding, as a JSON object in vLLM's shape: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} "
+        "(optional: disable_by_batch_size, default 4; min_acceptance_rate, default 0.3). "
+        "Empty: off.", default=""
+    )
     log_level: str = doc("Log level: debug, info, warning, error.", default="info")
     shutdown_timeout: float = doc(
         "Seconds that in-flight requests get to finish after SIGTERM before they are aborted "
@@ -85,6 +92,10 @@ class EngineConfig:
         "every thread's stack, declares itself DEAD and exits non-zero; 0 disables it. An idle "
         "engine never trips it.", default=120.0
     )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -111,6 +122,7 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
             )
+        SpeculativeConfig.parse(self.speculative_config)  # raises naming the key at fault
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not (0 < self.grammar_compile_timeout_s < math.inf):

@@ -99,6 +99,10 @@ class Request:
     pooling: PoolingParams | None = None
     """Set for a pooling request (a pooling engine takes only these): its prompt is
     prefilled and pooled, and nothing is generated."""
+    num_draft_tokens: int = 0
+    """Draft tokens of the batch in flight (speculative decoding): fed to the model with
+    the last token and verified, so they count as in flight without being tokens of
+    the request yet."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -120,8 +124,9 @@ class Request:
 
     @property
     def num_scheduled_end(self) -> int:
-        """Where the next scheduled chunk starts: past the computed and in-flight tokens."""
-        return self.num_computed_tokens + self.num_inflight_tokens
+        """Where the next scheduled chunk starts: past the computed and in-flight tokens
+        (draft tokens in flight are not the request's: they may be rejected)."""
+        return self.num_computed_tokens + self.num_inflight_tokens - self.num_draft_tokens
 
     @property
     def wants_prompt_logprobs(self) -> bool:

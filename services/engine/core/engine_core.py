@@ -69,6 +69,7 @@ from services.engine.scheduler.kv_cache_manager import KVCacheManager
 from services.engine.scheduler.kv_events import KvEventLog
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.scheduler.scheduler import RequestRejected, Scheduler, SchedulerStats
+from services.engine.speculative.speculator import Speculator
 from services.engine.waves.state import WaveState
 from services.engine.waves.stepper import WaveStepper
 
@@ -99,6 +100,7 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.scheduling_policy,
+            speculator=self._speculator(config, executor),
         )
         self.input_queue: InputQueue = queue.SimpleQueue()
         self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
@@ -139,6 +141,16 @@ class EngineCore:
         # The batch being executed (not with the batch queue): what a failed step takes
         # back (see sentinel.py).
         self._executing: SchedulerOutput | None = None
+
+    @staticmethod
+    def _speculator(config: EngineConfig, executor: Executor) -> Speculator | None:
+        spec = config.speculative
+        if spec is None:
+            return None
+        if getattr(executor, "pooler", None) is not None:
+            raise ValueError("speculative_config is for generation; this engine pools")
+        logger.info("speculative decoding: %s", spec)
+        return Speculator(spec)
 
     # ---- called from other threads ---------------------------------------------
 

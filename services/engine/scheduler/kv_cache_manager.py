@@ -101,6 +101,18 @@ class KVCacheManager:
             table.extend(self.pool.allocate(missing))
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past its first `num_tokens` tokens (the slots of
+        rejected draft tokens). They hold no computed token, so none is cached."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = self.blocks_needed(num_tokens)  # cached blocks hold computed tokens only
+        if keep < len(table):
+            tail = table[keep:]
+            del table[keep:]
+            self.pool.free(reversed(tail))
+
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's blocks that its computed tokens now fill."""
         rid = request.request_id

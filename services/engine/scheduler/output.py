@@ -48,6 +48,11 @@ class ScheduledRequest:
     pooling: PoolingParams | None = None
     """A pooling request's chunk: the runner pools its hidden states (the result comes
     with the chunk that ends the prompt, `sample`) and samples nothing."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: the last `num_draft_tokens` of token_ids are proposed
+    continuations, not the request's tokens yet. The runner samples at every position
+    (as if each draft before it had been generated) and keeps the drafts up to the
+    first one its own sample disagrees with (`RunnerOutput.verified`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,12 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     """For chunks with prompt_logprobs set: position p's logprobs of prompt token
     p + 1, for each prompt position p of the chunk that has a next prompt token."""
+    verified: dict[str, list[int]] = field(default_factory=dict)
+    """For requests with draft tokens (in place of `sampled`): the drafts accepted, in
+    order, then the token sampled where the first rejected draft was (or after the
+    last draft): 1 to num_draft_tokens + 1 new tokens."""
+    verified_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    """For those of them with sampling.logprobs set: one per token of `verified`."""
     pooled: dict[str, tuple[bytes, tuple[int, ...]]] = field(default_factory=dict)
     """For pooling requests whose prompt ended this step: float32 values and shape."""
     forward_s: float = 0.0

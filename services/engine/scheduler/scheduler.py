@@ -25,6 +25,12 @@ second time: it stays queued, later requests may overtake it, and it is admitted
 on the cached blocks once their owner's step has filled them. The owner is
 running, so the wait lasts at most its prefill. A shorter shared run is not
 worth the step of latency.
+
+Speculative decoding (with a `Speculator`): a decoding request may be scheduled with
+draft tokens after its last token. They take budget and KV slots like tokens, but
+only when the slots are free (a draft never preempts anyone); the step verifies them,
+the accepted ones become the request's tokens with their KV, and the slots of the
+rejected ones are given back (blocks past the request's tokens are freed).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from services.engine.scheduler.output import (
     SchedulerOutput,
 )
 from services.engine.scheduler.policy import make_request_queue
+from services.engine.speculative.speculator import SpeculationStats, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_prefix_waits: int = 0
+    speculation: SpeculationStats | None = None
+    """Drafts proposed and accepted, with speculative decoding on."""
 
 
 class Scheduler:
@@ -79,8 +88,10 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         policy: str = "fcfs",
         wait_for_prefix_tokens: int = WAIT_FOR_PREFIX_TOKENS,
+        speculator: Speculator | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.speculator = speculator
         self.wait_for_prefix_tokens = wait_for_prefix_tokens
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -182,6 +193,7 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_prefix_waits=self.num_prefix_waits,
+            speculation=self.speculator.stats() if self.speculator is not None else None,
         )
 
     # ---- one step ------------------------------------------------------------------
@@ -195,20 +207,25 @@ class Scheduler:
         preempted = False
 
         # Running requests first: each gets what it still needs, up to the budget.
+        speculate = self.speculator is not None and self.speculator.active(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_uncomputed_tokens, budget)
-            if n == 0:
+            if n <= 0:
                 i += 1
                 continue  # its tokens are in a batch still executing
+            drafts = self._drafts(req, budget - n) if speculate and n == 1 else []
             num_running = len(self.running)
             room = self._make_room(req, req.num_scheduled_end + n, unscheduled_from=i)
             preempted |= len(self.running) < num_running
             if not room:
                 continue  # req itself was the victim; running[i] is now the next one
-            scheduled.append(self._scheduled(req, n))
-            budget -= n
+            if drafts and not self.kv_cache.allocate_slots(
+                    req.request_id, req.num_scheduled_end + n + len(drafts)):
+                drafts = []  # no free slots for them: plain decode, nobody preempted
+            scheduled.append(self._scheduled(req, n, drafts))
+            budget -= n + len(drafts)
             i += 1
 
         # Then admit waiting requests. Not after a preemption: the freed blocks are
@@ -245,6 +262,18 @@ class Scheduler:
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         return SchedulerOutput(requests=scheduled, finished_request_ids=frozenset(finished),
                                step=self.step_counter)
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens to verify after a decoding request's last token, within the
+        step's budget, max_model_len and its max_tokens (the step yields one token more
+        than it accepts drafts)."""
+        assert self.speculator is not None
+        if req.num_output_tokens == 0 or req.grammar is not None or req.pooling is not None:
+            return []  # the first token (prompt logprobs) and constrained output as is
+        limit = min(budget, self.max_model_len - req.num_tokens)
+        if req.sampling.max_tokens is not None:
+            limit = min(limit, req.sampling.max_tokens - req.num_output_tokens - 1)
+        return self.speculator.propose(req, limit) if limit > 0 else []
 
     def _cached_prefix(self, req: Request) -> list[int]:
         return [] if _computes_every_token(req) else self.kv_cache.find_cached_prefix(req)
@@ -293,6 +322,7 @@ class Scheduler:
         self.kv_cache.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_inflight_tokens = 0  # what is in flight will be dropped (see attempt)
+        req.num_draft_tokens = 0
         req.prompt_logprobs.clear()  # the recompute gathers them again
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -300,12 +330,17 @@ class Scheduler:
         self.waiting.add_preempted(req)
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, drafts: list[int] | None = None,
+                   ) -> ScheduledRequest:
         start = req.num_scheduled_end
-        req.num_inflight_tokens += n
+        token_ids = req.token_slice(start, start + n)
+        if drafts:
+            token_ids = token_ids + drafts
+            req.num_draft_tokens += len(drafts)
+        req.num_inflight_tokens += len(token_ids)
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_slice(start, start + n),
+            token_ids=token_ids,
             start_pos=start,
             block_ids=list(self.kv_cache.block_ids(req.request_id)),
             sample=start + n == req.num_tokens,
@@ -316,6 +351,7 @@ class Scheduler:
             prompt_logprobs=req.sampling.prompt_logprobs if req.wants_prompt_logprobs else None,
             attempt=req.num_preemptions,
             pooling=req.pooling,
+            num_draft_tokens=len(drafts) if drafts else 0,
         )
 
     def unschedule(self, out: SchedulerOutput) -> None:
@@ -327,12 +363,14 @@ class Scheduler:
             if (req is not None and req.status is RequestStatus.RUNNING
                     and req.num_preemptions == sr.attempt):
                 req.num_inflight_tokens -= len(sr.token_ids)
+                req.num_draft_tokens -= sr.num_draft_tokens
         self._finished_since_last_step |= out.finished_request_ids
 
     def update_from_output(
         self, out: SchedulerOutput, result: RunnerOutput
     ) -> list[RequestUpdate]:
-        """Advance what ran, append sampled tokens and finish requests that stop."""
+        """Advance what ran, append sampled (and accepted draft) tokens and finish
+        requests that stop."""
         updates = []
         for sr in out.requests:
             req = self.requests.get(sr.request_id)
@@ -340,6 +378,9 @@ class Scheduler:
                     or req.num_preemptions != sr.attempt):
                 continue  # aborted or preempted since it was scheduled
             req.num_inflight_tokens -= len(sr.token_ids)
+            if sr.num_draft_tokens:
+                updates.append(self._verified(req, sr, result))
+                continue
             req.num_computed_tokens += len(sr.token_ids)
             self.kv_cache.cache_full_blocks(req)
             if sr.prompt_logprobs is not None:
@@ -349,36 +390,70 @@ class Scheduler:
             if req.pooling is not None:
                 updates.append(self._pooled(req, result))
                 continue
-            token = result.sampled[sr.request_id]
             prompt_logprobs: list[PositionLogprobs] = []
             if sr.prompt_logprobs is not None:
                 prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
             logprobs = result.logprobs.get(sr.request_id)
+            updates.append(self._append(req, [result.sampled[sr.request_id]],
+                                        [logprobs] if logprobs is not None else [],
+                                        prompt_logprobs))
+        return updates
+
+    def _verified(self, req: Request, sr: ScheduledRequest,
+                  result: RunnerOutput) -> RequestUpdate:
+        """A decode step with drafts: the accepted drafts and the target's token are the
+        request's new tokens, and the KV of the last token and the accepted drafts is
+        computed; the slots of the rejected drafts are given back."""
+        req.num_draft_tokens -= sr.num_draft_tokens
+        tokens = result.verified[sr.request_id]
+        num_accepted = len(tokens) - 1
+        assert self.speculator is not None
+        self.speculator.record(req.request_id, sr.num_draft_tokens, num_accepted)
+        req.num_computed_tokens += 1  # the last token; each accepted draft adds its own
+        update = self._append(req, tokens, result.verified_logprobs.get(sr.request_id, []),
+                              [], num_computed=num_accepted)
+        if not req.is_finished:
+            self.kv_cache.trim(req.request_id, req.num_tokens)
+        return update
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list[PositionLogprobs],
+                prompt_logprobs: list[PositionLogprobs], num_computed: int = 0,
+                ) -> RequestUpdate:
+        """Append new tokens up to the first that stops the request. The first
+        `num_computed` of them (accepted drafts) have their KV computed already."""
+        reason: FinishReason | None = None
+        appended = 0
+        for token in tokens:
             req.output_token_ids.append(token)
+            appended += 1
+            if appended <= num_computed:
+                req.num_computed_tokens += 1
             if req.grammar is not None and not req.grammar.accept(token):
                 # The mask allows only what the grammar accepts: this is a bug, and it
                 # must fail only this request.
                 self.running.remove(req)
                 self._finish(req, FinishReason.ERROR)
-                updates.append(RequestUpdate(
+                return RequestUpdate(
                     req.request_id, req.session_id, finish_reason=FinishReason.ERROR,
                     error_code=INTERNAL,
                     error_message=f"the output constraint rejected sampled token {token}: "
-                                  f"{req.grammar.error}"))
-                continue
+                                  f"{req.grammar.error}")
             reason = self._stop_reason(req, token)
             if reason is not None:
                 if reason is FinishReason.STOP_TOKEN:
                     req.stop_token_id = token
-                self.running.remove(req)
-                self._finish(req, reason)
-            updates.append(RequestUpdate(
-                req.request_id, req.session_id, new_token_ids=(token,), finish_reason=reason,
-                stop_token_id=req.stop_token_id, num_cached_tokens=req.num_cached_tokens,
-                new_logprobs=(logprobs,) if logprobs is not None else (),
-                prompt_logprobs=prompt_logprobs,
-            ))
-        return updates
+                break
+        if num_computed:
+            self.kv_cache.cache_full_blocks(req)
+        if reason is not None:
+            self.running.remove(req)
+            self._finish(req, reason)
+        return RequestUpdate(
+            req.request_id, req.session_id, new_token_ids=tuple(tokens[:appended]),
+            finish_reason=reason, stop_token_id=req.stop_token_id,
+            num_cached_tokens=req.num_cached_tokens, new_logprobs=tuple(logprobs[:appended]),
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _pooled(self, req: Request, result: RunnerOutput) -> RequestUpdate:
         """A pooling request's prompt is done: it ends with its pooled values, and its
@@ -413,6 +488,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv_cache.free(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         del self.requests[req.request_id]
         self._finished_since_last_step.add(req.request_id)
 

@@ -455,6 +455,9 @@ class ModelRunner:
         if not host.sampled:
             return RunnerOutput(prompt_logprobs=prompt_logprobs, forward_s=forwarded - start,
                                 sample_s=time.perf_counter() - forwarded)
+        if any(r.num_draft_tokens for r in host.sampled):
+            return self._verify(hidden, out.grammar_mask, host, prompt_logprobs,
+                                forwarded - start)
         logits = self.logits_at(hidden, host.sample_rows)
         mask = self._token_mask(out.grammar_mask, host.sampled)
         token_tensor = self.sampler(logits, host.sampled, mask)
@@ -464,6 +467,53 @@ class ModelRunner:
             logprobs=self._sampled_logprobs(logits, token_tensor, host.sampled),
             prompt_logprobs=prompt_logprobs, forward_s=forwarded - start,
             sample_s=time.perf_counter() - forwarded)
+
+    def _verify(self, hidden: torch.Tensor, grammar_mask: GrammarMask | None,
+                host: HostBatch, prompt_logprobs: dict[str, list[PositionLogprobs]],
+                forward_s: float) -> RunnerOutput:
+        """Sampling for a step with draft tokens: every position of a request with
+        drafts is sampled as if the drafts before it had been generated (so penalties,
+        min_tokens and a seed's per-token draws see what they would without drafts), and
+        its drafts are kept up to the first one its sample differs from, whose sample
+        takes its place. A draft is accepted exactly when the target would have drawn
+        it, so the output has the target's distribution (and, greedy or seeded, its
+        very tokens)."""
+        started = time.perf_counter()
+        rows: list[int] = []
+        row_requests: list[ScheduledRequest] = []
+        for r, last in zip(host.sampled, host.sample_rows, strict=True):
+            k = r.num_draft_tokens
+            drafts = r.token_ids[len(r.token_ids) - k:]
+            for i in range(k + 1):
+                rows.append(last - k + i)
+                row_requests.append(r if i == 0 else dataclasses.replace(
+                    r, output_token_ids=(*r.output_token_ids, *drafts[:i])))
+        logits = self.logits_at(hidden, rows)
+        token_tensor = self.sampler(logits, row_requests,
+                                    self._token_mask(grammar_mask, row_requests))
+        tokens = token_tensor.tolist()
+        logprobs = self._row_logprobs(logits, token_tensor, row_requests)
+        result = RunnerOutput(prompt_logprobs=prompt_logprobs, forward_s=forward_s)
+        row = 0
+        for r in host.sampled:
+            k = r.num_draft_tokens
+            targets = tokens[row : row + k + 1]
+            if not k:
+                result.sampled[r.request_id] = targets[0]
+                if (lp := logprobs[row]) is not None:
+                    result.logprobs[r.request_id] = lp
+                row += 1
+                continue
+            drafts = r.token_ids[len(r.token_ids) - k:]
+            accepted = 0
+            while accepted < k and targets[accepted] == drafts[accepted]:
+                accepted += 1
+            result.verified[r.request_id] = targets[: accepted + 1]
+            if r.sampling.logprobs is not None:
+                result.verified_logprobs[r.request_id] = [
+                    lp for lp in logprobs[row : row + accepted + 1] if lp is not None]
+            row += k + 1
+        return dataclasses.replace(result, sample_s=time.perf_counter() - started)
 
     def _execute_pooling(self, requests: Sequence[ScheduledRequest],
                          pooling: PoolingHead) -> RunnerOutput:
@@ -491,14 +541,25 @@ class ModelRunner:
     def _sampled_logprobs(
         self, logits: torch.Tensor, tokens: torch.Tensor, requests: list[ScheduledRequest]
     ) -> dict[str, PositionLogprobs]:
-        """The sampler leaves `logits` untouched, so these are the raw ones."""
+        found = self._row_logprobs(logits, tokens, requests)
+        return {r.request_id: lp for r, lp in zip(requests, found, strict=True)
+                if lp is not None}
+
+    def _row_logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, requests: list[ScheduledRequest]
+    ) -> list[PositionLogprobs | None]:
+        """Each row's sampled token's logprobs, None for rows whose request did not ask.
+        The sampler leaves `logits` untouched, so these are the raw ones."""
         asking = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+        out: list[PositionLogprobs | None] = [None] * len(requests)
         if not asking:
-            return {}
+            return out
         rows = torch.tensor(asking, device=logits.device)
         num_top = [requests[i].sampling.logprobs or 0 for i in asking]
         found = position_logprobs(logits[rows], tokens[rows], num_top)
-        return {requests[i].request_id: lp for i, lp in zip(asking, found, strict=True)}
+        for i, lp in zip(asking, found, strict=True):
+            out[i] = lp
+        return out
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt: PromptRows
