@@ -42,6 +42,7 @@ from services.engine.messages import EngineState
 from services.engine.request import Request, RequestUpdate
 from services.engine.scheduler.output import SchedulerOutput
 from services.engine.scheduler.scheduler import SchedulerStats
+from services.engine.speculative.speculator import SpeculationStats
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ class _StatsCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=names)
             counter.add_metric(self._labels, value)
             yield counter
+        if s.speculation is not None:
+            yield from _speculation_metrics(s.speculation, names, self._labels)
         state = self._state()
         family = GaugeMetricFamily(
             PREFIX + "engine_state",
@@ -124,6 +127,29 @@ class _StatsCollector(Collector):
         for candidate in EngineState:
             family.add_metric([*self._labels, candidate.name], float(candidate is state))
         yield family
+
+
+def _speculation_metrics(spec: SpeculationStats, names: list[str],
+                         labels: list[str]) -> Iterator[Metric]:
+    """vLLM's spec_decode counters (mean accepted length = 1 + accepted / drafts)."""
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Verify steps of requests that had draft tokens.",
+         spec.num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+         spec.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+         spec.num_accepted_tokens),
+    ):
+        counter = CounterMetricFamily(PREFIX + name, doc, labels=names)
+        counter.add_metric(labels, value)
+        yield counter
+    family = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each position of the drafts (0 first).",
+        labels=[*names, "position"])
+    for position, value in enumerate(spec.accepted_per_position):
+        family.add_metric([*labels, str(position)], value)
+    yield family
 
 
 class _RanksCollector(Collector):

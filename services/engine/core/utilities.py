@@ -34,6 +34,7 @@ from services.engine.executor.protocol import Executor
 from services.engine.messages import EngineState, UtilityCall, UtilityReply, utility_reply
 from services.engine.request import FinishReason
 from services.engine.scheduler.scheduler import Scheduler
+from services.engine.speculative.speculator import SpeculationStats
 from services.engine.waves.state import WaveState
 
 if TYPE_CHECKING:
@@ -181,6 +182,8 @@ class Utilities:
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_prefix_waits": stats.num_prefix_waits,
             "step_counter": stats.step_counter,
+            **({"speculative_decoding": _speculation(stats.speculation)}
+               if stats.speculation is not None else {}),
             **({"wave": wave.wave, "wave_running": wave.running,
                 "dummy_steps": wave.num_dummy_steps} if wave is not None else {}),
             **({"iteration_details": self._details.summary()}
@@ -227,3 +230,15 @@ class Utilities:
         folder = Path(self._config.profile_dir or Path(tempfile.gettempdir()) /
                       "corestream-profiles")
         return self._executor.start_profile(folder, f"engine{self._config.engine_index}")
+
+
+def _speculation(spec: SpeculationStats) -> dict[str, Any]:
+    return {
+        "num_drafts": spec.num_drafts,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "num_accepted_tokens": spec.num_accepted_tokens,
+        "accepted_per_position": list(spec.accepted_per_position),
+        "acceptance_rate": (spec.num_accepted_tokens / spec.num_draft_tokens
+                            if spec.num_draft_tokens else 0.0),
+        "mean_accepted_length": spec.mean_accepted_length,
+    }

@@ -211,3 +211,33 @@ def test_a_constrained_request_has_a_compile_span_inside_its_request_span() -> N
     assert abs(compile_span.end_time - compile_span.start_time - 200_000_000) < 1_000
     assert compile_span.attributes["corestream.constraint.kind"] == "regex"
     assert compile_span.attributes["corestream.constraint.chars"] == 6
+
+
+def test_speculative_decoding_counters_and_every_token_counted() -> None:
+    from services.engine.speculative.config import SpeculativeConfig
+    from services.engine.speculative.speculator import Speculator
+
+    h = Harness()
+    assert h.sample("corestream:spec_decode_num_drafts_total") == 0  # off: not exported
+    h.scheduler.speculator = Speculator(SpeculativeConfig("ngram", 3))
+    h.add("a", prompt_len=4, max_tokens=20)
+    generated = 0
+    while h.scheduler.has_work():
+        out = h.scheduler.schedule()
+        h.metrics.on_scheduled(out)
+        # The model always says 7: drafts of 7s are all accepted.
+        result = RunnerOutput(
+            sampled={sr.request_id: 7 for sr in out.requests if not sr.num_draft_tokens},
+            verified={sr.request_id: [7] * (sr.num_draft_tokens + 1)
+                      for sr in out.requests if sr.num_draft_tokens})
+        updates = h.scheduler.update_from_output(out, result)
+        h.metrics.on_updates(updates)
+        generated += sum(len(u.new_token_ids) for u in updates)
+    assert generated == 20
+    assert h.sample("corestream:generation_tokens_total") == 20
+    drafts = h.sample("corestream:spec_decode_num_drafts_total")
+    proposed = h.sample("corestream:spec_decode_num_draft_tokens_total")
+    assert drafts > 0 and proposed > drafts
+    assert h.sample("corestream:spec_decode_num_accepted_tokens_total") == proposed
+    assert h.sample("corestream:spec_decode_num_accepted_tokens_per_pos_total",
+                    position="0") == drafts

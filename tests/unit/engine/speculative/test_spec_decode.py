@@ -24,7 +24,9 @@ from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
 from tests.unit.engine.fakes import (
     RecordingRunner,
+    call,
     collect,
+    ok,
     prompt_of,
     real_request,
     run_core,
@@ -255,3 +257,24 @@ def test_greedy_output_on_the_benchmark_shapes_equals_plain_decoding(tmp_path: P
     stats = core.scheduler.stats().speculation
     assert stats is not None and stats.num_drafts > 0
     assert {r: tokens(u) for r, u in spec.items()} == {r: tokens(u) for r, u in plain.items()}
+
+
+@pytest.mark.timeout(120)
+def test_admin_stats_report_acceptance(tmp_path: Path) -> None:
+    logits = np.zeros(VOCAB)
+    logits[7] = 5.0
+    core = EngineCore(EngineConfig(speculative_config=spec_config(k=3)),
+                      fixed_runner(tmp_path, logits))
+    q = core.sessions.open("s")
+    core.start()
+    try:
+        core.add_request(real_request("a", (3, 4, 5), 60))
+        collect(q, {"a"})
+        stats = ok(call(core, q, "get_stats"))["speculative_decoding"]
+    finally:
+        core.shutdown()
+    assert stats["num_drafts"] > 0
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+    assert stats["acceptance_rate"] == 1.0
+    assert stats["accepted_per_position"][0] == stats["num_drafts"]
+    assert 3.0 < stats["mean_accepted_length"] <= 4.0
