@@ -157,24 +157,31 @@ class GreedyDecodeRows:
 
 def greedy_decode_rows(requests: Sequence[ScheduledRequest], block_size: int,
                        max_model_len: int) -> GreedyDecodeRows | None:
-    """The step's rows when every request decodes one token, greedy without logit
-    processors or logprobs; None where it does not apply."""
+    """The step's rows when every request decodes one token (and its draft tokens, if
+    it has any), greedy without logit processors or logprobs; None where it does not
+    apply.
+
+    A request with drafts takes a row per token, each with the request's blocks and
+    its own length: the op writes every row's keys and values before any row attends,
+    so each row sees the tokens before it, as in a causal forward over them."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     tables: list[Sequence[int]] = []
     seq_lens: list[int] = []
     for r in requests:
-        if (len(r.token_ids) != 1 or not r.sample or r.sampling.logprobs is not None
-                or not plain_greedy(r)):
+        if (len(r.token_ids) != 1 + r.num_draft_tokens or not r.sample
+                or r.sampling.logprobs is not None or not plain_greedy(r)):
             return None
-        position = r.start_pos
         blocks = r.block_ids
-        if position >= min(len(blocks) * block_size, max_model_len):
+        end = r.start_pos + len(r.token_ids)
+        if end > min(len(blocks) * block_size, max_model_len):
             return None  # flatten_batch names the fault
-        input_ids.append(r.token_ids[0])
-        positions.append(position)
-        slots.append(cache_slot(blocks, position, block_size))
-        tables.append(blocks)
-        seq_lens.append(position + 1)
+        for i, token in enumerate(r.token_ids):
+            position = r.start_pos + i
+            input_ids.append(token)
+            positions.append(position)
+            slots.append(cache_slot(blocks, position, block_size))
+            tables.append(blocks)
+            seq_lens.append(position + 1)
     return GreedyDecodeRows(input_ids, positions, slots, tables, seq_lens)

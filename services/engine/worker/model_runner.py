@@ -439,9 +439,17 @@ class ModelRunner:
         if tokens is None:
             return None
         # The argmax is part of the one call: all of it counts as the forward.
-        return RunnerOutput(sampled={r.request_id: t
-                                     for r, t in zip(requests, tokens, strict=True)},
-                            forward_s=time.perf_counter() - start)
+        result = RunnerOutput(forward_s=time.perf_counter() - start)
+        row = 0
+        for r in requests:
+            k = r.num_draft_tokens
+            if k:
+                result.verified[r.request_id] = accepted_prefix(
+                    tokens[row : row + k + 1], r.token_ids[1:])
+            else:
+                result.sampled[r.request_id] = tokens[row]
+            row += k + 1
+        return result
 
     def _execute(self, out: SchedulerOutput) -> RunnerOutput:
         start = time.perf_counter()
@@ -504,14 +512,11 @@ class ModelRunner:
                     result.logprobs[r.request_id] = lp
                 row += 1
                 continue
-            drafts = r.token_ids[len(r.token_ids) - k:]
-            accepted = 0
-            while accepted < k and targets[accepted] == drafts[accepted]:
-                accepted += 1
-            result.verified[r.request_id] = targets[: accepted + 1]
+            verified = result.verified[r.request_id] = accepted_prefix(
+                targets, r.token_ids[len(r.token_ids) - k:])
             if r.sampling.logprobs is not None:
                 result.verified_logprobs[r.request_id] = [
-                    lp for lp in logprobs[row : row + accepted + 1] if lp is not None]
+                    lp for lp in logprobs[row : row + len(verified)] if lp is not None]
             row += k + 1
         return dataclasses.replace(result, sample_s=time.perf_counter() - started)
 
@@ -620,3 +625,12 @@ class ModelRunner:
             return tensor
         # Pinned source + non_blocking: the copy overlaps and does not sync the host.
         return tensor.pin_memory().to(self._device, non_blocking=True)
+
+
+def accepted_prefix(targets: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """The verified tokens of a request with drafts: the target's tokens (one per
+    position, `len(drafts) + 1`) up to and with the first that differs from its draft."""
+    accepted = 0
+    while accepted < len(drafts) and targets[accepted] == drafts[accepted]:
+        accepted += 1
+    return list(targets[: accepted + 1])

@@ -50,3 +50,21 @@ def test_positions_and_slots(tmp_path: Path,
     assert arrays.positions.dtype == arrays.slot_mapping.dtype == np.int64
     assert arrays.input_ids.tolist() == [t for r in requests for t in r.token_ids]
     assert arrays.seq_lens.tolist() == [r.start_pos + len(r.token_ids) for r in requests]
+
+
+def test_greedy_rows_give_each_draft_position_a_row_of_its_own() -> None:
+    from dataclasses import replace
+
+    from services.engine.worker.batch import greedy_decode_rows
+
+    plain = scheduled("a", [9], 5, [3, 6])
+    verify = replace(scheduled("b", [4, 7, 8], 6, [1, 2, 5]), num_draft_tokens=2)
+    rows = greedy_decode_rows([plain, verify], BLOCK, 64)
+    assert rows is not None
+    assert rows.input_ids == [9, 4, 7, 8]
+    assert rows.positions == [5, 6, 7, 8]
+    assert rows.seq_lens == [6, 7, 8, 9]
+    assert rows.block_tables == [[3, 6], [1, 2, 5], [1, 2, 5], [1, 2, 5]]
+    assert rows.slot_mapping == expected([plain, verify])[1]
+    # A chunk of several tokens that are not drafts (a prefill) has no such rows.
+    assert greedy_decode_rows([scheduled("c", [4, 7, 8], 6, [1, 2, 5])], BLOCK, 64) is None
