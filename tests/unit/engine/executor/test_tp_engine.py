@@ -86,3 +86,24 @@ def test_prefix_hits_and_logprobs_equal_one_rank(one_rank: Executor,
         assert want and len(have) == len(want), field
         assert [p.token_id for p in have] == [p.token_id for p in want]
         assert [p.logprob for p in have] == pytest.approx([p.logprob for p in want], abs=1e-4)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 5}],
+                         ids=["greedy", "seeded"])
+def test_speculative_decoding_over_two_ranks_equals_one_rank_without(
+        one_rank: Executor, two_ranks: Executor, sampling: dict[str, object]) -> None:
+    import json
+
+    vocab = one_rank.model_info.vocab_size
+
+    def echoing() -> list:  # type: ignore[type-arg]
+        prompts = [prompt_of(n, i, vocab) for i, n in enumerate((30, 12, 21))]
+        return [real_request(f"e{i}", p + p, 24, **sampling) for i, p in enumerate(prompts)]
+
+    expected, _ = run_core(one_rank, echoing())
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                       "prompt_lookup_min": 1, "min_acceptance_rate": 0.0})
+    got, core = run_core(two_ranks, echoing(), speculative_config=spec)
+    stats = core.scheduler.stats().speculation
+    assert stats is not None and stats.num_drafts > 0
+    assert by_request(got) == by_request(expected)

@@ -278,3 +278,17 @@ def test_admin_stats_report_acceptance(tmp_path: Path) -> None:
     assert stats["acceptance_rate"] == 1.0
     assert stats["accepted_per_position"][0] == stats["num_drafts"]
     assert 3.0 < stats["mean_accepted_length"] <= 4.0
+
+
+@pytest.mark.timeout(120)
+def test_with_the_batch_queue_outputs_equal_those_without_speculation(
+        tiny_runner: Executor) -> None:
+    vocab = tiny_runner.model_info.vocab_size
+    sampling = {"temperature": 0.8, "seed": 3}
+    plain, _ = run_core(tiny_runner, echoing_requests(vocab, **sampling))
+    spec, core = run_core(tiny_runner, echoing_requests(vocab, **sampling),
+                          max_concurrent_batches=2, speculative_config=spec_config(
+                              min_acceptance_rate=0.0, prompt_lookup_min=1))
+    stats = core.scheduler.stats().speculation
+    assert stats is not None and stats.num_drafts > 0
+    assert {r: tokens(u) for r, u in spec.items()} == {r: tokens(u) for r, u in plain.items()}
