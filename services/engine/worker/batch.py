@@ -97,9 +97,15 @@ def flatten_batch(requests: Sequence[ScheduledRequest], block_size: int,
     sampled: list[ScheduledRequest] = []
     single_slots: list[int] = []  # the cache slot of each one-token request
     prompt = PromptRows()
+    # A request with draft tokens takes a one-token sequence per token, each with the
+    # request's blocks and its own length: every token's keys and values are written
+    # before any sequence attends, so each sees the tokens before it, as one causal
+    # sequence would, and the step stays a decode step (the decode op's path).
+    num_seqs += sum(r.num_draft_tokens for r in requests)
     # Padded with block 0: always a valid index, and masked out by seq_lens.
     tables = np.zeros((num_seqs, max(len(r.block_ids) for r in requests)), dtype=np.int32)
-    for i, r in enumerate(requests):
+    i = 0
+    for r in requests:
         end = r.start_pos + len(r.token_ids)
         if end > max_model_len or len(r.block_ids) * block_size < end:
             raise ValueError(
@@ -108,13 +114,25 @@ def flatten_batch(requests: Sequence[ScheduledRequest], block_size: int,
             )
         if r.prompt_logprobs is not None:
             prompt.add(r, first_row=len(input_ids))
-        input_ids.extend(r.token_ids)
-        start_pos.append(r.start_pos)
-        query_start_loc.append(len(input_ids))
-        seq_lens.append(end)
-        tables[i, : len(r.block_ids)] = r.block_ids
-        if len(r.token_ids) == 1:
-            single_slots.append(cache_slot(r.block_ids, r.start_pos, block_size))
+        if r.num_draft_tokens:
+            for offset, token in enumerate(r.token_ids):
+                position = r.start_pos + offset
+                input_ids.append(token)
+                start_pos.append(position)
+                query_start_loc.append(len(input_ids))
+                seq_lens.append(position + 1)
+                tables[i, : len(r.block_ids)] = r.block_ids
+                single_slots.append(cache_slot(r.block_ids, position, block_size))
+                i += 1
+        else:
+            input_ids.extend(r.token_ids)
+            start_pos.append(r.start_pos)
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            tables[i, : len(r.block_ids)] = r.block_ids
+            if len(r.token_ids) == 1:
+                single_slots.append(cache_slot(r.block_ids, r.start_pos, block_size))
+            i += 1
         if r.sample:
             sample_rows.append(len(input_ids) - 1)
             sampled.append(r)

@@ -68,3 +68,19 @@ def test_greedy_rows_give_each_draft_position_a_row_of_its_own() -> None:
     assert rows.slot_mapping == expected([plain, verify])[1]
     # A chunk of several tokens that are not drafts (a prefill) has no such rows.
     assert greedy_decode_rows([scheduled("c", [4, 7, 8], 6, [1, 2, 5])], BLOCK, 64) is None
+
+
+def test_a_request_with_drafts_is_flattened_as_one_token_sequences(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    runner = make_runner(write_checkpoint(tmp_path / "fixed", np.zeros(VOCAB)))
+    prefill = scheduled("p", [5, 6, 7], 0, [4])
+    verify = replace(scheduled("v", [4, 7, 8], 6, [1, 2, 5]), num_draft_tokens=2)
+    host = runner._prepare([prefill, verify]).host
+    assert host.arrays.input_ids.tolist() == [5, 6, 7, 4, 7, 8]
+    assert host.arrays.positions.tolist() == expected([prefill, verify])[0]
+    assert host.arrays.slot_mapping.tolist() == expected([prefill, verify])[1]
+    assert host.seq_lens == [3, 7, 8, 9]
+    assert host.query_start_loc == [0, 3, 4, 5, 6]
+    assert host.arrays.block_tables[1:, :3].tolist() == [[1, 2, 5]] * 3
+    assert host.sample_rows == [2, 5]  # the last row of each, as without drafts
