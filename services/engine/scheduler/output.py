@@ -61,7 +61,8 @@ class GrammarMask:
     on the mask thread (structured/step_mask.py) while the model runs."""
 
     request_ids: tuple[str, ...]
-    """The requests in row order."""
+    """The requests in row order; a request with draft tokens has a row per position
+    (the mask after each draft before it), consecutive."""
     bitmask: Future[Any]
     """An int32 numpy array [len(request_ids), ceil(vocab / 32)]: bit t % 32 of word
     t // 32 set means token t is allowed."""

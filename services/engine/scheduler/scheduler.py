@@ -268,12 +268,17 @@ class Scheduler:
         step's budget, max_model_len and its max_tokens (the step yields one token more
         than it accepts drafts)."""
         assert self.speculator is not None
-        if req.num_output_tokens == 0 or req.grammar is not None or req.pooling is not None:
-            return []  # the first token (prompt logprobs) and constrained output as is
+        if req.num_output_tokens == 0 or req.pooling is not None:
+            return []  # the first token (prompt logprobs) as without speculation
         limit = min(budget, self.max_model_len - req.num_tokens)
         if req.sampling.max_tokens is not None:
             limit = min(limit, req.sampling.max_tokens - req.num_output_tokens - 1)
-        return self.speculator.propose(req, limit) if limit > 0 else []
+        drafts = self.speculator.propose(req, limit) if limit > 0 else []
+        if drafts and req.grammar is not None:
+            # Under an output constraint the first draft it rejects ends the proposal:
+            # the step's masks (one per position) follow the drafts it accepts.
+            del drafts[req.grammar.valid_prefix(drafts):]
+        return drafts
 
     def _cached_prefix(self, req: Request) -> list[int]:
         return [] if _computes_every_token(req) else self.kv_cache.find_cached_prefix(req)

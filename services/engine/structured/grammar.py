@@ -20,6 +20,22 @@ class Grammar:
         matcher is in its error state, see `error`)."""
         return bool(self.matcher.consume_token(token))
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the grammar would accept in a row (it
+        is not advanced)."""
+        return int(self.matcher.validate_tokens(tokens))
+
+    def advance(self, tokens: list[int]) -> None:
+        """Consume tokens known to be valid (the mask thread's look ahead at drafts)."""
+        for token in tokens:
+            if not self.matcher.consume_token(token):
+                raise ValueError(f"draft token {token} was not valid: {self.error}")
+
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last `num_tokens` consumed."""
+        if num_tokens and not self.matcher.rollback(num_tokens):
+            raise ValueError(f"could not roll back {num_tokens} tokens: {self.error}")
+
     @property
     def is_stopped(self) -> bool:
         """Nothing may follow: the grammar is complete (or ended by EOS)."""

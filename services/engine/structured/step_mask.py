@@ -38,33 +38,43 @@ class StepMasks:
 
     def start(self, out: SchedulerOutput,
               grammar_of: Callable[[str], Grammar | None]) -> GrammarMask | None:
-        """Begin the mask of `out`'s constrained sampled requests (None when none is)."""
+        """Begin the mask of `out`'s constrained sampled requests (None when none is).
+        A request with draft tokens gets a row per position: the mask after each draft
+        before it (the drafts are ones its grammar accepts)."""
         rows: list[str] = []
-        grammars: list[Grammar] = []
+        grammars: list[tuple[Grammar, list[int]]] = []
         for sr in out.requests:
             if sr.sample and (grammar := grammar_of(sr.request_id)) is not None:
-                rows.append(sr.request_id)
-                grammars.append(grammar)
+                k = sr.num_draft_tokens
+                rows += [sr.request_id] * (k + 1)
+                grammars.append((grammar, list(sr.token_ids[len(sr.token_ids) - k:])))
         if not rows:
             return None
-        future: Future[np.ndarray] = self._thread.submit(self._fill, grammars)
+        future: Future[np.ndarray] = self._thread.submit(self._fill, grammars, len(rows))
         return GrammarMask(tuple(rows), future)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-    def _fill(self, grammars: list[Grammar]) -> np.ndarray:
+    def _fill(self, grammars: list[tuple[Grammar, list[int]]], num_rows: int) -> np.ndarray:
         start = time.perf_counter()
-        bitmask = allocate_token_bitmask(len(grammars), self._vocab_size)
-        if len(grammars) >= PARALLEL_ROWS:
+        bitmask = allocate_token_bitmask(num_rows, self._vocab_size)
+        if num_rows == len(grammars) >= PARALLEL_ROWS:  # (no drafts: a row each)
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(self._num_threads)
             self._executor.unsafe_compute_mask_ptr(
-                [(g.matcher, i) for i, g in enumerate(grammars)], bitmask.ctypes.data,
-                bitmask.shape[1] * 4, len(grammars))
+                [(g.matcher, i) for i, (g, _) in enumerate(grammars)], bitmask.ctypes.data,
+                bitmask.shape[1] * 4, num_rows)
         else:
-            for i, g in enumerate(grammars):
-                fill_next_token_bitmask(g.matcher, bitmask, i)
+            row = 0
+            for g, drafts in grammars:
+                fill_next_token_bitmask(g.matcher, bitmask, row)
+                row += 1
+                for token in drafts:
+                    g.advance([token])
+                    fill_next_token_bitmask(g.matcher, bitmask, row)
+                    row += 1
+                g.rollback(len(drafts))  # the update accepts what the step verifies
         if self._on_mask is not None:
-            self._on_mask(time.perf_counter() - start, len(grammars))
+            self._on_mask(time.perf_counter() - start, num_rows)
         return bitmask

@@ -539,8 +539,15 @@ class ModelRunner:
         if grammar_mask is None:
             return None
         bitmask = grammar_mask.bitmask.result()
-        row_of = {r.request_id: i for i, r in enumerate(sampled)}
-        rows = [row_of[rid] for rid in grammar_mask.request_ids]
+        # A request with drafts has consecutive rows, and so many mask rows in a row.
+        row_of: dict[str, int] = {}
+        for i, r in enumerate(sampled):
+            row_of.setdefault(r.request_id, i)
+        seen: dict[str, int] = {}
+        rows = []
+        for rid in grammar_mask.request_ids:
+            rows.append(row_of[rid] + seen.get(rid, 0))
+            seen[rid] = seen.get(rid, 0) + 1
         return TokenMask(rows, bitmask)
 
     def _sampled_logprobs(
