@@ -39,7 +39,7 @@ class IterationDetails:
     num_tokens: int
     num_prefill_requests: int
     """Requests fed prompt tokens (a chunk of their prefill, or a recompute after a
-    preemption); the others decoded one token each."""
+    preemption); the others decoded one token each (and their draft tokens)."""
     num_prefill_tokens: int
     num_decode_requests: int
     schedule_s: float
@@ -83,8 +83,10 @@ class IterationRecorder:
     def build(self, out: SchedulerOutput, result: RunnerOutput, clock: StepClock,
               update_s: float, wave: tuple[int, int] | None) -> IterationDetails:
         """The details of the step that ran `out` into `result`, counted in the totals."""
+        # A decode with draft tokens is still a decode (its drafts are verified).
         prefills = [r for r in out.requests
-                    if len(r.token_ids) > 1 or r.start_pos < len(r.prompt_token_ids)]
+                    if len(r.token_ids) > 1 + r.num_draft_tokens
+                    or r.start_pos < len(r.prompt_token_ids)]
         details = IterationDetails(
             step=out.step,
             started_at=clock.started_at,
