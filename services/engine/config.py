@@ -79,6 +79,7 @@ class EngineConfig:
     speculative_config: str = doc(
         "Speculative decoding, as a JSON object in vLLM's shape: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} "
+        "or {\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4} "
         "(optional: disable_by_batch_size, default 4; min_acceptance_rate, default 0.3). "
         "Empty: off.", default=""
     )

@@ -178,9 +178,14 @@ def build_executor(config: EngineConfig, runner_config: RunnerConfig,
     if runner_config.cpus:
         # Before any thread starts: threads inherit the CPUs of the thread that starts them.
         os.sched_setaffinity(0, runner_config.cpus)
+    spec = config.speculative
+    draft_model = spec.model if spec is not None and spec.method == "draft_model" else ""
     if runner_config.tensor_parallel_size == 1:
         from services.engine.worker.model_runner import ModelRunner
-        return ModelRunner(runner_config, pooler=pooler)
+        return ModelRunner(runner_config, pooler=pooler, draft_model=draft_model)
+    if draft_model:
+        raise ValueError("speculative_config: a draft model runs with tensor_parallel_size "
+                         f"1, not {runner_config.tensor_parallel_size}")
     from services.engine.executor.tp_executor import TensorParallelExecutor
     from services.engine.executor.tp_worker import ExpertParallelRendezvous
 

@@ -149,6 +149,9 @@ class EngineCore:
             return None
         if getattr(executor, "pooler", None) is not None:
             raise ValueError("speculative_config is for generation; this engine pools")
+        if spec.method == "draft_model" and getattr(executor, "draft", None) is None:
+            raise ValueError("speculative_config: method draft_model needs an executor "
+                             "built with the draft model")
         logger.info("speculative decoding: %s", spec)
         return Speculator(spec)
 

@@ -53,6 +53,10 @@ class ScheduledRequest:
     continuations, not the request's tokens yet. The runner samples at every position
     (as if each draft before it had been generated) and keeps the drafts up to the
     first one its own sample disagrees with (`RunnerOutput.verified`)."""
+    num_lookahead: int = 0
+    """A draft model's proposals wanted after this step: the runner's draft model
+    continues the request's tokens (the new ones included) greedily by this many
+    (`RunnerOutput.draft_tokens`); block_ids cover those positions too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,9 @@ class RunnerOutput:
     last draft): 1 to num_draft_tokens + 1 new tokens."""
     verified_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     """For those of them with sampling.logprobs set: one per token of `verified`."""
+    draft_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """For requests with num_lookahead: the draft model's proposals for their next step,
+    continuing their tokens after this step's new ones."""
     pooled: dict[str, tuple[bytes, tuple[int, ...]]] = field(default_factory=dict)
     """For pooling requests whose prompt ended this step: float32 values and shape."""
     forward_s: float = 0.0

@@ -224,7 +224,8 @@ class Scheduler:
             if drafts and not self.kv_cache.allocate_slots(
                     req.request_id, req.num_scheduled_end + n + len(drafts)):
                 drafts = []  # no free slots for them: plain decode, nobody preempted
-            scheduled.append(self._scheduled(req, n, drafts))
+            lookahead = self._lookahead(req, n + len(drafts)) if speculate else 0
+            scheduled.append(self._scheduled(req, n, drafts, lookahead))
             budget -= n + len(drafts)
             i += 1
 
@@ -247,7 +248,7 @@ class Scheduler:
             if self._awaits_block(req, len(cached), computing):
                 deferred.append(self.waiting.pop())
                 continue
-            admitted = self._admit(req, cached, budget)
+            admitted = self._admit(req, cached, budget, speculate)
             if admitted is None:
                 break  # head-of-line: later requests do not overtake one that lacks blocks
             computing.update(self.kv_cache.uncached_hashes(req))
@@ -293,7 +294,8 @@ class Scheduler:
         return num_blocks > 0 and (
             num_blocks * self.kv_cache.block_size >= self.wait_for_prefix_tokens)
 
-    def _admit(self, req: Request, cached: list[int], budget: int) -> ScheduledRequest | None:
+    def _admit(self, req: Request, cached: list[int], budget: int,
+               speculate: bool = False) -> ScheduledRequest | None:
         """Start the head waiting request on its longest cached prefix (`cached`, from
         _cached_prefix) plus up to `budget` computed tokens; None (and no change) if the
         blocks are lacking."""
@@ -310,7 +312,22 @@ class Scheduler:
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RUNNING
         self.waiting.place_running(self.running, req)
-        return self._scheduled(req, n)
+        return self._scheduled(req, n, lookahead=self._lookahead(req, n) if speculate else 0)
+
+    def _lookahead(self, req: Request, num_scheduled: int) -> int:
+        """How many drafts the model runner should propose for the request after a step
+        that feeds it `num_scheduled` more tokens (a draft model's), with KV slots for
+        the draft's own pass over them held, free ones only: 0 where the step does not
+        sample the request or the slots are lacking."""
+        assert self.speculator is not None
+        end = req.num_scheduled_end + num_scheduled
+        if (self.speculator.runner_drafts is None or req.pooling is not None
+                or end - req.num_draft_tokens < req.num_tokens):
+            return 0  # n-gram proposes at schedule time; a prefill chunk samples nothing
+        k = min(self.speculator.lookahead(req), self.max_model_len - end)
+        if k <= 0 or not self.kv_cache.allocate_slots(req.request_id, end + k):
+            return 0
+        return k
 
     def _make_room(self, req: Request, num_tokens: int, unscheduled_from: int) -> bool:
         """Grow req's blocks to num_tokens, preempting unscheduled running requests
@@ -336,7 +353,7 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
 
     def _scheduled(self, req: Request, n: int, drafts: list[int] | None = None,
-                   ) -> ScheduledRequest:
+                   lookahead: int = 0) -> ScheduledRequest:
         start = req.num_scheduled_end
         token_ids = req.token_slice(start, start + n)
         if drafts:
@@ -357,6 +374,7 @@ class Scheduler:
             attempt=req.num_preemptions,
             pooling=req.pooling,
             num_draft_tokens=len(drafts) if drafts else 0,
+            num_lookahead=lookahead,
         )
 
     def unschedule(self, out: SchedulerOutput) -> None:
@@ -385,6 +403,7 @@ class Scheduler:
             req.num_inflight_tokens -= len(sr.token_ids)
             if sr.num_draft_tokens:
                 updates.append(self._verified(req, sr, result))
+                self._keep_drafts(req, sr, result)
                 continue
             req.num_computed_tokens += len(sr.token_ids)
             self.kv_cache.cache_full_blocks(req)
@@ -402,7 +421,19 @@ class Scheduler:
             updates.append(self._append(req, [result.sampled[sr.request_id]],
                                         [logprobs] if logprobs is not None else [],
                                         prompt_logprobs))
+            self._keep_drafts(req, sr, result)
         return updates
+
+    def _keep_drafts(self, req: Request, sr: ScheduledRequest, result: RunnerOutput) -> None:
+        """The runner's drafts for the request's next step (a draft model's), and back
+        with the slots its pass over them held."""
+        if not sr.num_lookahead or req.is_finished:
+            return
+        assert self.speculator is not None and self.speculator.runner_drafts is not None
+        drafts = result.draft_tokens.get(req.request_id)
+        if drafts:
+            self.speculator.runner_drafts.store(req.request_id, req.num_tokens, drafts)
+        self.kv_cache.trim(req.request_id, req.num_tokens)
 
     def _verified(self, req: Request, sr: ScheduledRequest,
                   result: RunnerOutput) -> RequestUpdate:

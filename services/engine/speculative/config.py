@@ -6,13 +6,14 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    """ngram: prompt lookup over the request's own tokens."""
+    """ngram: prompt lookup over the request's own tokens; draft_model: a smaller
+    checkpoint of the same vocabulary (`model`) proposes greedily."""
     num_speculative_tokens: int
     """Most draft tokens verified per request per step."""
     prompt_lookup_min: int = 2
@@ -25,13 +26,22 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.3
     """A request whose recent proposals were accepted less often than this (a moving
     average over its verify steps) stops proposing for a while (see speculator.py)."""
+    model: str = ""
+    """draft_model: the draft checkpoint (a folder, a GGUF file or a hub id in the local
+    cache), with the target's tokenizer."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            hint = (" (a draft model is not built yet)" if self.method == "draft_model"
-                    else "")
             raise ValueError(f"speculative_config: method must be one of {METHODS}, got "
-                             f"{self.method!r}{hint}")
+                             f"{self.method!r}")
+        if not isinstance(self.model, str):
+            raise ValueError(f"speculative_config: model must be a path, got {self.model!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method draft_model needs a model (the "
+                             "draft checkpoint's path)")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config: model is for method draft_model; ngram "
+                             "needs none")
         for name, low, high in (("num_speculative_tokens", 1, 16),
                                 ("prompt_lookup_min", 1, 64),
                                 ("prompt_lookup_max", 1, 64),

@@ -3,7 +3,10 @@
 The scheduler asks for drafts for each decoding request it schedules; the runner
 verifies them in the step's forward (`ScheduledRequest.num_draft_tokens`), and the
 scheduler reports back how many were accepted. Proposers are a seam (`Proposer`):
-n-gram lookup now; a draft model or EAGLE-style heads plug in the same way.
+n-gram lookup runs here, at schedule time; a draft model runs in the model runner,
+which proposes after a step for the requests the scheduler asked it to
+(`ScheduledRequest.num_lookahead`), and its drafts wait here (`RunnerDrafts`) for the
+request's next step. EAGLE-style heads would plug in the same way.
 
 When it does not pay, it proposes nothing:
 - in a step with more than `disable_by_batch_size` running requests (a big batch is
@@ -25,6 +28,26 @@ from services.engine.speculative.ngram import NgramProposer
 
 _FIRST_BACKOFF = 4
 _MAX_BACKOFF = 64
+
+
+class RunnerDrafts:
+    """Drafts the model runner proposed after a step, each for the request as it stood
+    then (its number of tokens): valid only while the request has not moved on."""
+
+    def __init__(self) -> None:
+        self._drafts: dict[str, tuple[int, list[int]]] = {}
+
+    def store(self, request_id: str, num_tokens: int, drafts: list[int]) -> None:
+        self._drafts[request_id] = (num_tokens, drafts)
+
+    def propose(self, request: Request, num_tokens: int) -> list[int]:
+        stored = self._drafts.pop(request.request_id, None)
+        if stored is None or stored[0] != request.num_tokens:
+            return []
+        return stored[1][:num_tokens]
+
+    def forget(self, request_id: str) -> None:
+        self._drafts.pop(request_id, None)
 
 
 class Proposer(Protocol):
@@ -71,8 +94,9 @@ class _Counts:
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
-        self.proposer: Proposer = proposer or NgramProposer(config.prompt_lookup_min,
-                                                            config.prompt_lookup_max)
+        self.runner_drafts = RunnerDrafts() if config.method == "draft_model" else None
+        self.proposer: Proposer = proposer or self.runner_drafts or NgramProposer(
+            config.prompt_lookup_min, config.prompt_lookup_max)
         self._acceptance: dict[str, _Acceptance] = {}
         self._counts = _Counts(per_position=[0] * config.num_speculative_tokens)
 
@@ -86,11 +110,24 @@ class Speculator:
         num_tokens = min(limit, self.config.num_speculative_tokens)
         if num_tokens < 1:
             return []
-        state = self._acceptance.get(request.request_id)
-        if state is not None and state.skip > 0:
-            state.skip -= 1
+        if self.runner_drafts is None and self._skips(request.request_id):
             return []
         return self.proposer.propose(request, num_tokens)
+
+    def lookahead(self, request: Request) -> int:
+        """How many drafts the model runner should propose for the request after this
+        step (a draft model's): 0 while the request skips for its low acceptance."""
+        if self.runner_drafts is None or self._skips(request.request_id):
+            return 0
+        return self.config.num_speculative_tokens
+
+    def _skips(self, request_id: str) -> bool:
+        """Whether the request sits out this step (and counts it)."""
+        state = self._acceptance.get(request_id)
+        if state is not None and state.skip > 0:
+            state.skip -= 1
+            return True
+        return False
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A verify step's outcome for one request."""

@@ -63,6 +63,7 @@ from services.engine.worker.batch import (
 )
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_threads
+from services.engine.worker.draft_model import DraftModel
 from services.engine.worker.dummy_batch import dummy_forward
 from services.engine.worker.huge_pages import HugePageReport, collapse_in_background
 from services.engine.worker.kv_cache_memory import KVCacheLayout, available_host_memory
@@ -110,10 +111,11 @@ class _Batch:
 
 class ModelRunner:
     def __init__(self, config: RunnerConfig, followers: Followers | None = None,
-                 pooler: Pooler | None = None) -> None:
+                 pooler: Pooler | None = None, draft_model: str = "") -> None:
         """`followers`: the tensor-parallel ranks that mirror this one's model calls,
         when this runner is rank 0 of several. `pooler`: run the model as a pooling
-        model (services/common/pooling.py): no LM head, no sampler."""
+        model (services/common/pooling.py): no LM head, no sampler. `draft_model`: the
+        checkpoint that proposes draft tokens (speculative decoding's draft_model)."""
         self.config = config
         self._followers = followers
         self.pooler = pooler
@@ -152,6 +154,13 @@ class ModelRunner:
             self.huge_pages = collapse_in_background(
                 [*weights, *panels_of(self.model), *quantized_blocks(self.model)])
         self.kv_caches = self._allocate_kv_cache(self.model.config)
+        self.draft: DraftModel | None = None
+        if draft_model:
+            if followers is not None or pooler is not None:
+                raise ValueError("speculative_config: a draft model runs with "
+                                 "tensor_parallel_size 1 on a generating engine")
+            self.draft = DraftModel(draft_model, info, self._dtype, self._device,
+                                    self.num_blocks, self.block_size)
         self.sampler = Sampler(self._device, config.seed)
         # A model that runs a whole greedy decode step from the scheduler's lists (the C++
         # decode op with its head, on CPU); tensor-parallel followers must mirror every
@@ -255,6 +264,9 @@ class ModelRunner:
             # The only references: the C++ decode op's binding goes with the next line.
             self.kv_caches = []
         self.model.model.forget_decode_op()
+        if self.draft is not None:
+            freed["kv_cache_bytes"] += self.draft.cache_bytes
+            self.draft.sleep()
         if level == 2:
             self._staging = None
             freed["weights_bytes"] = drop_weights(self.model)
@@ -269,7 +281,11 @@ class ModelRunner:
         if not self.kv_caches:
             self.kv_caches = [self._zeros(self._kv_shape)
                               for _ in range(self.model.config.num_hidden_layers)]
-        return {"kv_cache_bytes": sum(c.numel() * c.element_size() for c in self.kv_caches)}
+        num_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
+        if self.draft is not None:
+            self.draft.wake()
+            num_bytes += self.draft.cache_bytes
+        return {"kv_cache_bytes": num_bytes}
 
     @property
     def weights_dropped(self) -> bool:
@@ -394,21 +410,39 @@ class ModelRunner:
         pooling = (PoolingParams(self.pooler.task, PoolingType.LAST, normalize=False)
                    if self.pooler is not None else None)
 
-        def step(tokens: list[int], start: int) -> None:
+        def step(tokens: list[int], start: int, lookahead: int = 0) -> None:
             request = ScheduledRequest(
-                "warmup", tokens, start, blocks, True, greedy, prompt, [], pooling=pooling
-            )
+                "warmup", tokens, start, blocks, True, greedy, prompt, [], pooling=pooling,
+                num_lookahead=lookahead)
             self.execute(SchedulerOutput([request]))
 
         step(prompt, 0)
         if pooling is None:
-            step([0], num_tokens)
+            # The draft model's first proposals too (its lookahead fits the blocks).
+            step([0], num_tokens, 1 if self.draft is not None else 0)
+            if self.draft is not None:
+                self.draft.forget(["warmup"])
         if self._device.type == "cpu":
             release_openmp_pool()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run every scheduled request in one forward; the sampled token of each that
-        samples, and the logprobs that requests asked for."""
+        samples, and the logprobs that requests asked for (and the draft model's
+        proposals for those that want them)."""
+        if self.draft is None:
+            return self._run(out)
+        self.draft.forget(list(out.finished_request_ids))
+        result = self._run(out)
+        wanted = [(sr, result.verified.get(sr.request_id) or [result.sampled[sr.request_id]])
+                  for sr in out.requests if sr.num_lookahead]
+        if wanted:
+            start = time.perf_counter()
+            result.draft_tokens.update(self.draft.propose(wanted))
+            result = dataclasses.replace(
+                result, sample_s=result.sample_s + time.perf_counter() - start)
+        return result
+
+    def _run(self, out: SchedulerOutput) -> RunnerOutput:
         if self._pooling is not None:
             self._pooling.forget(out.finished_request_ids)
         if out.is_empty:

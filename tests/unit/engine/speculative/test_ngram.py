@@ -62,14 +62,15 @@ def test_the_proposer_keeps_each_request_s_tokens_as_it_grows() -> None:
     ('{"num_speculative_tokens": 4}', "'method' is required"),
     ('{"method": "ngram"}', "'num_speculative_tokens' is required"),
     ('{"method": "eagle", "num_speculative_tokens": 4}', "method must be one of"),
-    ('{"method": "draft_model", "num_speculative_tokens": 4}', "draft model is not built"),
+    ('{"method": "draft_model", "num_speculative_tokens": 4}', "needs a model"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "model": "x"}', "model is for method"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
     ('{"method": "ngram", "num_speculative_tokens": 4.5}', "num_speculative_tokens must be"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 4, '
      '"prompt_lookup_max": 2}', "prompt_lookup_min (4) must not exceed prompt_lookup_max (2)"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "min_acceptance_rate": 2}',
      "min_acceptance_rate must be"),
-    ('{"method": "ngram", "num_speculative_tokens": 4, "model": "x"}', "unknown key(s) ['model']"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "draft": "x"}', "unknown key(s) ['draft']"),
 ])
 def test_a_bad_config_is_refused_naming_the_key(text: str, message: str) -> None:
     with pytest.raises(ValueError) as refused:
