@@ -129,3 +129,26 @@ def test_int8_quantization_of_a_gguf_file_is_refused(smollm2_gguf: Path) -> None
     line = one_line_error(serve(["--model", str(smollm2_gguf), "--quantization", "int8",
                                  "--port", str(free_port())]))
     assert "is a GGUF file, served with its own quantization: drop --quantization" in line
+
+
+@pytest.mark.parametrize("case", ["kv-cache", "draft-vocabulary"])
+def test_a_flag_error_found_as_the_engine_loads_ends_serve_at_the_first_start(
+        tmp_path: Path, case: str) -> None:
+    # Found after (or while) the model loads: the engine must still exit 2 with its one
+    # line, not abort on a thread still copying weights (which serve would restart).
+    if case == "kv-cache":
+        args, reason = ["--kv-cache-memory", "1KiB"], "kv_cache_memory '1KiB'"
+    else:
+        draft = tmp_path / "draft"
+        shutil.copytree(resolve_model(None), draft)
+        config = json.loads((draft / "config.json").read_text())
+        (draft / "config.json").write_text(json.dumps({**config, "vocab_size": 500}))
+        args = ["--speculative-config", json.dumps({
+            "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})]
+        reason = "the draft model draft has a vocabulary of 500 tokens"
+    done = serve([*args, "--port", str(free_port())])
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert reason in output, output
+    assert "SIGABRT" not in output and "terminate called" not in output, output
+    assert output.count("starting engine-0") == 1, output

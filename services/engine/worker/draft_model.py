@@ -77,12 +77,23 @@ def _tokenizer_vocab(folder: Path) -> dict[str, int] | None:
     return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
 
 
-class DraftModel:
-    def __init__(self, path: str, target: ModelInfo, dtype: torch.dtype,
-                 device: torch.device, num_blocks: int, block_size: int) -> None:
+def resolve_draft(path: str, target: ModelInfo) -> tuple[Path, ModelInfo]:
+    """The draft checkpoint's folder and metadata, checked against the target (before
+    either model loads); DraftMismatch (a ValueError) naming what is wrong."""
+    try:
         folder = resolve_model(path)
         info = load_model_info(folder)
-        check_draft(target, Path(target.path), info, folder)
+    except (OSError, ValueError) as exc:
+        raise DraftMismatch(f"speculative_config: the draft model: {exc}") from None
+    check_draft(target, Path(target.path), info, folder)
+    return folder, info
+
+
+class DraftModel:
+    def __init__(self, draft: tuple[Path, ModelInfo], target: ModelInfo, dtype: torch.dtype,
+                 device: torch.device, num_blocks: int, block_size: int) -> None:
+        """`draft`: resolve_draft's answer."""
+        folder, info = draft
         self.info = info
         self._device = device
         self._dtype = dtype

@@ -63,7 +63,7 @@ from services.engine.worker.batch import (
 )
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_threads
-from services.engine.worker.draft_model import DraftModel
+from services.engine.worker.draft_model import DraftModel, resolve_draft
 from services.engine.worker.dummy_batch import dummy_forward
 from services.engine.worker.huge_pages import HugePageReport, collapse_in_background
 from services.engine.worker.kv_cache_memory import KVCacheLayout, available_host_memory
@@ -138,29 +138,32 @@ class ModelRunner:
             # The intra-op pool is per process: this sets it for every runner in it.
             torch.set_num_threads(num_threads)
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
+        if draft_model and (followers is not None or pooler is not None):
+            raise ValueError("speculative_config: a draft model runs with "
+                             "tensor_parallel_size 1 on a generating engine")
+        # Checked before anything loads (a bad draft is a flag to fix, found at once).
+        draft = resolve_draft(draft_model, info) if draft_model else None
         with torch.inference_mode():
             self.model: CausalLM = load_model(path, self._dtype, self._device, info.max_model_len,
                                               config.quantization, pooler)
         self._pooling = (PoolingHead(pooler, getattr(self.model, "score", None))
                          if pooler is not None else None)
+        self.kv_caches = self._allocate_kv_cache(self.model.config)
+        self.draft = (DraftModel(draft, info, self._dtype, self._device, self.num_blocks,
+                                 self.block_size) if draft is not None else None)
         self.huge_pages: Future[HugePageReport] | None = None
         if self._on_cpu and config.huge_pages:
+            # Only once nothing above can fail: a process that exits while the thread
+            # copies weights aborts (a flag error must end in its one-line message).
             # Plain weights, the panels of the packed ones (opaque to everything else)
             # and of the panels-only ones (stand-ins, with nothing behind them), and the
             # quantized layers' blocks (grouped copies on the heap; a file's memory map
-            # is not anonymous memory and stays as it is).
-            weights = [p for p in self.model.parameters()
-                       if not p.is_mkldnn and not is_panels_only(p)]
+            # is not anonymous memory and stays as it is); the draft model's alike.
+            models = [self.model] + ([self.draft.model] if self.draft is not None else [])
             self.huge_pages = collapse_in_background(
-                [*weights, *panels_of(self.model), *quantized_blocks(self.model)])
-        self.kv_caches = self._allocate_kv_cache(self.model.config)
-        self.draft: DraftModel | None = None
-        if draft_model:
-            if followers is not None or pooler is not None:
-                raise ValueError("speculative_config: a draft model runs with "
-                                 "tensor_parallel_size 1 on a generating engine")
-            self.draft = DraftModel(draft_model, info, self._dtype, self._device,
-                                    self.num_blocks, self.block_size)
+                [p for m in models for p in m.parameters()
+                 if not p.is_mkldnn and not is_panels_only(p)]
+                + [t for m in models for t in (*panels_of(m), *quantized_blocks(m))])
         self.sampler = Sampler(self._device, config.seed)
         # A model that runs a whole greedy decode step from the scheduler's lists (the C++
         # decode op with its head, on CPU); tensor-parallel followers must mirror every
