@@ -1,13 +1,16 @@
-"""Speculative decoding (#42): output tokens per second with n-gram speculation against
-the same cluster without, on a real model and answers that copy from their prompt.
+"""Speculative decoding (#42): output tokens per second with speculation against the
+same cluster without, on a real model and answers that copy from their prompt.
 
     .venv/bin/python benchmarks/speculative.py                     # SmolLM2 Q4_1, 3 rounds
     .venv/bin/python benchmarks/speculative.py --gguf FILE --rounds 5 --num-speculative-tokens 3
     .venv/bin/python benchmarks/speculative.py --model FOLDER      # a Hugging Face checkpoint
+    .venv/bin/python benchmarks/speculative.py --method draft_model [--draft PATH]
 
 Two `corestream serve` clusters run side by side (benchmarks/side_by_side.py: rounds
 alternate between them, so a shared machine's drift hits both alike): one plain, one
-with `--speculative-config '{"method": "ngram", ...}'`. The workload is input-grounded:
+with `--speculative-config '{"method": "ngram", ...}'` (or a draft model: by default the
+target itself, whose greedy drafts are all accepted, so its figure is the mechanism's
+best case at the cost of a draft as large as the target). The workload is input-grounded:
 each request asks the model (through its chat template, rendered by the cluster) to
 rewrite, correct, extract from or annotate a passage or a code file given in the prompt,
 greedy, up to --max-tokens, ending at EOS as a user's request would. Two loads:
@@ -103,6 +106,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--in-flight", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--draft", default="",
+                        help="draft_model: the draft checkpoint (default: the target itself, "
+                        "every greedy draft accepted: the mechanism's cost at its best)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
@@ -194,8 +201,9 @@ def run_load(arms: list[Arm], prompts: list[list[int]], args: argparse.Namespace
         assert not mismatched, f"{label}: outputs differ with speculation on {mismatched}"
     plain, spec = (statistics.median(arm.tps) for arm in arms)
     ratios = [b / a for a, b in zip(arms[0].tps, arms[1].tps, strict=True)]
-    print(f"{label}: median output tok/s plain {plain:.1f}, ngram {spec:.1f}; ratio of medians "
-          f"{spec / plain:.3f}, median of per-round ratios {statistics.median(ratios):.3f}")
+    print(f"{label}: median output tok/s plain {plain:.1f}, {arms[1].name} {spec:.1f}; "
+          f"ratio of medians {spec / plain:.3f}, median of per-round ratios "
+          f"{statistics.median(ratios):.3f}")
     after = spec_counters(arms[1].metrics_port)
     delta = {k: after.get(k, 0.0) - counters_before.get(k, 0.0) for k in after}
     drafts = delta.get("spec_decode_num_drafts", 0.0)
@@ -212,13 +220,18 @@ def run_load(arms: list[Arm], prompts: list[list[int]], args: argparse.Namespace
 def main() -> None:
     args = parse_args()
     model = model_path(args)
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-                       "prompt_lookup_min": args.prompt_lookup_min,
-                       "prompt_lookup_max": args.prompt_lookup_max})
+    if args.method == "ngram":
+        spec = json.dumps({"method": "ngram",
+                           "num_speculative_tokens": args.num_speculative_tokens,
+                           "prompt_lookup_min": args.prompt_lookup_min,
+                           "prompt_lookup_max": args.prompt_lookup_max})
+    else:
+        spec = json.dumps({"method": "draft_model", "model": args.draft or str(model),
+                           "num_speculative_tokens": args.num_speculative_tokens})
     print(f"model {model}; speculative config {spec}", flush=True)
     common = ["--max-model-len", "4096"]
     arms = [start("plain", model, 256, args.kv_cache_memory, common),
-            start("ngram", model, 256, args.kv_cache_memory,
+            start(args.method.split("_")[0], model, 256, args.kv_cache_memory,
                   [*common, "--speculative-config", spec])]
     try:
         prompts = [render(arms[0].cluster.address, task) for task in TASKS]
