@@ -35,6 +35,7 @@ rejected ones are given back (blocks past the request's tokens are freed).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -224,8 +225,7 @@ class Scheduler:
             if drafts and not self.kv_cache.allocate_slots(
                     req.request_id, req.num_scheduled_end + n + len(drafts)):
                 drafts = []  # no free slots for them: plain decode, nobody preempted
-            lookahead = self._lookahead(req, n + len(drafts)) if speculate else 0
-            scheduled.append(self._scheduled(req, n, drafts, lookahead))
+            scheduled.append(self._scheduled(req, n, drafts))
             budget -= n + len(drafts)
             i += 1
 
@@ -248,7 +248,7 @@ class Scheduler:
             if self._awaits_block(req, len(cached), computing):
                 deferred.append(self.waiting.pop())
                 continue
-            admitted = self._admit(req, cached, budget, speculate)
+            admitted = self._admit(req, cached, budget)
             if admitted is None:
                 break  # head-of-line: later requests do not overtake one that lacks blocks
             computing.update(self.kv_cache.uncached_hashes(req))
@@ -260,6 +260,8 @@ class Scheduler:
         # An empty output is not executed, so keep the finished ids for the next one.
         if not scheduled:
             return SchedulerOutput(requests=())
+        if self.speculator is not None and self.speculator.runner_drafts is not None:
+            scheduled = self._with_lookahead(scheduled)
         finished, self._finished_since_last_step = self._finished_since_last_step, set()
         return SchedulerOutput(requests=scheduled, finished_request_ids=frozenset(finished),
                                step=self.step_counter)
@@ -294,8 +296,7 @@ class Scheduler:
         return num_blocks > 0 and (
             num_blocks * self.kv_cache.block_size >= self.wait_for_prefix_tokens)
 
-    def _admit(self, req: Request, cached: list[int], budget: int,
-               speculate: bool = False) -> ScheduledRequest | None:
+    def _admit(self, req: Request, cached: list[int], budget: int) -> ScheduledRequest | None:
         """Start the head waiting request on its longest cached prefix (`cached`, from
         _cached_prefix) plus up to `budget` computed tokens; None (and no change) if the
         blocks are lacking."""
@@ -312,22 +313,29 @@ class Scheduler:
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RUNNING
         self.waiting.place_running(self.running, req)
-        return self._scheduled(req, n, lookahead=self._lookahead(req, n) if speculate else 0)
+        return self._scheduled(req, n)
 
-    def _lookahead(self, req: Request, num_scheduled: int) -> int:
-        """How many drafts the model runner should propose for the request after a step
-        that feeds it `num_scheduled` more tokens (a draft model's), with KV slots for
-        the draft's own pass over them held, free ones only: 0 where the step does not
-        sample the request or the slots are lacking."""
+    def _with_lookahead(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """The step's requests, those that sample with a draft model's proposals wanted
+        after it, when the batch that runs next (this one's requests, admissions
+        included) is small enough to speculate."""
         assert self.speculator is not None
-        end = req.num_scheduled_end + num_scheduled
-        if (self.speculator.runner_drafts is None or req.pooling is not None
-                or end - req.num_draft_tokens < req.num_tokens):
-            return 0  # n-gram proposes at schedule time; a prefill chunk samples nothing
+        if not self.speculator.active(len(self.running)):
+            return scheduled
+        return [self._lookahead(sr) if sr.sample and sr.pooling is None else sr
+                for sr in scheduled]
+
+    def _lookahead(self, sr: ScheduledRequest) -> ScheduledRequest:
+        """`sr` asking the runner for the request's next drafts, with KV slots for the
+        draft's own pass over them held (free ones only; none, no ask)."""
+        assert self.speculator is not None
+        req = self.requests[sr.request_id]
+        end = sr.start_pos + len(sr.token_ids)
         k = min(self.speculator.lookahead(req), self.max_model_len - end)
         if k <= 0 or not self.kv_cache.allocate_slots(req.request_id, end + k):
-            return 0
-        return k
+            return sr
+        return dataclasses.replace(sr, num_lookahead=k,
+                                   block_ids=list(self.kv_cache.block_ids(req.request_id)))
 
     def _make_room(self, req: Request, num_tokens: int, unscheduled_from: int) -> bool:
         """Grow req's blocks to num_tokens, preempting unscheduled running requests
@@ -353,7 +361,7 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
 
     def _scheduled(self, req: Request, n: int, drafts: list[int] | None = None,
-                   lookahead: int = 0) -> ScheduledRequest:
+                   ) -> ScheduledRequest:
         start = req.num_scheduled_end
         token_ids = req.token_slice(start, start + n)
         if drafts:
@@ -374,7 +382,6 @@ class Scheduler:
             attempt=req.num_preemptions,
             pooling=req.pooling,
             num_draft_tokens=len(drafts) if drafts else 0,
-            num_lookahead=lookahead,
         )
 
     def unschedule(self, out: SchedulerOutput) -> None:

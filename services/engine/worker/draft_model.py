@@ -18,6 +18,7 @@ any sampling settings.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,9 @@ from services.engine.worker.kv_cache_memory import KVCacheLayout
 logger = logging.getLogger(__name__)
 
 _GREEDY = SamplingParams(temperature=0.0)
+# Unseen tokens of a request that the decode op takes as rows; more (a whole context on
+# the first proposal) take the batched forward.
+_DECODE_ROWS = 17
 
 
 class DraftMismatch(ValueError):
@@ -166,20 +170,38 @@ class DraftModel:
                 for (sr, _), d in zip(requests, drafts, strict=True)}
 
     def _catch_up(self, chunks: list[ScheduledRequest]) -> list[int]:
-        """Run the draft over each request's unseen tokens; its argmax after the last."""
-        if self._decode is not None:
-            rows = greedy_decode_rows(chunks, self._block_size, self._max_model_len)
-            if rows is not None:  # one unseen token each (the usual step)
-                tokens = self._decode(self.kv_caches, rows.input_ids, rows.positions,
-                                      rows.slot_mapping, rows.block_tables, rows.seq_lens)
-                if tokens is not None:
-                    return tokens
-        host = flatten_batch(chunks, self._block_size, self._max_model_len)
-        hidden = self._forward(host.arrays.input_ids, host.arrays.positions,
-                               host.arrays.slot_mapping, host.arrays.block_tables,
-                               host.seq_lens, host.query_start_loc)
-        rows = torch.tensor(host.sample_rows, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)).argmax(-1).tolist()
+        """Run the draft over each request's unseen tokens; its argmax after the last.
+
+        A few unseen tokens (the usual step: the accepted drafts and the new token) go
+        to the decode op as one-token rows, as a verify step's do; a whole context (the
+        request's first proposal) takes the batched forward."""
+        firsts: list[int | None] = [None] * len(chunks)
+        few = [i for i, c in enumerate(chunks) if len(c.token_ids) <= _DECODE_ROWS]
+        if self._decode is not None and few:
+            as_rows = [dataclasses.replace(chunks[i],
+                                           num_draft_tokens=len(chunks[i].token_ids) - 1)
+                       for i in few]
+            rows = greedy_decode_rows(as_rows, self._block_size, self._max_model_len)
+            tokens = (self._decode(self.kv_caches, rows.input_ids, rows.positions,
+                                   rows.slot_mapping, rows.block_tables, rows.seq_lens)
+                      if rows is not None else None)
+            if tokens is not None:
+                end = 0
+                for i, r in zip(few, as_rows, strict=True):
+                    end += len(r.token_ids)
+                    firsts[i] = tokens[end - 1]
+        rest = [i for i, t in enumerate(firsts) if t is None]
+        if rest:
+            host = flatten_batch([chunks[i] for i in rest], self._block_size,
+                                 self._max_model_len)
+            hidden = self._forward(host.arrays.input_ids, host.arrays.positions,
+                                   host.arrays.slot_mapping, host.arrays.block_tables,
+                                   host.seq_lens, host.query_start_loc)
+            rows = torch.tensor(host.sample_rows, device=hidden.device)
+            found = self.model.compute_logits(hidden.index_select(0, rows)).argmax(-1)
+            for i, t in zip(rest, found.tolist(), strict=True):
+                firsts[i] = t
+        return [t for t in firsts if t is not None]
 
     def _decode_step(self, rows: list[tuple[ScheduledRequest, int, int]]) -> list[int]:
         """One greedy token per row (request, position, token at that position)."""
