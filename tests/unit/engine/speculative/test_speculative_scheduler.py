@@ -174,3 +174,34 @@ def test_preemption_and_unschedule_drop_drafts_in_flight() -> None:
     assert r.num_output_tokens == 1
     run(s, [])
     assert r.num_output_tokens == 100
+
+
+def draft_scheduler(limit: int = 2, **kwargs: int) -> Scheduler:
+    s = make_scheduler(**kwargs)
+    s.speculator = Speculator(SpeculativeConfig("draft_model", 3, disable_by_batch_size=limit,
+                                                model="draft"))
+    return s
+
+
+def test_a_draft_model_is_asked_for_lookahead_only_when_the_batch_is_small() -> None:
+    s = draft_scheduler(limit=2)
+    for r in requests(3):
+        s.add_request(r)
+    burst = s.schedule()  # three admitted at once: over the limit, no lookahead
+    assert all(sr.num_lookahead == 0 for sr in burst.requests)
+    s.update_from_output(burst, execute(s, burst))
+    s.abort_requests(["r2"])
+    out = s.schedule()
+    assert [sr.num_lookahead for sr in out.requests] == [3, 3]
+    for sr in out.requests:  # slots for the draft's pass: the step's token and 3 more
+        assert len(sr.block_ids) * 4 >= sr.start_pos + 1 + 3
+    result = execute(s, out)
+    result.draft_tokens.update({sr.request_id: [7, 8, 9] for sr in out.requests})
+    s.update_from_output(out, result)
+    for sr in out.requests:
+        req = s.requests[sr.request_id]
+        assert len(s.kv_cache.block_ids(req.request_id)) == s.kv_cache.blocks_needed(
+            req.num_tokens)  # the lookahead slots are back
+    nxt = s.schedule()
+    assert all(list(sr.token_ids[1:]) == [7, 8, 9] for sr in nxt.requests)
+    assert all(sr.num_draft_tokens == 3 for sr in nxt.requests)
