@@ -50,8 +50,18 @@ class FakeRunner:
             self.gate.wait(10)
         if self.fail:
             raise RuntimeError("device lost")
-        return RunnerOutput(
-            {r.request_id: (r.token_ids[-1] + 1) % VOCAB for r in out.requests if r.sample})
+        result = RunnerOutput(
+            {r.request_id: (r.token_ids[-1] + 1) % VOCAB for r in out.requests
+             if r.sample and not r.num_draft_tokens})
+        for r in out.requests:
+            if r.num_draft_tokens:  # drafts kept while they are last + 1, as it samples
+                start = len(r.token_ids) - 1 - r.num_draft_tokens
+                targets = [(t + 1) % VOCAB for t in r.token_ids[start:]]
+                kept = 0
+                while kept < r.num_draft_tokens and r.token_ids[start + 1 + kept] == targets[kept]:
+                    kept += 1
+                result.verified[r.request_id] = targets[: kept + 1]
+        return result
 
     def close(self) -> None:
         self.closed_on.append(threading.current_thread().name)

@@ -126,3 +126,52 @@ def test_throttled_ranks_start_requests_only_in_the_same_aligned_steps() -> None
         barrier.abort()
         for core in cores:
             core.shutdown()
+
+
+class _Counting:
+    """Drafts the fake model's own continuation (last + 1, ...): all accepted."""
+
+    def propose(self, request: Any, num_tokens: int) -> list[int]:
+        last = (request.output_token_ids or request.prompt_token_ids)[-1]
+        return [(last + 1 + i) % 100 for i in range(num_tokens)]
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_speculation_in_a_wave_verifies_on_one_rank_while_the_other_runs_dummies() -> None:
+    import json
+
+    from services.engine.speculative.config import SpeculativeConfig
+    from services.engine.speculative.speculator import Speculator
+
+    barrier, votes = threading.Barrier(2), [False, False]
+    runners = [LockstepRunner(barrier, votes, r) for r in range(2)]
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    cores = [EngineCore(EngineConfig(engine_index=r, speculative_config=spec), runners[r])
+             for r in range(2)]
+    for core in cores:
+        core.scheduler.speculator = Speculator(SpeculativeConfig("ngram", 3), _Counting())
+
+        def announce(wave: int) -> None:
+            for c in cores:
+                c.start_wave(wave)
+        core.join_waves(check_interval=4, announce=announce)
+    q = cores[0].sessions.open("s")
+    for core in cores:
+        core.start()
+    try:
+        cores[0].add_request(request("a", max_tokens=21))
+        by_id, _ = collect(q, {"a"})
+        assert tokens(by_id["a"]) == list(range(4, 25))
+        wait_until_idle(cores)
+        stats = cores[0].scheduler.stats().speculation
+        assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        # 21 tokens in 1 + 5 steps (4 a verify step); the idle rank met each with a dummy.
+        assert runners[0].steps == 6
+        assert runners[1].steps == 0 and runners[1].dummy_steps >= 6
+    finally:
+        barrier.abort()
+        for core in cores:
+            core.shutdown()
