@@ -160,3 +160,65 @@ def test_the_engine_refuses_draft_model_speculation_on_a_runner_without_one(
         plain: ModelRunner) -> None:
     with pytest.raises(ValueError, match="needs an executor built with the draft model"):
         EngineCore(EngineConfig(speculative_config=spec(TINY)), plain)
+
+
+@pytest.mark.timeout(300)
+def test_on_the_benchmark_shapes_a_small_draft_and_a_self_draft_give_plain_outputs(
+        tmp_path: Path) -> None:
+    from tests.unit.engine.hf_checkpoints import make_checkpoint
+
+    shapes = {"vocab_size": 4096, "max_position_embeddings": 2048, "initializer_range": 0.02}
+    make_checkpoint(tmp_path / "bench", "llama", hidden_size=512, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408,
+                    **shapes)
+    make_checkpoint(tmp_path / "small", "llama", hidden_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=344,
+                    **shapes)
+
+    def bench_runner(draft: str) -> ModelRunner:
+        r = ModelRunner(RunnerConfig(model=str(tmp_path / "bench"), kv_cache_memory="64MiB"),
+                        draft_model=draft)
+        r.warmup()
+        return r
+
+    def reqs() -> list[Request]:
+        return [real_request(f"b{i}", prompt_of(24 + 16 * i, i, 4096), 48) for i in range(4)]
+
+    expected, _ = run_core(bench_runner(""), reqs())
+    for draft in ("small", "bench"):
+        got, core = run_core(bench_runner(str(tmp_path / draft)), reqs(),
+                             speculative_config=spec(tmp_path / draft))
+        assert {r: tokens(u) for r, u in got.items()} == {
+            r: tokens(u) for r, u in expected.items()}, draft
+        stats = core.scheduler.stats().speculation
+        assert stats is not None and stats.num_drafts > 10
+        if draft == "bench":
+            assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.timeout(120)
+def test_constrained_requests_with_a_draft_model(plain: ModelRunner) -> None:
+    import re
+
+    from tokenizers import Tokenizer
+
+    from services.common.constraints import ConstraintKind, OutputConstraint
+
+    regex = r"(ab|abc|b){10,30}"
+
+    def reqs() -> list[Request]:
+        return [real_request(f"c{i}", prompt_of(9 + i, i, 394), 100,
+                             constraint=OutputConstraint(ConstraintKind.REGEX, regex),
+                             **({"temperature": 1.0, "seed": i} if i % 2 else {}))
+                for i in range(4)]
+
+    expected, _ = run_core(plain, reqs())
+    got, core = run_core(runner(TINY), reqs(), speculative_config=spec(TINY))
+    assert {r: tokens(u) for r, u in got.items()} == {r: tokens(u) for r, u in expected.items()}
+    # The draft proposes without the grammar's mask, so its guesses are cut at the first
+    # token the grammar refuses (here every one): the requests ran, and plainly.
+    stats = core.scheduler.stats().speculation
+    assert stats is not None and stats.num_draft_tokens == 0
+    detok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    for updates in got.values():
+        assert re.fullmatch(regex, detok.decode(tokens(updates)))
