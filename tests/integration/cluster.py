@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -144,3 +145,27 @@ def frozen(admin: Any, entered: bool = True) -> Iterator[Callable[[], None]]:
     finally:
         if paused:
             admin.ResumeScheduling(admin_pb2.ResumeSchedulingRequest(), timeout=20)
+
+
+@contextlib.contextmanager
+def frozen_running(admin: Any, start: Callable[[], Iterator[Any]],
+                   tries: int = 5) -> Iterator[Iterator[Any]]:
+    """A stream that `start` opens (its first chunk read), frozen by a keep pause whose
+    own answer shows a request running; resumed on exit. The tiny model makes 1500 tokens
+    in about half a second, so a stream may end before the pause reaches its engine: then
+    another one starts."""
+    for _ in range(tries):
+        stream = start()
+        next(stream)
+        kept = admin.PauseScheduling(
+            admin_pb2.PauseSchedulingRequest(mode=admin_pb2.PAUSE_MODE_KEEP), timeout=20)
+        if any(r.ok and json.loads(r.result_json)["num_running"] > 0 for r in kept.results):
+            try:
+                yield stream
+            finally:
+                admin.ResumeScheduling(admin_pb2.ResumeSchedulingRequest(), timeout=20)
+            return
+        admin.ResumeScheduling(admin_pb2.ResumeSchedulingRequest(), timeout=20)
+        # A gRPC stream cancels, an HTTP one (OpenAI's client) closes.
+        (getattr(stream, "cancel", None) or stream.close)()  # type: ignore[attr-defined]
+    raise AssertionError(f"no keep pause found a request running in {tries} tries")

@@ -24,7 +24,13 @@ from corestream.generate.v1 import pooling_service_pb2 as pooling_pb
 from corestream.generate.v1 import pooling_service_pb2_grpc as pooling_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.integration.cluster import Cluster, alive, descendants, free_port, frozen
+from tests.integration.cluster import (
+    Cluster,
+    alive,
+    descendants,
+    free_port,
+    frozen_running,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -199,13 +205,13 @@ def assert_aborted_and_freed(cluster: Cluster, ended_at: float, what: str) -> No
 def test_client_cancel_aborts_in_engine(
     cluster: Cluster, stub: pb_grpc.GenerateServiceStub, admin: admin_grpc.AdminServiceStub
 ) -> None:
-    stream = stub.GenerateStream(pb.GenerateStreamRequest(
-        text="a long story", sampling=greedy(1500, ignore_eos=True)), timeout=120)
-    next(stream)
-    next(stream)
+    def start() -> Any:
+        return stub.GenerateStream(pb.GenerateStreamRequest(
+            text="a long story", sampling=greedy(1500, ignore_eos=True)), timeout=120)
+
     # Frozen where it is, the request cannot run to its end before the cancel, however
     # fast the engine steps (the tiny model now decodes 1,500 tokens in ~0.6 s here).
-    with frozen(admin):
+    with frozen_running(admin, start) as stream:
         deadline = time.monotonic() + 20
         while running_in_engines(cluster) == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -217,16 +223,20 @@ def test_client_cancel_aborts_in_engine(
 
 def test_deadline_aborts_in_engine(cluster: Cluster, stub: pb_grpc.GenerateServiceStub,
                                    admin: admin_grpc.AdminServiceStub) -> None:
-    started = time.monotonic()
-    with frozen(admin, entered=False) as freeze:
+    def start() -> Any:
+        nonlocal started
+        started = time.monotonic()
+        return stub.GenerateStream(pb.GenerateStreamRequest(
+            text="a long story", sampling=greedy(2000, ignore_eos=True)), timeout=0.5)
+
+    started = 0.0
+    # Frozen after its first token, the request cannot finish before its deadline however
+    # fast the engine steps (2,000 tokens took ~0.75 s here, and 1,500 once finished
+    # within 1 s): only the deadline ends it.
+    with frozen_running(admin, start) as stream:
         with pytest.raises(grpc.RpcError) as info:
-            for _ in stub.GenerateStream(pb.GenerateStreamRequest(
-                    text="a long story", sampling=greedy(2000, ignore_eos=True)),
-                    timeout=0.5):
-                # Frozen after its first token, the request cannot finish before its
-                # deadline however fast the engine steps (2,000 tokens took ~0.75 s
-                # here, and 1,500 once finished within 1 s): only the deadline ends it.
-                freeze()
+            for _ in stream:
+                pass
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - started < 5
         assert_aborted_and_freed(cluster, time.monotonic(), "deadline")
@@ -330,10 +340,11 @@ def test_admin_stats_and_reset_prefix_cache(admin: admin_grpc.AdminServiceStub,
 
 def test_admin_reset_refused_while_running_engine_keeps_serving(
         admin: admin_grpc.AdminServiceStub, stub: pb_grpc.GenerateServiceStub) -> None:
-    stream = stub.GenerateStream(pb.GenerateStreamRequest(
-        text="a long story", sampling=greedy(1500, ignore_eos=True)), timeout=120)
-    next(stream)
-    with frozen(admin):  # still running when the reset comes, however fast the engine
+    def start() -> Any:
+        return stub.GenerateStream(pb.GenerateStreamRequest(
+            text="a long story", sampling=greedy(1500, ignore_eos=True)), timeout=120)
+
+    with frozen_running(admin, start) as stream:  # running when the reset comes
         reply = admin.ResetPrefixCache(admin_pb.ResetPrefixCacheRequest(), timeout=20)
     refused = [r for r in reply.results if not r.ok]
     assert refused, reply

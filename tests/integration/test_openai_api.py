@@ -27,7 +27,7 @@ from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.integration.cluster import Cluster, free_port, frozen
+from tests.integration.cluster import Cluster, free_port, frozen_running
 
 TIMEOUT_S = 120
 MODEL = "tiny-llama-v2"
@@ -328,16 +328,16 @@ def test_disconnect_mid_stream_frees_the_request(client: openai.OpenAI,
     admin = admin_grpc.AdminServiceStub(channel)
     assert _running(admin) == 0
     max_tokens = 2000
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
-                                       temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
-    for _, chunk in zip(range(3), stream, strict=False):
-        assert chunk.choices[0].finish_reason is None
+    def start() -> Any:
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens,
+                                         temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+
     # Frozen where it is, the request cannot run to its end before its client leaves,
     # however fast the engine steps against this client: left running, a fresh clone's
     # loaded run once reached 1,032 of its 2,000 tokens before the abort landed. Only the
     # disconnect can free it now.
-    with frozen(admin):
+    with frozen_running(admin, start) as stream:
         assert _running(admin) == 1
         before = _steps(admin)
         stream.close()
