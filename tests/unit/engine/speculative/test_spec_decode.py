@@ -292,3 +292,24 @@ def test_with_the_batch_queue_outputs_equal_those_without_speculation(
     stats = core.scheduler.stats().speculation
     assert stats is not None and stats.num_drafts > 0
     assert {r: tokens(u) for r, u in spec.items()} == {r: tokens(u) for r, u in plain.items()}
+
+
+@pytest.mark.timeout(120)
+def test_prefix_cache_hits_with_speculation_give_plain_outputs(tiny_runner: Executor) -> None:
+    vocab = tiny_runner.model_info.vocab_size
+    shared = prompt_of(64, 1, vocab)
+
+    def waves() -> tuple[list[Request], list[Request]]:
+        return ([real_request("first", shared + shared[:8], 40)],
+                [real_request("second", shared + shared[:12], 40)])
+
+    plain, _ = run_core(tiny_runner, *waves())
+    spec, core = run_core(tiny_runner, *waves(), speculative_config=spec_config(
+        min_acceptance_rate=0.0, prompt_lookup_min=1))
+    assert spec["second"][0].num_cached_tokens == 64  # its prefix, cached by the first
+    stats = core.scheduler.stats().speculation
+    assert stats is not None and stats.num_accepted_tokens > 0
+    assert {r: tokens(u) for r, u in spec.items()} == {r: tokens(u) for r, u in plain.items()}
+    kv = core.scheduler.kv_cache
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks
