@@ -222,3 +222,15 @@ def test_constrained_requests_with_a_draft_model(plain: ModelRunner) -> None:
     detok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
     for updates in got.values():
         assert re.fullmatch(regex, detok.decode(tokens(updates)))
+
+
+@pytest.mark.timeout(120)
+def test_a_draft_model_with_the_batch_queue(plain: ModelRunner, small_draft: Path) -> None:
+    vocab = plain.model_info.vocab_size
+    sampling = {"temperature": 0.9, "seed": 4}
+    expected, _ = run_core(plain, requests(vocab, **sampling))
+    got, core = run_core(runner(small_draft), requests(vocab, **sampling),
+                         max_concurrent_batches=2, speculative_config=spec(small_draft))
+    assert {r: tokens(u) for r, u in got.items()} == {r: tokens(u) for r, u in expected.items()}
+    stats = core.scheduler.stats().speculation
+    assert stats is not None and stats.num_drafts > 0
