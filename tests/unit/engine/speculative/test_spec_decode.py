@@ -1,6 +1,6 @@
 """Speculative decoding on real runners: outputs equal those without drafts (greedy,
 seeded sampling, penalties, logprobs), a model that repeats itself has every draft
-accepted, unseeded sampling keeps the target's distribution (chi-square), and
+accepted, sampling keeps the target's distribution (chi-square), and
 preemption and abort in the middle of speculation lose nothing."""
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
 from services.engine.executor.protocol import Executor
 from services.engine.request import FinishReason, Request
+from services.engine.scheduler.kv_cache_manager import KVCacheManager
+from services.engine.scheduler.scheduler import Scheduler
+from services.engine.speculative.config import SpeculativeConfig
+from services.engine.speculative.speculator import Speculator
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner
 from tests.unit.engine.fakes import (
@@ -138,28 +142,27 @@ def test_sampling_keeps_the_target_distribution(tmp_path: Path, proposer: str) -
     logits = np.full(VOCAB, -1e4)
     logits[symbols] = np.log(probs)
     runner = fixed_runner(tmp_path, logits)
-    config = EngineConfig(max_num_seqs=8, speculative_config=spec_config(
-        k=4, prompt_lookup_min=1, prompt_lookup_max=3, min_acceptance_rate=0.0))
-    core = EngineCore(config, runner)
-    if proposer == "fixed":
-        assert core.scheduler.speculator is not None
-        core.scheduler.speculator.proposer = FixedDrafts([10, 14, 14, 13])
-    # Unseeded: the engine's generator, as most requests use. With the n-gram proposer
-    # five likely tokens repeat often, so lookups find matches and some drafts pass.
-    requests = [Request(f"s{i}", [10, 11, 12, 10, 11], SamplingParams(
-        temperature=1.0, max_tokens=3000, ignore_eos=True), eos_token_ids=(2,),
-        session_id="s") for i in range(8)]
-    q = core.sessions.open("s")
-    core.start()
-    try:
-        for r in requests:
-            core.add_request(r)
-        out, _ = collect(q, {r.request_id for r in requests}, timeout=240)
-    finally:
-        core.shutdown()
-    stats = core.scheduler.stats().speculation
+    speculator = Speculator(
+        SpeculativeConfig("ngram", 4, prompt_lookup_min=1, prompt_lookup_max=3,
+                          disable_by_batch_size=8, min_acceptance_rate=0.0),
+        FixedDrafts([10, 14, 14, 13]) if proposer == "fixed" else None)
+    scheduler = Scheduler(KVCacheManager(runner.num_blocks, runner.block_size),
+                          max_model_len=runner.model_info.max_model_len, max_num_seqs=8,
+                          speculator=speculator)
+    # Unseeded: the runner's generator, as most requests use. The scheduler and runner
+    # are driven here on one thread, so the steps (and with them the draws) are the same
+    # in every run. With the n-gram proposer five likely tokens repeat often, so lookups
+    # find matches and some drafts pass.
+    for i in range(8):
+        scheduler.add_request(Request(f"s{i}", [10, 11, 12, 10, 11], SamplingParams(
+            temperature=1.0, max_tokens=3000, ignore_eos=True), eos_token_ids=(2,)))
+    counts: Counter[int] = Counter()
+    while scheduler.has_work():
+        out = scheduler.schedule()
+        for update in scheduler.update_from_output(out, runner.execute(out)):
+            counts.update(update.new_token_ids)
+    stats = scheduler.stats().speculation
     assert stats is not None and stats.num_accepted_tokens > 1000
-    counts = Counter(t for updates in out.values() for t in tokens(updates))
     n = sum(counts.values())
     assert n == 8 * 3000 and set(counts) <= set(symbols)
     observed = np.array([counts[s] for s in symbols])
@@ -169,9 +172,10 @@ def test_sampling_keeps_the_target_distribution(tmp_path: Path, proposer: str) -
         return float(((observed - expected) ** 2 / expected).sum())
 
     assert chi_square_sf4(statistic(probs)) > 1e-3, observed / n
-    # Power: a bias of 2 points (toward the likeliest token) would have been caught.
-    biased = probs + np.array([0.02, -0.01, -0.01, 0.0, 0.0])
-    assert chi_square_sf4(statistic(biased)) < 1e-6
+    # Power: a bias of 2 points (toward the likeliest token) would give the statistic
+    # n * sum(bias^2 / p) = 49.6 on average, far past any threshold (p ~ 4e-10).
+    bias = np.array([0.02, -0.01, -0.01, 0.0, 0.0])
+    assert chi_square_sf4(n * float((bias**2 / probs).sum())) < 1e-6
 
 
 @pytest.mark.timeout(120)
