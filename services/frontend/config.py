@@ -37,6 +37,27 @@ class FrontendConfig:
         "/v1/models, /health) on the same host; -1 turns it off, 0 picks a free port.",
         default=-1,
     )
+    http_header_timeout_s: float = doc(
+        "HTTP door: seconds a connection may take to send a request's headers (from its "
+        "opening, or from the previous response); past it, 408 and the connection closes. "
+        "Bounds idle and slowloris connections.", default=10.0
+    )
+    http_body_timeout_s: float = doc(
+        "HTTP door: seconds a request's body may take to arrive after its headers; past "
+        "it, 408.", default=60.0
+    )
+    http_write_timeout_s: float = doc(
+        "HTTP door: seconds a response may stay blocked on a client that does not read "
+        "(its socket buffer full); past it, the connection is dropped and the request "
+        "aborted, as for a client that left.", default=60.0
+    )
+    http_keep_alive_s: float = doc(
+        "HTTP door: seconds an idle kept-alive connection stays open after a response.",
+        default=5.0
+    )
+    http_max_connections: int = doc(
+        "HTTP door: most open connections; one more gets a 503 and is closed.", default=4096
+    )
     vllm_grpc: bool = doc(
         "Also serve vLLM's gRPC engine API (vllm.grpc.engine.VllmEngine, as the smg "
         "gateway calls vLLM workers) on the gRPC port. While on, every engine publishes "
@@ -161,6 +182,11 @@ class FrontendConfig:
         "Accept a chat template sent in a request (chat_template field). Templates are "
         "code, run in a sandbox; off by default.", default=False
     )
+    chat_template_render_timeout_s: float = doc(
+        "Longest a chat template may take to render one conversation, in seconds; past "
+        "it the request fails with INVALID_ARGUMENT. Rendered output (and every string a "
+        "template builds) is also held to 8 x max_chat_chars characters.", default=2.0
+    )
     tool_call_parser: str = doc(
         "How tool calls are read out of answers: hermes, llama3_json, mistral, auto (picked "
         "from the chat template) or none (answers are content only).", default="auto"
@@ -198,6 +224,14 @@ class FrontendConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not -1 <= self.http_port < 65536:
             raise ValueError(f"http_port must be -1 (off) or in [0, 65535], got {self.http_port}")
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_write_timeout_s",
+                     "http_keep_alive_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not 1 <= self.http_max_connections <= 1 << 20:
+            raise ValueError(f"http_max_connections must be in [1, {1 << 20}], got "
+                             f"{self.http_max_connections}")
         if self.coordinator:
             _check_address("coordinator", self.coordinator)
         for address in self.engines:
@@ -206,6 +240,9 @@ class FrontendConfig:
             raise ValueError(f"max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
         if not (self.request_timeout_s > 0 and math.isfinite(self.request_timeout_s)):
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not (0 < self.chat_template_render_timeout_s <= 3600):
+            raise ValueError("chat_template_render_timeout_s must be in (0, 3600], got "
+                             f"{self.chat_template_render_timeout_s}")
         if not (0 <= self.shutdown_timeout < math.inf):
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         min_watchdog_s = 3 * SESSION_HEARTBEAT_S

@@ -52,6 +52,7 @@ from services.frontend.model_server_metrics import (
     engine_loads,
 )
 from services.frontend.openai_api.app import HttpServer, HttpSettings, OpenAIApi
+from services.frontend.openai_api.http_protocol import http_limits
 from services.frontend.openai_api.sglang_routes import WorkerState
 from services.frontend.pipeline import Pipeline
 from services.frontend.pooling import service as pooling_service
@@ -212,7 +213,8 @@ class FrontendServer:
         settings = HttpSettings(model_names=names, max_model_len=self._model.max_model_len,
                                 max_body_bytes=config.max_message_bytes, api_keys=keys,
                                 admin_keys=admin_keys,
-                                root=self._model.path or self._model.name)
+                                root=self._model.path or self._model.name,
+                                limits=http_limits(config))
         worker = WorkerState(
             self._model, names[0], lambda: engine_loads(self.balancer, self.capacities),
             lambda: self.balancer.tensor_parallel_size, lambda: self.balancer.weight_version)

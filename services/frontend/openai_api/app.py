@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import socket
 import ssl
 import time
@@ -45,13 +44,15 @@ from services.common.security_config import PLAINTEXT, SecurityConfig
 from services.frontend.chat.answering import ChatAnswering
 from services.frontend.collect import collect_chat, collect_generate
 from services.frontend.errors import RequestError, invalid_argument
-from services.frontend.openai_api import http_calls, responses
+from services.frontend.openai_api import http_calls, openapi, responses
 from services.frontend.openai_api.http_errors import (
     RequestIds,
     error_response,
     http_exception,
     internal_error,
 )
+from services.frontend.openai_api.http_protocol import HttpLimits, protocol_class
+from services.frontend.openai_api.json_body import ClientGone, parse_json, read_body
 from services.frontend.openai_api.pooling_routes import PoolingRoutes
 from services.frontend.openai_api.rl_routes import RlRoutes
 from services.frontend.openai_api.schemas import (
@@ -87,6 +88,7 @@ class HttpSettings:
     API keys, as the gRPC AdminService does."""
     root: str = ""
     """The checkpoint served (its path or name), /v1/models' `root`."""
+    limits: HttpLimits = HttpLimits()
 
 
 class OpenAIApi:
@@ -111,7 +113,9 @@ class OpenAIApi:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
-                *(RlRoutes(weight_sync, self._authenticate_admin).routes()
+                Route("/openapi.json", self.openapi, methods=["GET"]),
+                *(RlRoutes(weight_sync, self._authenticate_admin,
+                           settings.limits.body_timeout_s).routes()
                   if weight_sync is not None else []),
                 *(PoolingRoutes(pooling, self.model, settings.max_model_len,
                                 self._authenticate, self._body).routes()
@@ -121,12 +125,18 @@ class OpenAIApi:
                   if worker_state is not None else []),
             ],
             middleware=[Middleware(RequestIds)],
-            exception_handlers={HTTPException: http_exception, Exception: internal_error},
+            exception_handlers={HTTPException: http_exception, ClientGone: _client_gone,
+                                Exception: internal_error},
         )
+        self._openapi: dict[str, Any] | None = None
 
     @property
     def model(self) -> str:
         return self._settings.model_names[0]
+
+    @property
+    def limits(self) -> HttpLimits:
+        return self._settings.limits
 
     async def health(self, request: Request) -> Response:
         ready = self._is_ready() and not self._pipeline.draining
@@ -139,6 +149,14 @@ class OpenAIApi:
         body, content_type = await asyncio.to_thread(
             exposition, self._registry, request.headers.get("accept", ""))
         return Response(body, headers={"Content-Type": content_type})
+
+    async def openapi(self, request: Request) -> Response:
+        """The OpenAPI 3.1 description of the routes this door serves (openapi.py). No
+        API key: it describes the door, as /health reports on it."""
+        if self._openapi is None:
+            self._openapi = openapi.document(self.app.routes,
+                                             auth=bool(self._settings.api_keys))
+        return JSONResponse(self._openapi)
 
     async def models(self, request: Request) -> Response:
         try:
@@ -273,20 +291,9 @@ class OpenAIApi:
                                reason="UNAUTHENTICATED")
 
     async def _body(self, request: Request, schema: type[T]) -> T:
-        limit = self._settings.max_body_bytes
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise _too_large(int(length), limit)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
-        try:
-            data = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise invalid_argument("body", f"the request body is not valid JSON: {exc}") from None
+        limits = self._settings.limits
+        data = parse_json(await read_body(request, self._settings.max_body_bytes,
+                                          limits.body_timeout_s))
         try:
             body = schema.model_validate(data)  # type: ignore[attr-defined]
         except pydantic.ValidationError as exc:
@@ -300,10 +307,9 @@ class OpenAIApi:
         return body
 
 
-def _too_large(size: int, limit: int) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the request body has {size} bytes or more, at most {limit} are "
-                        "allowed (--max-message-bytes)", field="body", reason="BODY_TOO_LARGE")
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    # Nobody reads this answer; 499 (nginx's "client closed request") for the logs.
+    return Response(status_code=499)
 
 
 def _validation_error(exc: pydantic.ValidationError) -> RequestError:
@@ -389,9 +395,12 @@ class HttpServer:
                    "ssl_ca_certs": security.tls_ca or None,
                    "ssl_cert_reqs": ssl.CERT_REQUIRED
                    if security.mtls and security.require_client_cert else ssl.CERT_NONE}
-        self._server = _Server(uvicorn.Config(api.app, log_config=None, access_log=False,
-                                              lifespan="off", timeout_graceful_shutdown=1,
-                                              **tls))
+        limits = api.limits
+        # h11 (not httptools): the guarded protocol adds the timeouts uvicorn lacks.
+        self._server = _Server(uvicorn.Config(
+            api.app, log_config=None, access_log=False, lifespan="off",
+            timeout_graceful_shutdown=1, http=protocol_class(limits),
+            timeout_keep_alive=limits.keep_alive_s, **tls))
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -52,6 +52,13 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 
+# Failures of the HTTP exchange itself, which HTTP names more exactly than the gRPC code
+# the request path reports them with.
+_REASON_STATUS = {
+    "BODY_TOO_LARGE": (413, "invalid_request_error"),
+    "BODY_TIMEOUT": (408, "timeout"),
+}
+
 # Proto field paths as the OpenAI bodies name them, in `param` and in messages.
 # A `sampling.<name>` not listed in a request's own names is `<name>`.
 _SAMPLING_FIELD = re.compile(r"\bsampling\.([a-z_]+)")
@@ -86,7 +93,8 @@ def error_body(error: RequestError,
     """The HTTP status and OpenAI error body of a failure; `names`: the request's
     renames of whole fields (schemas.completion_names, schemas.chat_names)."""
     names = names or {}
-    status, kind = _HTTP_STATUS.get(error.code, (500, "internal_error"))
+    status, kind = _REASON_STATUS.get(error.reason) or _HTTP_STATUS.get(
+        error.code, (500, "internal_error"))
     param = openai_field(error.field, names) if error.field else None
     message = _openai_message(error.message, names)
     if param is not None and param not in message:

@@ -29,7 +29,7 @@ weights.
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -41,6 +41,7 @@ from starlette.routing import Route
 from services.common.weight_version import check_weight_version
 from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.openai_api.http_errors import error_response
+from services.frontend.openai_api.json_body import parse_json, read_body
 from services.frontend.weight_sync import (
     PAUSE_WAIT_TIMEOUT_S,
     Results,
@@ -50,15 +51,18 @@ from services.frontend.weight_sync import (
 )
 
 PAUSE_MODES = ("abort", "wait", "keep")
-_MAX_BODY_BYTES = 64 << 20
+# Weight names and shapes of a whole model fit; fixed, as trainers send what they must.
+MAX_BODY_BYTES = 64 << 20
 
 Handler = Callable[[Request], Awaitable[dict[str, Any]]]
 
 
 class RlRoutes:
-    def __init__(self, sync: WeightSync, authenticate: Callable[[Request], None]) -> None:
+    def __init__(self, sync: WeightSync, authenticate: Callable[[Request], None],
+                 body_timeout_s: float) -> None:
         self._sync = sync
         self._authenticate = authenticate
+        self._body_timeout_s = body_timeout_s
 
     def routes(self) -> list[Route]:
         return [Route(path, self._wrap(handler), methods=[method]) for path, method, handler in (
@@ -108,21 +112,20 @@ class RlRoutes:
         return {"is_paused": all(result_json(r).get("paused") for r in results)}
 
     async def init_weight_transfer_engine(self, request: Request) -> dict[str, Any]:
-        info = _object(await _json(request), "init_info")
-        timeout_s = info.get("timeout_s")
+        info = _object(await self._json(request), "init_info")
         results = _checked(await self._sync.init_transfer(
             _str(info, "init_info.master_address"), _int(info, "init_info.master_port"),
             _int(info, "init_info.rank_offset"), _int(info, "init_info.world_size"),
-            float(timeout_s) if isinstance(timeout_s, int | float) else None))
+            _timeout(info, "init_info.timeout_s")))
         return {"message": "Weight transfer initialized", "engines": _engines(results)}
 
     async def start_weight_update(self, request: Request) -> dict[str, Any]:
-        await _json(request, required=False)
+        await self._json(request, required=False)
         results = _checked(await self._sync.start())
         return {"message": "Weight update started", "engines": _engines(results)}
 
     async def update_weights(self, request: Request) -> dict[str, Any]:
-        info = _object(await _json(request), "update_info")
+        info = _object(await self._json(request), "update_info")
         args: dict[str, Any] = {"source": "broadcast", "names": info.get("names") or [],
                                 "dtype_names": info.get("dtype_names") or [],
                                 "shapes": info.get("shapes") or []}
@@ -133,7 +136,7 @@ class RlRoutes:
         return {"message": "Weights received", "engines": _engines(results)}
 
     async def finish_weight_update(self, request: Request) -> dict[str, Any]:
-        body = await _json(request, required=False)
+        body = await self._json(request, required=False)
         results, version = await self._sync.finish(_version(body, "weight_version"))
         _checked(results)
         return {"message": "Weight update finished", "weight_version": version,
@@ -144,7 +147,7 @@ class RlRoutes:
         return {"message": "Weight update aborted", "engines": _engines(results)}
 
     async def update_weights_from_disk(self, request: Request) -> dict[str, Any]:
-        body = await _json(request)
+        body = await self._json(request)
         results, version = await self._sync.update_from_disk(
             _str(body, "model_path"), _version(body, "weight_version"))
         _checked(results)
@@ -153,7 +156,8 @@ class RlRoutes:
 
     async def sleep(self, request: Request) -> dict[str, Any]:
         raw = request.query_params.get("level", "1")
-        if not raw.isdigit():
+        # Not str.isdigit: it takes digits that int() refuses ("²").
+        if raw not in ("1", "2"):
             raise invalid_argument("level", f"level must be 1 or 2, got {raw!r}")
         results = _checked(await self._sync.sleep(int(raw)))
         return {"is_sleeping": True, "level": int(raw), "engines": _engines(results)}
@@ -168,6 +172,18 @@ class RlRoutes:
         results = _checked(await self._sync.sleep_info())
         return {"is_sleeping": all(result_json(r)["is_sleeping"] for r in results),
                 "engines": _engines(results)}
+
+    async def _json(self, request: Request, required: bool = True) -> dict[str, Any]:
+        raw = await read_body(request, MAX_BODY_BYTES, self._body_timeout_s,
+                              source="the RL routes' fixed limit")
+        if not raw.strip():
+            if required:
+                raise invalid_argument("body", "a JSON object body is required")
+            return {}
+        body = parse_json(raw)
+        if not isinstance(body, dict):
+            raise invalid_argument("body", "the request body must be a JSON object")
+        return body
 
     async def weight_info(self, request: Request) -> dict[str, Any]:
         results = _checked(await self._sync.call(self._sync.clients(), "weights_info", {}))
@@ -213,24 +229,6 @@ def _engines(results: Results) -> list[dict[str, Any]]:
     return [{"engine_index": r.engine_index, **result_json(r)} for r in results]
 
 
-async def _json(request: Request, required: bool = True) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > _MAX_BODY_BYTES:
-        raise invalid_argument("body", f"the request body has {len(raw)} bytes, at most "
-                               f"{_MAX_BODY_BYTES} are allowed")
-    if not raw.strip():
-        if required:
-            raise invalid_argument("body", "a JSON object body is required")
-        return {}
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid_argument("body", f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise invalid_argument("body", "the request body must be a JSON object")
-    return body
-
-
 def _object(body: dict[str, Any], key: str) -> dict[str, Any]:
     value = body.get(key)
     if not isinstance(value, dict):
@@ -250,6 +248,19 @@ def _int(body: dict[str, Any], field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise invalid_argument(field, f"{field} must be a non-negative integer, got {value!r}")
     return value
+
+
+def _timeout(body: dict[str, Any], field: str) -> float | None:
+    value = body.get(field.rpartition(".")[2])
+    if value is None:
+        return None
+    # float() of a huge JSON integer overflows (OverflowError): checked as a number first.
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    seconds = float(value) if number and abs(value) < 1e300 else math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise invalid_argument(field, f"{field} must be a positive number of seconds, "
+                               f"got {value!r}")
+    return seconds
 
 
 def _version(body: dict[str, Any], field: str) -> str | None:

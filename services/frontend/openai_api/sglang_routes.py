@@ -21,6 +21,7 @@ rather than ignored: logprobs, LoRA, structural tags, a streamed batch.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -52,6 +53,7 @@ T = TypeVar("T")
 # SGLang's default when sampling_params has no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 # SGLang's sampling_params name -> ours (SamplingParams), where they differ.
 _SAMPLING_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                    "sampling_seed": "seed", "no_stop_trim": "include_stop_str_in_output",
@@ -324,7 +326,9 @@ def _sampling(params: SamplingParamsBody) -> common_pb2.SamplingParams:
         include_stop_str_in_output=params.no_stop_trim,
     )
     for key, bias in (params.logit_bias or {}).items():
-        if not key.isdigit():
+        # Not str.isdigit, which takes digits int() refuses ("²"); the key must fit the
+        # proto's uint32 too.
+        if not _TOKEN_ID_KEY.fullmatch(key) or int(key) >= 2**32:
             raise invalid_argument("sampling_params.logit_bias",
                                    f"logit_bias keys are token ids, got {key!r}")
         sampling.logit_bias[int(key)] = bias

@@ -428,14 +428,15 @@ def test_body_larger_than_max_message_bytes_is_refused() -> None:
         async with env.http() as http:
             big = {"model": MODEL.name, "prompt": "hello " * 1000}
             response = await http.post("/v1/completions", json=big)
-            _assert_error(response, 400, "body", "4096")
+            error = _assert_error(response, 413, "body", "4096", "--max-message-bytes")
+            assert error["code"] == "body_too_large"
 
             # Streamed without a length: refused while reading.
             async def chunks() -> Any:
                 for _ in range(10):
                     yield b" " * 1000
             response = await http.post("/v1/completions", content=chunks())
-            _assert_error(response, 400, "body", "4096")
+            _assert_error(response, 413, "body", "4096")
 
             ok = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello", "max_tokens": 2})

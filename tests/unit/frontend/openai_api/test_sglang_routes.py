@@ -70,6 +70,12 @@ def test_bodies_become_requests_with_sglangs_defaults() -> None:
     ({"text": "a", "sampling_params": {"regex": "a", "json_schema": "{}"}},
      "sampling_params.regex"),
     ({"text": "a", "sampling_params": {"structural_tag": {}}}, "sampling_params.structural_tag"),
+    # Were a 500: str.isdigit takes keys int() refuses, and a key past uint32 failed the
+    # proto's map.
+    ({"text": "a", "sampling_params": {"logit_bias": {"\u00b2": 1}}},
+     "sampling_params.logit_bias"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"4294967296": 1}}},
+     "sampling_params.logit_bias"),
 ])
 def test_what_is_not_served_is_refused_naming_the_field(fields: dict[str, Any],
                                                        param: str) -> None:
