@@ -55,6 +55,7 @@ from services.frontend.chat.parsers.tools import make_tool_parser, pick_tool_par
 from services.frontend.chat.request import ChatLimits, ChatRequestLike, read_conversation
 from services.frontend.chat.template import (
     ChatTemplates,
+    RenderLimits,
     TemplateError,
     compile_template,
     load_chat_templates,
@@ -108,6 +109,10 @@ class ChatAnswering:
         self._tokenizer = tokenizer
         self._templates = templates
         self._limits = ChatLimits(config.max_chat_messages, config.max_chat_chars)
+        # The rendered prompt may well be longer than the conversation (tools' schemas
+        # written out, role markers), but not by orders of magnitude.
+        self._render_limits = RenderLimits(seconds=config.chat_template_render_timeout_s,
+                                           max_chars=8 * config.max_chat_chars)
         self._special_tokens = added_token_ids(tokenizer.backend)
         self._eos_token_ids = eos_token_ids
 
@@ -219,23 +224,24 @@ class ChatAnswering:
         """The conversation rendered with its template and tokenized (RenderChat's
         answer, and the prompt of a chat request)."""
         conversation = read_conversation(request, self._limits)
-        template = self._template(request, has_tools=conversation.tools is not None)
+        template = await self._template(request, has_tools=conversation.tools is not None)
         try:
-            # Off the event loop: a long conversation or tool list takes a while.
+            # Off the event loop: a long conversation or tool list takes a while, and a
+            # request's own template may take up to its render limit.
             prompt = await asyncio.to_thread(
                 render_chat, template, conversation.messages, tools=conversation.tools,
                 add_generation_prompt=conversation.add_generation_prompt,
                 continue_final_message=conversation.continue_final_message,
                 template_kwargs=conversation.template_kwargs,
-                special_tokens=self._templates.special_tokens)
+                special_tokens=self._templates.special_tokens, limits=self._render_limits)
         except TemplateError as exc:
             raise invalid_argument("messages", f"the chat template refused the "
                                                f"conversation: {exc}") from None
         token_ids = await self._pipeline.encode(prompt, add_special_tokens=False)
         return Rendered(prompt, token_ids, template, conversation.functions)
 
-    def _template(self, request: ChatRequestLike | chat_pb2.RenderChatRequest,
-                  has_tools: bool) -> str:
+    async def _template(self, request: ChatRequestLike | chat_pb2.RenderChatRequest,
+                        has_tools: bool) -> str:
         if request.chat_template:
             if not self._config.trust_request_chat_template:
                 raise invalid_argument(
@@ -246,7 +252,9 @@ class ChatAnswering:
                     "chat_template", f"chat_template has {len(request.chat_template)} "
                     f"characters, at most {self._config.max_chat_chars} are allowed")
             try:
-                compile_template(request.chat_template)
+                # Off the event loop: jinja and Python compile a template of
+                # max_chat_chars characters in about a second.
+                await asyncio.to_thread(compile_template, request.chat_template)
             except TemplateError as exc:
                 raise invalid_argument("chat_template", str(exc)) from None
             return request.chat_template

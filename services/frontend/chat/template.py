@@ -6,7 +6,11 @@ clean-up of the messages (None-valued keys dropped, reasoning copied under its a
 and the same `continue_final_message` cut. It does so without transformers, because the
 frontend never imports torch. Templates come from model repositories and are untrusted
 code: they run in jinja's immutable sandbox, whose `dict` and `namespace` are narrowed
-further so that a template cannot reach Python internals through them.
+further so that a template cannot reach Python internals through them. The sandbox
+guards what a template may touch, not how much it may do, so rendering is also held to
+`RenderLimits`: a deadline checked on every loop pass, macro call, call and operator,
+and a cap on the size of every string, list and number a template builds (checked
+before the operations that could make a huge one in a single step).
 
 `load_chat_templates` finds the template(s) where transformers looks for them and the
 special tokens (`bos_token`, ...) that templates read as variables.
@@ -15,7 +19,10 @@ special tokens (`bos_token`, ...) that templates read as variables.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -23,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
+import jinja2.runtime
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -59,8 +68,33 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
+# Defaults of RenderLimits. A real chat template renders a long conversation in
+# milliseconds into little more than the messages' own text.
+DEFAULT_RENDER_SECONDS = 2.0
+DEFAULT_MAX_RENDERED_CHARS = 8 << 20
+# Numbers a template computes stay within Python's own limit for printing an int:
+# arithmetic on far bigger ones (squaring in a loop) takes seconds per step.
+_MAX_INT_DIGITS = 4300
+# lipsum(n, min, max) writes up to n * max words in pure Python: about a second per
+# million. Real templates never call it; it stays (transformers' templates may) but small.
+_MAX_LIPSUM_WORDS = 100_000
+# Digits of a number (width, precision) inside a format string that a template may
+# format with; a wider one could ask for a string past any cap in one step.
+_FORMAT_NUMBER = re.compile(r"\d+")
+
+
 class TemplateError(ValueError):
     """The template refused the conversation (`raise_exception`) or failed to render."""
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    """How much work one render may do: wall-clock seconds, and the size (characters of
+    a string, items of a list, digits of a number) of any value the template builds,
+    its output included."""
+
+    seconds: float = DEFAULT_RENDER_SECONDS
+    max_chars: int = DEFAULT_MAX_RENDERED_CHARS
 
 
 @dataclass(frozen=True)
@@ -207,12 +241,14 @@ def render_chat(
     continue_final_message: bool,
     template_kwargs: dict[str, Any],
     special_tokens: dict[str, str],
+    limits: RenderLimits = RenderLimits(),
 ) -> str:
     """The prompt text for `messages`; TemplateError when it cannot be rendered.
 
     Messages are dicts (role, content, tool_calls with dict arguments, tool_call_id,
     reasoning_content); tools are {"type": "function", "function": {...}} schemas.
     `continue_final_message` leaves the last message open so the model extends it.
+    A render past `limits` is a TemplateError that names the limit.
     """
     if not messages:
         raise TemplateError("cannot apply the chat template to an empty conversation")
@@ -236,9 +272,17 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
     )
     try:
-        rendered = compiled.render(variables)
+        with _budget(limits):
+            rendered = _render_bounded(compiled, variables, limits)
     except _TemplateRaised as exc:
         raise TemplateError(str(exc.args[0])) from None
+    except _OverBudget as exc:
+        raise TemplateError(str(exc)) from None
+    except RecursionError:
+        raise TemplateError("chat template failed: it recursed too deeply (a macro that "
+                            "calls itself without end?)") from None
+    except MemoryError:
+        raise TemplateError("chat template failed: it ran out of memory") from None
     except Exception as exc:  # the template is foreign code; any failure is its own
         raise TemplateError(f"chat template failed: {exc}") from exc
     if final_text is None:
@@ -255,6 +299,14 @@ def compile_template(template: str) -> jinja2.Template:
         return _compile_cached(template)
     except jinja2.TemplateSyntaxError as exc:
         raise TemplateError(f"chat template failed: {exc}") from exc
+    except (RecursionError, MemoryError):
+        # jinja's parser and Python's compiler recurse on nesting: (((...))), [[[...]]].
+        raise TemplateError("chat template failed to compile: it nests too deeply") from None
+    except SyntaxError as exc:
+        # Python's own limits on the code jinja generates ("too many statically nested
+        # blocks": about 20 nested {% for %} or {% if %}; 100 levels of indentation).
+        raise TemplateError(f"chat template failed to compile: {exc.msg} (the template "
+                            "nests its blocks too deeply)") from None
 
 
 @lru_cache(maxsize=16)
@@ -347,6 +399,210 @@ def _cut_after_final_message(rendered: str, final_text: str) -> str:
 # ---- the sandbox --------------------------------------------------------------------
 
 
+class _OverBudget(Exception):
+    """A render ran past its RenderLimits. Not a TemplateError of jinja's, so that a
+    template's own error handling (there is none in jinja, but filters catch some
+    exceptions) cannot swallow it."""
+
+
+class _Budget:
+    __slots__ = ("deadline", "limits")
+
+    def __init__(self, limits: RenderLimits) -> None:
+        self.limits = limits
+        self.deadline = time.monotonic() + limits.seconds
+
+
+# Renders run on worker threads; each thread renders one template at a time.
+_active = threading.local()
+
+
+class _budget:  # noqa: N801 (a context manager, used like a function)
+    def __init__(self, limits: RenderLimits) -> None:
+        self._budget = _Budget(limits)
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_active, "budget", None)
+        _active.budget = self._budget
+
+    def __exit__(self, *exc: object) -> None:
+        _active.budget = self._outer
+
+
+def _current() -> _Budget | None:
+    return getattr(_active, "budget", None)
+
+
+def _checkpoint() -> None:
+    """Called on every loop pass, block and call: ends a render past its deadline."""
+    budget = _current()
+    if budget is not None and time.monotonic() > budget.deadline:
+        raise _OverBudget(f"chat template took longer than its {budget.limits.seconds:g} s "
+                          "render limit (a huge or endless loop?)")
+
+
+def _size(value: Any) -> int:
+    """What a value costs against max_chars: a string's or list's length."""
+    if isinstance(value, (str, bytes, list, tuple, dict, set)):
+        return len(value)
+    return 0
+
+
+def _digits(value: int) -> int:
+    return value.bit_length() * 3 // 10
+
+
+def _check_size(value: Any, what: str) -> Any:
+    budget = _current()
+    if budget is None:
+        return value
+    if _size(value) > budget.limits.max_chars:
+        raise _OverBudget(f"chat template made {what} of size {_size(value)}, past the "
+                          f"limit of {budget.limits.max_chars} characters")
+    if isinstance(value, int) and _digits(value) > _MAX_INT_DIGITS:
+        raise _OverBudget(f"chat template made a number of {_digits(value)} digits, past "
+                          f"the limit of {_MAX_INT_DIGITS}")
+    return value
+
+
+def _check_digits(digits: int, what: str) -> None:
+    if _current() is not None and digits > _MAX_INT_DIGITS:
+        raise _OverBudget(f"chat template asked for {what} of {digits} digits, past the "
+                          f"limit of {_MAX_INT_DIGITS}")
+
+
+def _check_planned(size: int, what: str) -> None:
+    """Refuse an operation whose result would pass the cap, before it runs."""
+    budget = _current()
+    if budget is not None and size > budget.limits.max_chars:
+        raise _OverBudget(f"chat template asked for {what} of size {size}, past the limit "
+                          f"of {budget.limits.max_chars} characters")
+
+
+def _length(value: Any) -> int:
+    return len(value) if isinstance(value, Sized) else 1
+
+
+def _check_format_string(text: Any) -> None:
+    """A width or precision inside a format string ("%999999999d", "{:>999999999}")
+    makes a string of that size in one step."""
+    if isinstance(text, str):
+        for number in _FORMAT_NUMBER.findall(text):
+            _check_planned(int(number) if len(number) < 20 else 1 << 64,
+                           "a formatted field")
+
+
+def _check_arguments(name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     bound_to: Any = None) -> None:
+    """Arguments that could make a result past the cap in one call: a number past it
+    (a width, a count), and the products that join, replace, format and indent make
+    of their inputs. `bound_to`: a method's own object (the separator of str.join,
+    the format of str.format)."""
+    values = (*args, *kwargs.values(), *(() if bound_to is None else (bound_to,)))
+    for value in values:
+        if isinstance(value, int) and not isinstance(value, bool):
+            _check_planned(abs(value), f"a number ({name})")
+    strings = [v for v in values if isinstance(v, str)]
+    longest = max((len(v) for v in strings), default=0)
+    if name in ("join", "replace", "indent", "format", "center", "ljust", "rjust", "zfill",
+                "wordwrap", "expandtabs"):
+        # Every one of these makes at most (input length) x (its other input) characters.
+        items = max((_length(v) for v in values if not isinstance(v, (int, float))),
+                    default=1)
+        counts = [abs(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        _check_planned(items * max(longest, *counts, 1), f"the result of {name}")
+    if name in ("format", "format_map"):
+        for value in strings:
+            _check_format_string(value)
+    if name == "generate_lorem_ipsum":
+        n, low, high = (list(args) + [5, 20, 100])[:3]
+        words = kwargs.get("n", n) * kwargs.get("max", high)
+        if words > _MAX_LIPSUM_WORDS:
+            raise _OverBudget(f"chat template asked lipsum for {words} words, past the limit "
+                              f"of {_MAX_LIPSUM_WORDS}")
+
+
+def _materialized(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Iterators (what map, select and friends give) as lists, so their sizes count."""
+    return tuple(list(v) if isinstance(v, Iterator) else v for v in values)
+
+
+def _bound_object(function: Any) -> Any:
+    """The object a method is bound to, through the sandbox's str.format wrapper."""
+    bound = getattr(function, "__self__", None)
+    if bound is None and hasattr(function, "__wrapped__"):
+        bound = getattr(function.__wrapped__, "__self__", None)
+    return bound if isinstance(bound, (str, list, tuple, dict)) else None
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    if operator == "*":
+        for sequence, count in ((left, right), (right, left)):
+            if isinstance(count, int) and isinstance(sequence, (str, list, tuple)):
+                _check_planned(len(sequence) * abs(count), "a repeated sequence")
+        if isinstance(left, int) and isinstance(right, int):
+            _check_digits(_digits(left) + _digits(right), "a product")
+    elif operator == "**" and isinstance(left, int) and isinstance(right, int):
+        if abs(left) > 1 and right > 0:
+            _check_digits(_digits(left) * right, "a power")
+    elif operator == "%" and isinstance(left, str):
+        _check_format_string(left)
+        args = right if isinstance(right, tuple) else (right,)
+        _check_arguments("format", args, {})
+    elif operator == "+" and isinstance(left, (str, list, tuple)):
+        _check_planned(_length(left) + _length(right), "a concatenation")
+
+
+class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
+    """jinja's code generator with a budget checkpoint at the start of every block
+    (a loop's body on each pass, a macro's body on each call) and around `~`."""
+
+    def blockvisit(self, nodes: Any, frame: jinja2.compiler.Frame) -> None:
+        self.writeline("environment.checkpoint()")
+        super().blockvisit(nodes, frame)
+
+    def _output_child_to_const(self, node: jinja2.nodes.Expr, frame: jinja2.compiler.Frame,
+                               finalize: Any) -> str:
+        # jinja evaluates a constant `{{ ... }}` while compiling, optimizer or not:
+        # `{{ '%999999999s'|format('a') }}` would run outside any render's limits.
+        if isinstance(node, (jinja2.nodes.TemplateData, jinja2.nodes.Const)):
+            return super()._output_child_to_const(node, frame, finalize)  # type: ignore[no-any-return]
+        raise jinja2.nodes.Impossible()
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:
+        self.write("environment.checked_concat(")
+        super().visit_Concat(node, frame)
+        self.write(")")
+
+
+def _render_bounded(compiled: jinja2.Template, variables: dict[str, Any],
+                    limits: RenderLimits) -> str:
+    """`compiled.render`, with the output's size counted as it is made."""
+    pieces: list[str] = []
+    total = 0
+    for piece in compiled.generate(variables):
+        total += len(piece)
+        if total > limits.max_chars:
+            raise _OverBudget(f"chat template output passed the limit of {limits.max_chars} "
+                              "characters")
+        pieces.append(piece)
+    return "".join(pieces)
+
+
+def _bounded_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """A filter that checks the budget before it runs and its result's size after."""
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        _checkpoint()
+        args = _materialized(args)
+        _check_arguments(name, args, kwargs)
+        return _check_size(function(*args, **kwargs), f"the result of filter {name!r}")
+
+    # jinja reads pass_context and the like from the function's attributes.
+    bounded.__dict__.update(getattr(function, "__dict__", {}))
+    bounded.__name__ = name
+    return bounded
+
+
 class _TemplateRaised(jinja2.TemplateError):
     """What `raise_exception` throws, so its message reaches the client unchanged."""
 
@@ -430,13 +686,55 @@ class _GenerationTag(jinja2.ext.Extension):
         return str(caller())
 
 
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox with every call, operator and `~` checked against the
+    render's budget (see RenderLimits). Operators are intercepted, which also keeps
+    jinja from folding `10 ** 10 ** 9` into a constant while it compiles."""
+
+    code_generator_class = _BoundedCodeGenerator
+    intercepted_binops = frozenset(("*", "**", "%", "+", "//", "/", "-"))
+
+    def checkpoint(self) -> None:
+        _checkpoint()
+
+    def checked_concat(self, value: str) -> str:
+        return _check_size(value, "a string")  # type: ignore[no-any-return]
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any,
+                   right: Any) -> Any:
+        _checkpoint()
+        _check_binop(operator, left, right)
+        return _check_size(super().call_binop(context, operator, left, right),
+                           f"the result of {operator!r}")
+
+    def call(__self, __context: jinja2.runtime.Context, __obj: Any,  # noqa: N805
+             *args: Any, **kwargs: Any) -> Any:
+        _checkpoint()
+        args = _materialized(args)
+        _check_arguments(getattr(__obj, "__name__", ""), args, kwargs, _bound_object(__obj))
+        result = super().call(__context, __obj, *args, **kwargs)
+        return _check_size(result, "the result of a call")
+
+    def format_string(self, s: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      format_func: Callable[..., Any] | None = None) -> str:
+        _check_format_string(s)
+        _check_arguments("format", args, kwargs)
+        return _check_size(super().format_string(s, args, kwargs, format_func),
+                           "a formatted string")
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
+        # No constant folding: jinja would call filters and operators on constants
+        # while compiling, outside any render's limits ('%999999999s'|format('a')).
+        optimized=False,
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
+    env.filters = {name: _bounded_filter(name, function)
+                   for name, function in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _DictBuilder()
