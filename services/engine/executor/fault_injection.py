@@ -17,6 +17,9 @@ once at engine start, arms one fault:
                               before it serves (every start: a crash loop for serve)
     slow_steps:MS[@I]         every execute takes at least MS milliseconds (a slow
                               device: a floor on how long N tokens take, whatever the CPU)
+    raise_on_sigusr2[@I]      each SIGUSR2 the engine process gets makes its next
+                              execute raise, once (a transient fault at a moment the
+                              test chooses: the soak's seeded schedule)
 
 `@I` limits the fault to the engine with engine_index I (all engines otherwise).
 Never set it in production; the engine logs a warning when a fault is armed.
@@ -25,6 +28,7 @@ Never set it in production; the engine logs a warning when a fault is armed.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -36,7 +40,10 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "CORESTREAM_FAULT_INJECT"
 KINDS = ("raise_after_steps", "raise_once_after_steps", "hang_after_steps", "crash_at_start",
-         "worker_raise_after_steps", "worker_hang_after_steps", "slow_steps")
+         "worker_raise_after_steps", "worker_hang_after_steps", "slow_steps",
+         "raise_on_sigusr2")
+# Kinds that take no step count.
+UNCOUNTED = ("crash_at_start", "raise_on_sigusr2")
 WORKER_KINDS = ("worker_raise_after_steps", "worker_hang_after_steps")
 
 
@@ -54,7 +61,7 @@ class FaultSpec:
     def parse(cls, text: str) -> FaultSpec:
         spec, _, index = text.partition("@")
         kind, _, steps = spec.partition(":")
-        if kind == "crash_at_start" and not steps:
+        if kind in UNCOUNTED and not steps:
             steps = "0"
         if kind not in KINDS or not steps.isdigit() or (index and not index.isdigit()):
             raise ValueError(
@@ -74,6 +81,11 @@ class FaultInjectingRunner:
         self._spec = spec
         self._steps = 0
         self._raised = False
+        self._signalled = threading.Event()
+        if spec.kind == "raise_on_sigusr2":
+            # The handler runs on the main thread between bytecodes; the loop thread
+            # sees the event at its next execute.
+            signal.signal(signal.SIGUSR2, lambda *_: self._signalled.set())
 
     def __getattr__(self, name: str) -> object:
         # Everything but execute goes to the runner, and what it lacks (an optional
@@ -83,6 +95,11 @@ class FaultInjectingRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if self._spec.kind == "slow_steps":
             time.sleep(self._spec.after_steps / 1000)
+            return self._runner.execute(out)
+        if self._spec.kind == "raise_on_sigusr2":
+            if self._signalled.is_set():
+                self._signalled.clear()
+                raise InjectedFault("injected fault on SIGUSR2 (once)")
             return self._runner.execute(out)
         if self._steps >= self._spec.after_steps:
             if self._spec.kind == "raise_after_steps":
