@@ -22,6 +22,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, help="requests a second")
     parser.add_argument("--fault-gap", type=float,
                         help="mean seconds between faults (not with --ci)")
+    parser.add_argument("--warm-minutes", type=float,
+                        help="fault-free traffic before the processes' warm levels")
     args = parser.parse_args()
     config = CI_CONFIG if args.ci else SoakConfig(every_kind_once=False)
     changes: dict[str, object] = {"seed": args.seed}
@@ -29,6 +31,8 @@ def main() -> int:
         changes["duration_s"] = args.minutes * 60
     if args.rate is not None:
         changes["rate"] = args.rate
+    if args.warm_minutes is not None:
+        changes["warm_s"] = args.warm_minutes * 60
     if args.fault_gap is not None:
         changes["mean_fault_gap_s"] = args.fault_gap
     report = run_soak(dataclasses.replace(config, **changes))

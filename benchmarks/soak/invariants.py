@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from benchmarks.soak.faults import Injected
-from benchmarks.soak.processes import Usage
+from benchmarks.soak.processes import ProcessRecord
 from benchmarks.soak.traffic import (
     CLIENT_CANCELLED,
     CLIENT_TIMEOUT,
@@ -31,16 +31,6 @@ class Check:
     name: str
     ok: bool
     detail: str
-
-
-@dataclass(frozen=True)
-class ProcessRecord:
-    role: str
-    pid: int
-    warm: Usage
-    last: Usage
-    lived_s: float
-    """From the warm sample to the last one."""
 
 
 def no_hang(outcomes: list[Outcome], slack_s: float) -> Check:

@@ -8,6 +8,9 @@ once warm and its last level, to tell a leak from a restart.
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,16 @@ class Usage:
     rss_bytes: int
     fds: int
     threads: int
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    role: str
+    pid: int
+    warm: Usage
+    last: Usage
+    lived_s: float
+    """From the warm sample to the last one."""
 
 
 def _argv(pid: int) -> list[bytes]:
@@ -67,3 +80,64 @@ def usage(pid: int) -> Usage | None:
     except (OSError, IndexError, ValueError):
         return None
     return Usage(rss_pages * PAGE, fds, threads)
+
+
+class UsageSampler:
+    """Samples every process of the cluster every `every_s` seconds on a thread of its own;
+    keeps each pid's warm usage and its last, and logs the levels now and then."""
+
+    def __init__(self, cluster: Cluster, log: Callable[[str], None], log_every_s: float,
+                 every_s: float = 2.0) -> None:
+        self._cluster = cluster
+        self._log = log
+        self._log_every_s = log_every_s
+        self._every_s = every_s
+        self._logged = time.monotonic()
+        self.warm: dict[int, tuple[str, Usage, float]] = {}
+        self.last: dict[int, tuple[str, Usage, float]] = {}
+        self._warm_after: float | None = None
+        self._settle_s = 0.0
+        self._born: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
+        self._thread.start()
+
+    def warm_from(self, at: float, settle_s: float) -> None:
+        """Pids seen before `at` are warm at `at`; later ones (restarted) `settle_s` after
+        they were first seen."""
+        self._warm_after = at
+        self._settle_s = settle_s
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        for role, pid in roles(self._cluster).items():
+            u = usage(pid)
+            if u is None:
+                continue
+            born = self._born.setdefault(pid, now)
+            self.last[pid] = (role, u, now)
+            if pid in self.warm or self._warm_after is None or now < self._warm_after:
+                continue
+            if born < self._warm_after or now - born >= self._settle_s:
+                self.warm[pid] = (role, u, now)
+
+    def records(self) -> list[ProcessRecord]:
+        """Each live process with a warm level: that level, its last, how long between."""
+        live = set(roles(self._cluster).values())
+        return [ProcessRecord(role, pid, warm, self.last[pid][1], self.last[pid][2] - at)
+                for pid, (role, warm, at) in sorted(self.warm.items(), key=lambda x: x[1][0])
+                if pid in live]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every_s):
+            self.sample()
+            if time.monotonic() - self._logged >= self._log_every_s:
+                self._logged = time.monotonic()
+                recent = sorted(v for v in self.last.values() if v[2] >= self._logged - 5)
+                self._log("  usage: " + ", ".join(
+                    f"{role} {u.rss_bytes / 2**20:.0f} MiB/{u.fds} fds/{u.threads} thr"
+                    for role, u, _ in recent))
