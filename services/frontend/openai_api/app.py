@@ -155,7 +155,8 @@ class OpenAIApi:
         API key: it describes the door, as /health reports on it."""
         if self._openapi is None:
             self._openapi = openapi.document(self.app.routes,
-                                             auth=bool(self._settings.api_keys))
+                                             auth=bool(self._settings.api_keys),
+                                             model_names=self._settings.model_names)
         return JSONResponse(self._openapi)
 
     async def models(self, request: Request) -> Response:

@@ -142,14 +142,17 @@ def served(routes: Iterable[BaseRoute]) -> list[tuple[str, str]]:
             for method in sorted(route.methods or ()) if method != "HEAD"]
 
 
-def document(routes: Iterable[BaseRoute], auth: bool) -> Json:
-    """The OpenAPI document of `routes`; `auth`: the server has keys."""
+def document(routes: Iterable[BaseRoute], auth: bool, model_names: Sequence[str]) -> Json:
+    """The OpenAPI document of `routes`; `auth`: the server has keys; `model_names`: the
+    names a body's `model` may give (any other is a 404)."""
     operations = {key: OPERATIONS[key] for key in served(routes)}
     bodies = sorted({op.body for op in operations.values() if op.body is not None},
                     key=lambda model: model.__name__)
     refs, top = models_json_schema([(model, "validation") for model in bodies],
                                    ref_template="#/components/schemas/{model}")
     schemas: Json = {**top.get("$defs", {}), "Error": _ERROR_SCHEMA}
+    for schema in schemas.values():
+        _name_the_models(schema, model_names)
     paths: Json = {}
     for (method, path), op in operations.items():
         body_ref = refs[(op.body, "validation")] if op.body is not None else None
@@ -168,6 +171,18 @@ def document(routes: Iterable[BaseRoute], auth: bool) -> Json:
     if auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc
+
+
+def _name_the_models(schema: Json, names: Sequence[str]) -> None:
+    """`model` as the served names: pydantic knows it only as a string."""
+    model = schema.get("properties", {}).get("model")
+    if model is None:
+        return
+    served = {"type": "string", "enum": list(names)}
+    optional = {"type": "null"} in model.get("anyOf", ())
+    schema["properties"]["model"] = {
+        "title": model.get("title", "Model"),
+        **({"anyOf": [served, {"type": "null"}], "default": None} if optional else served)}
 
 
 _ERROR_SCHEMA: Json = {

@@ -41,7 +41,7 @@ from starlette.routing import Route
 from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.openai_api import http_calls
 from services.frontend.openai_api.http_errors import error_response
-from services.frontend.openai_api.schemas import Int32, TokenId
+from services.frontend.openai_api.schemas import REQUEST_ID, Int32, TokenId
 from services.frontend.pooling.operations import Input, PoolingOperations, Scored
 
 Json = dict[str, Any]
@@ -54,7 +54,7 @@ class _PoolingBody(BaseModel):
 
     model: str | None = None
     user: str | None = None
-    request_id: str | None = None
+    request_id: str | None = REQUEST_ID
     truncate: bool = False
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
 

@@ -28,6 +28,7 @@ from corestream.generate.v1 import chat_service_pb2 as chat_pb2
 from corestream.generate.v1 import generate_service_pb2 as generate_pb2
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.frontend.chat.request import ROLES
 from services.frontend.errors import RequestError, invalid_argument
 
 # The widths of the proto fields these values land in.
@@ -37,6 +38,10 @@ TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+# What the request path accepts, stated in the OpenAPI document (openapi.py) only: the
+# request path checks these itself, with messages naming the field.
+REQUEST_ID = Field(default=None, json_schema_extra={"pattern": "^[ -~]{1,256}$"})
 
 
 class _Model(BaseModel):
@@ -102,7 +107,7 @@ class _SamplingBody(_Model):
     stop_token_ids: list[TokenId] | None = None
     priority: Int32 = 0
     cache_salt: str | None = None
-    request_id: str | None = None
+    request_id: str | None = REQUEST_ID
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -133,7 +138,7 @@ class CompletionBody(_SamplingBody):
 
 
 class ContentPart(_Model):
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: str | None = None
 
 
@@ -150,7 +155,7 @@ class ToolCall(_Model):
 
 
 class ChatMessage(_Model):
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None

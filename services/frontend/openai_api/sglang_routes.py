@@ -43,7 +43,7 @@ from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.model_server_metrics import EngineLoad
 from services.frontend.openai_api import http_calls
 from services.frontend.openai_api.http_errors import error_response
-from services.frontend.openai_api.schemas import Int32, Int64, TokenId
+from services.frontend.openai_api.schemas import REQUEST_ID, Int32, Int64, TokenId
 from services.frontend.openai_api.sse import sse_response
 from services.frontend.pipeline import Pipeline
 
@@ -114,7 +114,7 @@ class GenerateBody(BaseModel):
     input_ids: list[TokenId] | list[list[TokenId]] | None = None
     sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
     stream: bool = False
-    rid: str | None = None
+    rid: str | None = REQUEST_ID
     data_parallel_rank: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
     return_logprob: bool = False
     lora_path: Any = None
