@@ -98,15 +98,21 @@ class UsageSampler:
         self._warm_after: float | None = None
         self._settle_s = 0.0
         self._born: dict[int, float] = {}
+        self._heals: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
         self._thread.start()
 
     def warm_from(self, at: float, settle_s: float) -> None:
-        """Pids seen before `at` are warm at `at`; later ones (restarted) `settle_s` after
-        they were first seen."""
+        """Pids seen before `at` are warm at `at`; later ones (restarted) `settle_s`
+        after the cluster next served again (`healed`): a process that is still
+        loading is not warm."""
         self._warm_after = at
         self._settle_s = settle_s
+
+    def healed(self, at: float) -> None:
+        """The cluster served again at `at` (every process back and answering)."""
+        self._heals.append(at)
 
     def sample(self) -> None:
         now = time.monotonic()
@@ -118,7 +124,8 @@ class UsageSampler:
             self.last[pid] = (role, u, now)
             if pid in self.warm or self._warm_after is None or now < self._warm_after:
                 continue
-            if born < self._warm_after or now - born >= self._settle_s:
+            if born < self._warm_after or any(
+                    born <= h <= now - self._settle_s for h in self._heals):
                 self.warm[pid] = (role, u, now)
 
     def records(self) -> list[ProcessRecord]:

@@ -83,11 +83,13 @@ KV_CACHE_MEMORY = "1MiB"
 """Small, so that the warm-up can touch all of it (see _sweep_kv_pools)."""
 
 CI_CONFIG = SoakConfig(duration_s=100.0, rate=5.0, quiet_s=10.0, warm_s=8.0,
-                       min_judged_s=30.0, rss_drift=0.25, fd_slack=16, thread_slack=16)
-"""The CI-sized run: every fault kind once in 100 s. Processes live too briefly there
-for a 5% memory bound to mean anything (allocators are still growing their arenas):
-its drift bounds catch a leak per request, not a slow one; the hour-long run keeps
-the issue's 5%."""
+                       min_judged_s=30.0, rss_drift=0.5, fd_slack=16, thread_slack=16)
+"""The CI-sized run: every fault kind once in 100 s. Its processes live a minute or
+two, while the engines' per-shape caches (oneDNN primitives per row count, buffers
+grown to the largest batch) still fill: measured at +15-35% in that time with no leak
+(requests of one shape leave RSS flat: tests/unit/engine/core/test_memory_flat.py).
+So its memory bound only catches a gross leak (~100 KiB a request); descriptors and
+threads are held to a few. The hour-long run keeps the issue's 5%."""
 
 
 @dataclass
@@ -175,7 +177,8 @@ class _Soak:
         self._log(f"soak: seed {config.seed}, {config.duration_s:g} s at {config.rate:g} "
                   f"req/s, {len(self.plan)} faults planned: "
                   + ", ".join(f"{f.kind}@{f.at_s:.0f}s" for f in self.plan))
-        sampler = UsageSampler(self.cluster, self._log, config.log_usage_every_s)
+        self.sampler = sampler = UsageSampler(self.cluster, self._log,
+                                              config.log_usage_every_s)
         try:
             self.warm_up(sampler)
             self.traffic()
@@ -233,6 +236,8 @@ class _Soak:
             self.log(f"{fault.kind} -> {done.target}"
                      + (f" ({done.error})" if done.error else ""))
             self.heal_s[i] = healed = self.wait_serving(gone=done.killed)
+            if healed is not None:
+                self.sampler.healed(time.monotonic())
             self.log("never served again" if healed is None
                      else f"serving again after {healed:.1f} s")
 

@@ -132,6 +132,11 @@ class Pipeline:
             telemetry.on_chunk(chunk)
             yield chunk
 
+    def count_refused(self, error: RequestError) -> None:
+        """A request refused before it reached this path (the HTTP door's own checks of
+        its body): counted with the others in requests_rejected."""
+        self._metrics.count_rejected(error)
+
     def _telemetry(self, request_id: str, metadata: Mapping[str, str],
                    operation: str) -> RequestTelemetry:
         return RequestTelemetry(self._observability.tracing, self._metrics, request_id,

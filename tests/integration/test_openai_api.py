@@ -370,3 +370,24 @@ def test_errors_come_back_in_openai_shape(client: openai.OpenAI) -> None:
     assert bad.value.body["param"] == "messages[0].role"
     assert bad.value.body["type"] == "invalid_request_error"
     assert "wizard" in bad.value.body["message"]
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+def test_requests_the_door_refuses_count_as_rejected(cluster: tuple[Cluster, int],
+                                                     client: openai.OpenAI) -> None:
+    """Refusals of the door's own checks (a body that does not validate, a constraint a
+    chat does not take) count in requests_rejected like the request path's: the soak
+    (benchmarks/soak) found them missing from the metrics."""
+    from benchmarks.soak.probes import request_counts, scrape
+
+    port = cluster[1]
+    before = scrape(port)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, logprobs=50)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                       extra_body={"structured_outputs": {"regex": "a+"}})
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, temperature=-1)
+    assert request_counts(before, scrape(port)) == {"samples finished": 0.0,
+                                                    "rejected INVALID_ARGUMENT": 3.0}

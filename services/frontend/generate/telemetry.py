@@ -96,6 +96,10 @@ class FrontendMetrics:
             "outputs that then fail are counted as request_success with finished_reason "
             "schema_mismatch.", ("model_name", "keyword"), registry=registry)
 
+    def count_rejected(self, exc: BaseException) -> None:
+        code, reason = _error_labels(exc)
+        self.rejected.labels(self.model_name, code, reason).inc()
+
     def count_relaxed(self, keywords: tuple[str, ...]) -> None:
         for keyword in keywords:
             self.relaxed_constraints.labels(self.model_name, keyword).inc()
@@ -247,7 +251,7 @@ class RequestTelemetry:
         elif exc is not None:
             code, reason = _error_labels(exc)
             log.info("request failed: %s %s", code, reason)
-            self._metrics.rejected.labels(self._metrics.model_name, code, reason).inc()
+            self._metrics.count_rejected(exc)
             span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code}: {exc}"[:300]))
             span.set_attribute("error.type", code)
         if span.is_recording():

@@ -177,7 +177,7 @@ class OpenAIApi:
             request_id = http_calls.request_id(request, body.request_id)
             protos = completion_requests(body)
         except RequestError as e:
-            return error_response(e, names=names)
+            return self._refused(e, names)
         metadata = http_calls.call_metadata(request)
         n = max(1, body.n or 1)
         streams = []
@@ -241,7 +241,7 @@ class OpenAIApi:
             request_id = http_calls.request_id(request, body.request_id)
             proto = chat_request(body)
         except RequestError as e:
-            return error_response(e, names=names)
+            return self._refused(e, names)
         proto.request_id = request_id
         answer = self._chat.answer(request_id, proto, http_calls.call_metadata(request))
         created = int(time.time())
@@ -272,6 +272,14 @@ class OpenAIApi:
         if include_usage and usage is not None:
             yield responses.usage_chunk(usage, id=rid, model=self.model, created=created,
                                         object="chat.completion.chunk")
+
+    def _refused(self, error: RequestError, names: Mapping[str, str]) -> Response:
+        """A completion or chat request the door refused before the request path: its
+        body did not parse or convert. Counted as the path counts its own refusals (a
+        missing API key is not a request, and is not counted, as on gRPC)."""
+        if error.code is not grpc.StatusCode.UNAUTHENTICATED:
+            self._pipeline.count_refused(error)
+        return error_response(error, names=names)
 
     def _authenticate_admin(self, request: Request) -> None:
         admin_keys = self._settings.admin_keys

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from benchmarks.soak import faults, invariants
-from benchmarks.soak.processes import Usage
+from benchmarks.soak.processes import ProcessRecord, Usage
 from benchmarks.soak.traffic import (
     CHAT_DOORS,
     CLIENT_TIMEOUT,
@@ -103,8 +103,8 @@ def test_a_held_block_a_left_request_or_a_leak_fails() -> None:
     assert not invariants.frontend_drained(1.0).ok
 
     def record(rss: int, fds: int = 10, threads: int = 5, lived: float = 100.0
-               ) -> invariants.ProcessRecord:
-        return invariants.ProcessRecord("engine-0", 1, Usage(100, 10, 5),
+               ) -> ProcessRecord:
+        return ProcessRecord("engine-0", 1, Usage(100, 10, 5),
                                         Usage(rss, fds, threads), lived)
 
     assert invariants.resources_flat([record(105)], 0.05, 60.0, 0, 0).ok
