@@ -127,6 +127,11 @@ def unknown_flags(words: list[str], parsers: dict[str, set[str]]) -> list[str]:
         return [f"corestream {sub} {f}" for f in flags if not known(f, options)]
     if program.startswith("python"):
         script = next((w for w in args if w.endswith(".py")), "")
+        if not script and "-m" in args[:-1]:
+            # `python -m benchmarks.soak`: a package's __main__.py, or a module's file.
+            module = args[args.index("-m") + 1].replace(".", "/")
+            script = next((f for f in (f"{module}/__main__.py", f"{module}.py")
+                           if (REPO / f).is_file()), "")
         options = script_flags(script) if (REPO / script).is_file() else set()
         return [f"{script} {f}" for f in flags if f not in options]
     if program in OTHER_TOOLS:
@@ -144,7 +149,7 @@ def test_every_flag_the_readme_names_exists() -> None:
     # checked as one; a lone flag must be corestream's, a benchmark script's or another
     # tool's the README runs.
     anywhere = set().union(*parsers.values()) | OTHER_FLAGS
-    anywhere |= {f for path in REPO.glob("benchmarks/*.py")
+    anywhere |= {f for path in REPO.glob("benchmarks/**/*.py")
                  for f in script_flags(str(path.relative_to(REPO)))}
     spans = re.findall(r"`([^`]+)`", prose(text))
     spans += FLAG.findall(re.sub(r"`[^`]+`", "", prose(text)))  # flags outside code too
