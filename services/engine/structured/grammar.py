@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import llguidance
 
+# llguidance's error text ends with a dump of the parser state and the whole grammar
+# (hundreds of kilobytes for a big schema): past gRPC's 16 KiB metadata limit, a client
+# would get RESOURCE_EXHAUSTED from its own library instead of the message.
+_MAX_ERROR_CHARS = 1000
+
 
 class Grammar:
     """Owned by the busy loop (accept) and, for one step at a time, by the mask thread
@@ -43,4 +48,6 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        return str(self.matcher.get_error())
+        """The matcher's error, without its state and grammar dump."""
+        text = str(self.matcher.get_error()).split("<state>", 1)[0].strip()
+        return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + "..."

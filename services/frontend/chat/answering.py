@@ -312,7 +312,7 @@ class ChatAnswering:
                                         parallel=_max_calls(request) is None,
                                         special_tokens=self._special_tokens)
         except ValueError as exc:
-            raise invalid_argument("tools", str(exc)) from None
+            raise invalid_argument("tools", f"tools: {exc}") from None
 
 
 def _response_format(response_format: chat_pb2.ResponseFormat) -> OutputConstraint | None:

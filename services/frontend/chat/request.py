@@ -188,6 +188,9 @@ def _json_object(field: str, text: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise invalid_argument(field, f"{field} is not valid JSON: {exc}") from None
+    except RecursionError:
+        # json's decoder recurses once per level: a 10,000-deep schema overflows it.
+        raise invalid_argument(field, f"{field} is nested too deeply to parse") from None
     if not isinstance(value, dict):
         raise invalid_argument(field, f"{field} must be a JSON object, got "
                                       f"{type(value).__name__}")

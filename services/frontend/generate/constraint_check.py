@@ -61,6 +61,8 @@ class OutputCheck:
 
         try:
             value = json.loads(text)
+        except RecursionError:
+            return "the output is nested too deeply to parse as JSON"
         except ValueError as exc:
             return f"the output is not JSON: {exc}"
         try:

@@ -70,6 +70,9 @@ def check_unsupported(request: vllm_pb2.GenerateRequest) -> None:
     if request.HasField("kv_transfer_params_json"):
         try:
             params = json.loads(request.kv_transfer_params_json or "null")
+        except RecursionError:
+            raise invalid_argument("kv_transfer_params_json",
+                                   "kv_transfer_params_json is nested too deeply") from None
         except ValueError as exc:
             raise invalid_argument("kv_transfer_params_json",
                                    f"kv_transfer_params_json is not JSON: {exc}") from None
