@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from services.frontend.errors import RequestError
+from services.frontend.errors import RequestError, invalid_argument
 from services.frontend.generate.validation import check_request_id
 from services.frontend.grpc_calls import MAX_REQUEST_ID_CHARS
 from services.frontend.openai_api.http_errors import error_response
@@ -25,6 +25,11 @@ def request_id(request: Request, body_id: str | None) -> str:
     request_id = (body_id or request.headers.get("x-request-id")
                   or request.scope["state"]["request_id"])
     check_request_id(request_id, MAX_REQUEST_ID_CHARS)
+    if request_id != request_id.strip(" "):
+        # An HTTP header value cannot begin or end with a space: h11 refused to send the
+        # answer's X-Request-Id, and the client got a closed connection, not an answer.
+        raise invalid_argument("request_id", "request_id must not begin or end with a "
+                               "space (it is echoed as the X-Request-Id header)")
     return request_id
 
 

@@ -227,7 +227,10 @@ def _success(op: Operation) -> Json:
         content = {media: {"schema": {"type": "string"}}
                    for media in ("text/plain", "application/openmetrics-text")}
     elif op.ok == "json+sse":
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        # One server-sent event: each `data:` a JSON chunk, the last `[DONE]`.
+        content["text/event-stream"] = {"schema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}
     return {"description": "Success (with `stream: true`, server-sent events)."
             if op.ok == "json+sse" else "Success.", "headers": _ID_HEADER, "content": content}
 

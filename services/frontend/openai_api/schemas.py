@@ -41,7 +41,8 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
 # What the request path accepts, stated in the OpenAPI document (openapi.py) only: the
 # request path checks these itself, with messages naming the field.
-REQUEST_ID = Field(default=None, json_schema_extra={"pattern": "^[ -~]{1,256}$"})
+REQUEST_ID = Field(default=None,
+                   json_schema_extra={"pattern": "^[!-~]([ -~]{0,254}[!-~])?$"})
 
 
 class _Model(BaseModel):

@@ -648,6 +648,14 @@ def test_x_request_id_is_used_and_echoed_and_a_running_duplicate_is_409() -> Non
             _assert_error(response, 400, "request_id")
             # Not echoed: a new id names the refusal.
             assert len(response.headers["x-request-id"]) == 32
+            # Found by the HTTP fuzzer: an id with an outer space cannot be a header
+            # value, and the answer was a closed connection.
+            for path, body_json in (("/v1/completions", {"prompt": "hello"}),
+                                    ("/v1/embeddings", {"input": "hello"}),
+                                    ("/generate", {"text": "hello"})):
+                response = await http.post(path, json={"model": MODEL.name, **body_json,
+                                                       "request_id": " ", "rid": "x "})
+                _assert_error(response, 400, "request_id", "space")
 
             # Refused before the id was settled (the body, the model): echoed all the same.
             for path, body_json in (("/v1/completions", {"model": MODEL.name}),
