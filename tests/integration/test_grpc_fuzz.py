@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -48,7 +49,7 @@ from hypothesis import strategies as st
 
 from tests.integration.cluster import Cluster, alive
 
-FUZZ_EXAMPLES = int(os.environ.get("CORESTREAM_FUZZ_EXAMPLES", "25"))
+FUZZ_EXAMPLES = int(os.environ.get("CORESTREAM_FUZZ_EXAMPLES", "15"))
 SLOW_FUZZ_EXAMPLES = int(os.environ.get("CORESTREAM_SLOW_FUZZ_EXAMPLES", "10000"))
 VOCAB = 394  # the built-in tiny checkpoint's
 MAX_MESSAGE_BYTES = 1 << 20
@@ -68,6 +69,7 @@ CLIENT_ERRORS = frozenset({
 })
 FUZZ_SETTINGS: dict[str, Any] = dict(deadline=None, database=None,
                                      suppress_health_check=list(HealthCheck))
+DERANDOMIZED_UP_TO = 1000
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -590,23 +592,37 @@ def call(channel: grpc.Channel, surface: Surface, data: bytes) -> tuple[grpc.Sta
 class Tally:
     codes: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
+    findings: Counter[str] = field(default_factory=Counter)
+    """Answers outside the contract, by code and first line, with one request each."""
+    examples: dict[str, str] = field(default_factory=dict)
 
     def add(self, surface: Surface, request: Message | bytes, code: grpc.StatusCode,
             details: str) -> None:
+        # Recorded rather than asserted at once, so that a long run reports every kind
+        # of finding and how often it came, not just the first.
         allowed = {grpc.StatusCode.OK} | CLIENT_ERRORS | surface.extra_codes
-        shown = request if isinstance(request, bytes) else str(request)[:2000]
-        assert code in allowed, f"{surface.name}: {code}: {details}\nrequest: {shown}"
-        if code is not grpc.StatusCode.OK:
-            assert details.strip(), f"{surface.name}: {code} without a message: {shown}"
         self.codes[code.name] += 1
+        problem = None
+        if code not in allowed:
+            problem = f"{code.name}: {details.splitlines()[0][:160] if details else ''}"
+        elif code is not grpc.StatusCode.OK and not details.strip():
+            problem = f"{code.name} without a message"
+        if problem is not None:
+            self.findings[problem] += 1
+            shown = request if isinstance(request, bytes) else str(request)[:1500]
+            self.examples.setdefault(problem, str(shown))
 
 
 def fuzz_surface(channel: grpc.Channel, surface: Surface, examples: int,
                  after_each: Callable[[], None] | None = None) -> Tally:
+    """`examples` requests (and a tenth as many as wire bytes). The default suite's
+    small runs are derandomized, so they send the same requests every time; the slow
+    runs explore (pytest's --hypothesis-seed fixes theirs)."""
     tally = Tally()
     start = time.monotonic()
+    chosen = dict(FUZZ_SETTINGS, derandomize=examples <= DERANDOMIZED_UP_TO)
 
-    @settings(max_examples=examples, **FUZZ_SETTINGS)
+    @settings(max_examples=examples, **chosen)
     @given(request=surface.requests())
     def structured(request: Message) -> None:
         code, details = call(channel, surface, request.SerializeToString())
@@ -614,7 +630,7 @@ def fuzz_surface(channel: grpc.Channel, surface: Surface, examples: int,
         if after_each is not None:
             after_each()
 
-    @settings(max_examples=max(5, examples // 10), **FUZZ_SETTINGS)
+    @settings(max_examples=max(5, examples // 10), **chosen)
     @given(data=wire_bytes(surface))
     def wire(data: bytes) -> None:
         code, details = call(channel, surface, data)
@@ -626,7 +642,10 @@ def fuzz_surface(channel: grpc.Channel, surface: Surface, examples: int,
     wire()
     tally.seconds = time.monotonic() - start
     print(f"{surface.name}: {sum(tally.codes.values())} requests in {tally.seconds:.1f} s: "
-          f"{dict(tally.codes)}")
+          f"{dict(tally.codes)}; findings: {dict(tally.findings)}")
+    assert not tally.findings, "\n".join(
+        f"{surface.name}: {n} x {problem}\n  e.g. {tally.examples[problem]}"
+        for problem, n in tally.findings.items())
     return tally
 
 
@@ -693,6 +712,59 @@ def test_fuzz_thousands(cluster: Cluster, channel: grpc.Channel, surface: Surfac
     _run(cluster, channel, [surface], SLOW_FUZZ_EXAMPLES)
 
 
+# ---- request chat templates (--trust-request-chat-template) ----------------------
+
+# (template, what the refusal says)
+HOSTILE_TEMPLATES = {
+    "attribute walk": ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+    "cycler globals": ("{{ cycler.__init__.__globals__ }}", "unsafe"),
+    "endless loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                      "{% endfor %}", "render limit"),
+    "huge string": ("{{ 'a' * 10**9 }}", "repeated sequence"),
+    "format width": ("{{ '%999999999d' % 1 }}", "formatted field"),
+    "macro recursion": ("{% macro r() %}{{ r() }}{% endmacro %}{{ r() }}", "recursed"),
+    # Regression: Python's compiler limits escaped as SyntaxError (UNKNOWN).
+    "nested for": ("{% for a in [1] %}" * 30 + "{% endfor %}" * 30, "nest"),
+    "nested parentheses": ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "nest"),
+}
+
+
+@pytest.mark.parametrize(("template", "words"), HOSTILE_TEMPLATES.values(),
+                         ids=HOSTILE_TEMPLATES.keys())
+def test_hostile_request_templates_are_refused_promptly(
+        cluster: Cluster, channel: grpc.Channel, template: str, words: str) -> None:
+    chat = chat_grpc.ChatServiceStub(channel)
+    outcome: dict[str, Any] = {}
+
+    def hostile() -> None:
+        start = time.monotonic()
+        try:
+            chat.Chat(chat_pb2.ChatRequest(
+                messages=[chat_pb2.ChatMessage(role="user", content="hi")],
+                chat_template=template, sampling=common_pb2.SamplingParams(max_tokens=2)),
+                timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as e:
+            outcome["error"] = e
+        outcome["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=hostile)
+    thread.start()
+    # Sent while the template renders (or right after a quick refusal): the frontend's
+    # event loop is not held by it.
+    start = time.monotonic()
+    reply = pb_grpc.GenerateServiceStub(channel).Generate(pb.GenerateRequest(
+        text="hello", sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True)),
+        timeout=CALL_TIMEOUT_S)
+    assert len(reply.completions[0].token_ids) == 4
+    assert time.monotonic() - start < RENDER_TIMEOUT_S + 5
+    thread.join(CALL_TIMEOUT_S)
+    error = outcome["error"]
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error
+    assert words in error.details() and "template" in error.details(), error.details()
+    assert outcome["seconds"] < RENDER_TIMEOUT_S + 5
+    assert cluster.proc.poll() is None
+
+
 # ---- PoolingService, on an embedder -----------------------------------------------
 
 
@@ -734,14 +806,7 @@ def test_fuzz_pooling_thousands(pooling_cluster: Cluster) -> None:
     _fuzz_pooling(pooling_cluster, SLOW_FUZZ_EXAMPLES)
 
 
-# ---- AdminService, on a cluster of its own ----------------------------------------
-
-
-@pytest.fixture(scope="module")
-def admin_cluster() -> Iterator[Cluster]:
-    c = Cluster(["--engines", "1", "--max-tokens-limit", "4"])
-    yield c
-    c.stop()
+# ---- AdminService, on the same cluster, undone after every example ---------------
 
 
 def restore_admin(admin: admin_grpc.AdminServiceStub) -> Callable[[], None]:
@@ -798,17 +863,17 @@ class _TargetedOnly(Surface):
         return self.targeted(message_class(self.descriptor.input_type))
 
 
-def _fuzz_admin(admin_cluster: Cluster, tmp: Path, examples: int) -> None:
-    with _channel(admin_cluster) as channel:
-        admin = admin_grpc.AdminServiceStub(channel)
-        _run(admin_cluster, channel, _admin_surfaces(tmp), examples, restore_admin(admin))
+def _fuzz_admin(cluster: Cluster, channel: grpc.Channel, tmp: Path, examples: int) -> None:
+    admin = admin_grpc.AdminServiceStub(channel)
+    _run(cluster, channel, _admin_surfaces(tmp), examples, restore_admin(admin))
 
 
-def test_fuzz_admin(admin_cluster: Cluster, tmp_path: Path) -> None:
-    _fuzz_admin(admin_cluster, tmp_path, max(5, FUZZ_EXAMPLES // 3))
+def test_fuzz_admin(cluster: Cluster, channel: grpc.Channel, tmp_path: Path) -> None:
+    _fuzz_admin(cluster, channel, tmp_path, max(5, FUZZ_EXAMPLES // 3))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(6 * 3600)
-def test_fuzz_admin_thousands(admin_cluster: Cluster, tmp_path: Path) -> None:
-    _fuzz_admin(admin_cluster, tmp_path, SLOW_FUZZ_EXAMPLES)
+def test_fuzz_admin_thousands(cluster: Cluster, channel: grpc.Channel,
+                              tmp_path: Path) -> None:
+    _fuzz_admin(cluster, channel, tmp_path, SLOW_FUZZ_EXAMPLES)

@@ -173,7 +173,12 @@ def test_chat_schema_refused_or_served(cluster: Cluster, channel: grpc.Channel, 
     check(cluster, code, details, seconds, *fields)
 
 
-@pytest.mark.parametrize("schema", SCHEMAS.values(), ids=SCHEMAS.keys())
+# GenerateService's json_schema takes the same check as response_format: the deep
+# ones (parsed by each door itself) suffice there.
+DEEP_SCHEMAS = {k: v for k, v in SCHEMAS.items() if "deep" in k}
+
+
+@pytest.mark.parametrize("schema", DEEP_SCHEMAS.values(), ids=DEEP_SCHEMAS.keys())
 def test_generate_schema_refused_or_served(cluster: Cluster, channel: grpc.Channel,
                                            schema: str) -> None:
     stub = pb_grpc.GenerateServiceStub(channel)
