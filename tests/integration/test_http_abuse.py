@@ -15,14 +15,14 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from services.common.ports import free_port
-from tests.integration.cluster import Cluster
-from tests.integration.test_overload import frontend_pid, rss_mib
+from tests.integration.cluster import Cluster, descendants
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
@@ -69,6 +69,20 @@ def door() -> Iterator[Door]:
     door = Door()
     yield door
     door.cluster.stop()
+
+
+def frontend_pid(cluster: Cluster) -> int:
+    for pid in descendants(cluster.proc.pid):
+        if b"frontend" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+            return pid
+    raise LookupError(f"no frontend below serve:\n{cluster.output()}")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise LookupError(pid)
 
 
 def _served_promptly(door: Door) -> None:

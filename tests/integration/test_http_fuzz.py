@@ -124,9 +124,11 @@ def _fuzz(door: Door, examples: int, paths: frozenset[str] | None = None) -> Non
         operation = result.ok()
         if paths is not None and operation.path not in paths:
             continue
+        # Those only ever answer 401 here: a few examples show it.
+        count = min(examples, 3) if operation.path in STATEFUL_ADMIN else examples
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             try:
-                _fuzz_operation(door, operation, mode, examples)
+                _fuzz_operation(door, operation, mode, count)
             except Unsatisfiable:
                 # Nothing to break: no body and no parameters (GET /v1/models).
                 assert mode is GenerationMode.NEGATIVE
