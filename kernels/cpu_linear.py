@@ -198,8 +198,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # but the same values.
         weight = unpack_panels(panels, *weight.shape)
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        rows = x.reshape(-1, x.size(-1))
+        bucket = onednn_rows(rows.size(0))
+        if bucket != rows.size(0):
+            rows = F.pad(rows, (0, 0, 0, bucket - rows.size(0)))
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        return out[:x.numel() // x.size(-1)].reshape(*x.shape[:-1], out.size(-1))
     return F.linear(x, weight, bias)
+
+
+def onednn_rows(rows: int) -> int:
+    """The rows oneDNN's matmul runs for `rows` rows of x: up to a bucket, eight per
+    doubling (at most 12.5% padding). oneDNN builds one primitive per row count (~5 ms,
+    ~0.6 MiB each, up to 1,024 kept), so prefills of every length grew an engine by
+    hundreds of MiB; buckets bound that to a few dozen. The C++ `linear` does the same
+    (kernels/csrc/linear_cpu.cpp)."""
+    if rows <= 8:
+        return rows
+    step = 8
+    while step * 16 < rows:
+        step *= 2
+    return -(-rows // step) * step
 
 
 _ABSENT = torch.empty(0)

@@ -35,6 +35,7 @@
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -484,6 +485,18 @@ std::pair<int64_t, Item> panel_items(const at::Tensor& x, const at::Tensor& pane
   return checked_panel_items(x, panels, bias, out, std::max<int64_t>(1, x.size(0)));
 }
 
+// oneDNN builds (JIT-compiles) one matmul primitive per row count and keeps up to 1,024 of
+// them, ~0.6 MiB and ~5 ms to build each, whatever the weight: prefills of every length
+// grew an engine by hundreds of MiB over hours (the soak, benchmarks/soak, found it).
+// Row counts go up to a bucket instead, eight per doubling (at most 12.5% padding rows,
+// whose outputs are dropped), so that a model's calls share a few dozen primitives.
+int64_t onednn_rows(int64_t rows) {
+  if (rows <= 8) return rows;
+  int64_t step = 8;
+  while (step * 16 < rows) step *= 2;
+  return (rows + step - 1) / step * step;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
                   const at::Tensor& bias) {
   if (present(panels) && panels_only(weight)) {
@@ -510,9 +523,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                               const std::optional<at::Tensor>&, c10::string_view,
                               c10::List<std::optional<at::Scalar>>,
                               std::optional<c10::string_view>)>();
-    return packed_linear.call(x, weight,
-                              present(bias) ? std::optional<at::Tensor>(bias) : std::nullopt,
-                              "none", c10::List<std::optional<at::Scalar>>(), "");
+    const int64_t in_features = x.size(-1);
+    const at::Tensor rows = x.reshape({-1, in_features});
+    const int64_t bucket = onednn_rows(rows.size(0));
+    at::Tensor padded = rows;
+    if (bucket != rows.size(0)) {
+      padded = at::zeros({bucket, in_features}, x.options());
+      padded.narrow(0, 0, rows.size(0)).copy_(rows);
+    }
+    const at::Tensor out = packed_linear.call(
+        padded, weight, present(bias) ? std::optional<at::Tensor>(bias) : std::nullopt,
+        "none", c10::List<std::optional<at::Scalar>>(), "");
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = out.size(1);
+    return out.narrow(0, 0, rows.size(0)).reshape(shape);
   }
   return present(bias) ? at::addmm(bias, x, weight.t()) : at::mm(x, weight.t());
 }
@@ -524,6 +548,7 @@ TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor bias, int out_features) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("panel_linear_supported(ScalarType dtype) -> bool", &panel_linear_supported);
+  m.def("onednn_rows(int rows) -> int", &corestream_cpu::onednn_rows);
 }
 
 TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {

@@ -24,6 +24,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // The most rows of x for which `linear` reads a weight's panels (when it has them).
 int64_t max_panel_rows(at::ScalarType dtype);
 
+// The rows oneDNN's matmul runs for `rows` rows of x: a bucket (linear_cpu.cpp).
+int64_t onednn_rows(int64_t rows);
+
 // panel_linear's work as items, for callers that hand them out themselves (StagePlan):
 // (number of panels, item p writing panel p's columns of out [M, N] for every row of x).
 // The tensors must outlive the items.

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import backend
 from kernels.cpu_linear import (
@@ -19,6 +20,7 @@ from kernels.cpu_linear import (
     cpu_layout,
     is_panels_only,
     linear,
+    onednn_rows,
     own_panels,
     pack_weight,
     panels_only_weight,
@@ -128,7 +130,10 @@ def test_linear_sends_few_rows_to_the_panel_kernel_and_more_to_onednn(
         x = torch.randn(rows, 333).to(dtype)
         got = linear(x, packed, bias, panels)
         kernel = cpu_ops.panel_linear(x, panels, bias, 1000)
-        onednn = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        # oneDNN runs the rows' bucket (onednn_rows): zero rows after x's, dropped after.
+        bucket = F.pad(x, (0, 0, 0, onednn_rows(rows) - rows))
+        onednn = torch.ops.mkldnn._linear_pointwise(bucket, packed, bias, "none", [],
+                                                    "")[:rows]
         # Both agree within rounding; the bits say which one ran.
         assert torch.equal(got, kernel if rows <= limit else onednn), rows
         # Without panels, the packed weight goes to oneDNN at any row count.
@@ -216,3 +221,37 @@ def test_panels_alone_take_every_call(cpu_ops: Any, kernels_backend: None) -> No
         backend.set_backend("auto")
     with pytest.raises(RuntimeError, match="panels-only weight came without its panels"):
         cpu_ops.linear(torch.randn(40, 133).bfloat16(), stored, torch.empty(0), torch.empty(0))
+
+
+def test_onednn_row_buckets_pad_little_and_are_few(cpu_ops: Any) -> None:
+    buckets = {onednn_rows(rows) for rows in range(1, 8193)}
+    assert len(buckets) <= 8 + 15 + 8 * 6
+    for rows in range(1, 8193):
+        bucket = onednn_rows(rows)
+        assert bucket >= rows and bucket in buckets
+        assert bucket - rows <= (7 if rows <= 128 else rows // 8)
+        assert cpu_ops.onednn_rows(rows) == bucket  # the C++ twin (linear_cpu.cpp)
+
+
+@pytest.mark.parametrize("kernels", ["cpp", "torch"])
+def test_onednn_calls_of_every_row_count_share_a_few_primitives(
+        cpu_ops: Any, kernels: str) -> None:
+    """oneDNN keeps a primitive (~0.6 MiB) per row count it has run: 600 prefill lengths
+    grew a process by ~350 MiB before the buckets; now by the buckets' few dozen. The
+    values are those of the unpadded rows."""
+    weight, packed, panels = packed_pair(cpu_ops, torch.float32, 256, 128)
+    previous = backend.get_backend()
+    backend.set_backend(kernels)
+    try:
+        with open("/proc/self/statm") as f:
+            before = int(f.read().split()[1])
+        for rows in range(9, 609):
+            x = torch.randn(rows, 128)
+            got = linear(x, packed, None, panels)
+            if rows % 50 == 0:
+                assert_near(got, (x.double() @ weight.double().T).float(), 128)
+        with open("/proc/self/statm") as f:
+            grown_mib = (int(f.read().split()[1]) - before) * 4096 / 2**20
+    finally:
+        backend.set_backend(previous)
+    assert grown_mib < 80, f"{grown_mib:.0f} MiB for 600 row counts"
