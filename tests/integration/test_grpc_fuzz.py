@@ -602,6 +602,9 @@ class Tally:
         # of finding and how often it came, not just the first.
         allowed = {grpc.StatusCode.OK} | CLIENT_ERRORS | surface.extra_codes
         self.codes[code.name] += 1
+        total = sum(self.codes.values())
+        if total % 1000 == 0:  # progress of the long runs
+            print(f"  {surface.name}: {total} requests: {dict(self.codes)}", flush=True)
         problem = None
         if code not in allowed:
             problem = f"{code.name}: {details.splitlines()[0][:160] if details else ''}"
