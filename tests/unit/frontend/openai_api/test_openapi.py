@@ -11,7 +11,9 @@ from unittest import mock
 import pytest
 import schemathesis
 
+from services.frontend.config import FrontendConfig
 from services.frontend.openai_api import openapi
+from services.frontend.openai_api.http_protocol import HttpLimits, http_limits
 from services.frontend.openai_api.json_body import MAX_JSON_DEPTH
 from services.frontend.openai_api.pooling_routes import PoolingRoutes
 from services.frontend.openai_api.rl_routes import RlRoutes
@@ -107,3 +109,21 @@ def test_bodies_that_broke_the_parser_are_refused_naming_the_body() -> None:
             assert ok.status_code == 200, ok.text
 
     serve(body)
+
+
+@pytest.mark.parametrize("field", ["http_header_timeout_s", "http_body_timeout_s",
+                                   "http_write_timeout_s", "http_keep_alive_s"])
+def test_http_timeouts_must_be_positive(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        FrontendConfig(**{field: 0})
+    with pytest.raises(ValueError, match=field):
+        FrontendConfig(**{field: float("inf")})
+
+
+def test_http_limits_come_from_the_flags() -> None:
+    limits = http_limits(FrontendConfig(http_header_timeout_s=2, http_body_timeout_s=3,
+                                        http_write_timeout_s=4, http_keep_alive_s=5,
+                                        http_max_connections=6))
+    assert limits == HttpLimits(2, 3, 4, 6, 5)
+    with pytest.raises(ValueError, match="http_max_connections"):
+        FrontendConfig(http_max_connections=0)
