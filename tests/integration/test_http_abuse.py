@@ -193,7 +193,14 @@ def test_slow_bodies_get_a_408_and_others_are_served(door: Door) -> None:
         assert answer.startswith(b"HTTP/1.1 408"), answer
         error = _raw_json(answer)["error"]
         assert error["param"] == "body" and "--http-body-timeout-s" in error["message"]
+    # A client that leaves halfway through its body: nobody to answer, and no error
+    # logged as the server's (it was a 500 with a traceback, sent to no one).
+    with door.connect() as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-length: 1000\r\n\r\n{")
+        _served_promptly(door)
     _served_promptly(door)
+    assert "ClientDisconnect" not in door.cluster.output()
 
 
 def test_idle_connections_are_bounded_and_closed(door: Door) -> None:
