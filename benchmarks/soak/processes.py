@@ -144,7 +144,8 @@ class UsageSampler:
             self.sample()
             if time.monotonic() - self._logged >= self._log_every_s:
                 self._logged = time.monotonic()
-                recent = sorted(v for v in self.last.values() if v[2] >= self._logged - 5)
+                recent = sorted((v for v in self.last.values() if v[2] >= self._logged - 5),
+                                key=lambda v: v[0])
                 self._log("  usage: " + ", ".join(
                     f"{role} {u.rss_bytes / 2**20:.0f} MiB/{u.fds} fds/{u.threads} thr"
                     for role, u, _ in recent))
