@@ -135,6 +135,11 @@ class UsageSampler:
                 for pid, (role, warm, at) in sorted(self.warm.items(), key=lambda x: x[1][0])
                 if pid in live]
 
+    @property
+    def running(self) -> bool:
+        """Sampling still (not ended by an error in its thread)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()

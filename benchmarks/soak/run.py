@@ -186,9 +186,10 @@ class _Soak:
             healed = self.wait_serving()
             time.sleep(config.quiet_s)
             sampler.sample()
+            sampled = sampler.running
         finally:
             sampler.stop()
-        return self.report(healed, sampler)
+        return self.report(healed, sampler, sampled)
 
     def warm_up(self, sampler: UsageSampler) -> None:
         """Fault-free: every KV block touched once, then the mix for warm_s; the
@@ -247,7 +248,8 @@ class _Soak:
         return [RequestSpec(first + j, "grpc_stream", "Once upon a time", 64, True, 1, False,
                             (), "", False, None, None) for j in range(self.config.burst)]
 
-    def report(self, healed: float | None, sampler: UsageSampler) -> SoakReport:
+    def report(self, healed: float | None, sampler: UsageSampler,
+               sampled: bool) -> SoakReport:
         config = self.config
         stats = probes.engine_stats(self.channel)
         in_flight = probes.grpc_in_flight(probes.scrape(self.http_port))
@@ -265,6 +267,9 @@ class _Soak:
             invariants.texts_match(self.outcomes, references),
             invariants.engines_drained(stats),
             invariants.frontend_drained(in_flight),
+            invariants.Check("processes sampled throughout", sampled,
+                             "every 2 s" if sampled else "the sampler's thread ended early "
+                             "(its error is above): processes born after it are not judged"),
             invariants.resources_flat(sampler.records(), config.rss_drift,
                                       config.min_judged_s, config.fd_slack,
                                       config.thread_slack),
