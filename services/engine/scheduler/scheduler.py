@@ -40,7 +40,7 @@ import logging
 from dataclasses import dataclass
 
 from services.engine.request import (
-    INTERNAL,
+    INVALID_ARGUMENT,
     FinishReason,
     Request,
     RequestStatus,
@@ -472,15 +472,22 @@ class Scheduler:
             if appended <= num_computed:
                 req.num_computed_tokens += 1
             if req.grammar is not None and not req.grammar.accept(token):
-                # The mask allows only what the grammar accepts: this is a bug, and it
-                # must fail only this request.
+                # The mask allowed the token and the matcher then refused it. The fuzzers
+                # found the causes in the constraint, not here: llguidance's limits
+                # (a row of more than 2,000 items, too many lexer expressions) reached
+                # mid-output, or a constraint that spells a special token's text. So the
+                # client hears it as its constraint's fault; only this request fails.
                 self.running.remove(req)
                 self._finish(req, FinishReason.ERROR)
+                constraint = req.sampling.constraint
+                field = constraint.field if constraint is not None else "constraint"
                 return RequestUpdate(
                     req.request_id, req.session_id, finish_reason=FinishReason.ERROR,
-                    error_code=INTERNAL,
-                    error_message=f"the output constraint rejected sampled token {token}: "
-                                  f"{req.grammar.error}")
+                    error_code=INVALID_ARGUMENT,
+                    error_message=f"{field}: the output constraint could not be followed "
+                                  f"after {len(req.output_token_ids) - 1} tokens (too "
+                                  f"complex for the constraint engine's limits, or it "
+                                  f"spells a special token's text): {req.grammar.error}")
             reason = self._stop_reason(req, token)
             if reason is not None:
                 if reason is FinishReason.STOP_TOKEN:
