@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.integration.cluster import Cluster, alive
+from tests.integration.protowire import length_delimited
 
 FUZZ_EXAMPLES = 1000
 SLOW_FUZZ_EXAMPLES = 5000
@@ -137,17 +138,6 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     return request
 
 
-def _length_delimited(field: int, payload: bytes) -> bytes:
-    """One protobuf field of wire type 2 (the length as a varint)."""
-    out = bytearray([field << 3 | 2])
-    n = len(payload)
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out) + payload
-
-
 INVALID_UTF8 = st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"abc\x80",
                                 b"\xf4\x90\x80\x80", b"\xc0\xaf"])
 
@@ -160,11 +150,11 @@ def raw_requests(draw: st.DrawFn) -> bytes:
     bad = draw(INVALID_UTF8)
     kind = draw(st.sampled_from(["text", "stop", "request_id", "garbage"]))
     if kind == "text":
-        return base + _length_delimited(2, bad)
+        return base + length_delimited(2, bad)
     if kind == "stop":  # sampling (4) is merged: its stop (6) gains the bad string
-        return base + _length_delimited(4, _length_delimited(6, bad))
+        return base + length_delimited(4, length_delimited(6, bad))
     if kind == "request_id":
-        return base + _length_delimited(1, bad)
+        return base + length_delimited(1, bad)
     return draw(st.binary(min_size=1, max_size=64))
 
 
@@ -266,7 +256,7 @@ def test_fuzz_generate_thousands(cluster: Cluster, channel: grpc.Channel) -> Non
     ("giant stop string", pb.GenerateRequest(text="x", sampling=common_pb2.SamplingParams(
         stop=["\U0001f600" * 257])), grpc.StatusCode.INVALID_ARGUMENT),
     ("invalid UTF-8 text", pb.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=1))
-     .SerializeToString() + _length_delimited(2, b"\xff\xfe"), grpc.StatusCode.INVALID_ARGUMENT),
+     .SerializeToString() + length_delimited(2, b"\xff\xfe"), grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_adversarial_requests(cluster: Cluster, channel: grpc.Channel, name: str,
                               request_: pb.GenerateRequest | bytes, code: grpc.StatusCode) -> None:

@@ -48,6 +48,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.integration.cluster import Cluster, alive
+from tests.integration.protowire import length_delimited
 
 FUZZ_EXAMPLES = int(os.environ.get("CORESTREAM_FUZZ_EXAMPLES", "15"))
 SLOW_FUZZ_EXAMPLES = int(os.environ.get("CORESTREAM_SLOW_FUZZ_EXAMPLES", "10000"))
@@ -543,16 +544,6 @@ ADMIN_SURFACES = [Surface(ADMIN, m.name, extra_codes=frozenset(
                   for m in ADMIN.methods if m.input_type.fields]
 
 
-def _length_delimited(field_number: int, payload: bytes) -> bytes:
-    out = bytearray([field_number << 3 | 2])
-    n = len(payload)
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out) + payload
-
-
 def _string_fields(descriptor: descriptor_mod.Descriptor) -> list[int]:
     return [fd.number for fd in descriptor.fields if fd.type == FD.TYPE_STRING
             and not fd.is_repeated] or [
@@ -567,7 +558,7 @@ def wire_bytes(draw: st.DrawFn, surface: Surface) -> bytes:
     bad = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"abc\x80",
                                 b"\xf4\x90\x80\x80"]))
     if numbers and draw(st.booleans()):
-        return base + _length_delimited(draw(st.sampled_from(numbers)), bad)
+        return base + length_delimited(draw(st.sampled_from(numbers)), bad)
     return draw(st.binary(min_size=1, max_size=48))
 
 
