@@ -23,6 +23,7 @@ import pytest
 
 from services.common.ports import free_port
 from tests.integration.cluster import Cluster, descendants
+from tests.unit.frontend.openai_api.error_body import assert_openai_error
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
@@ -94,15 +95,6 @@ def _served_promptly(door: Door) -> None:
     assert time.monotonic() - started < PROMPT_S
 
 
-def _error(response: httpx.Response, status: int, param: str | None, *words: str) -> None:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param, error
-    for word in words:
-        assert word in error["message"], error
-
-
 def _read_until_closed(sock: socket.socket) -> bytes:
     """Everything the server sends until it closes (a reset counts as a close)."""
     data = b""
@@ -120,34 +112,35 @@ def _raw_json(data: bytes) -> Any:
 
 def test_broken_bodies_are_400s_naming_the_body(door: Door) -> None:
     chat = "/v1/chat/completions"
-    _error(door.post(chat, b'{"model": '), 400, "body", "not valid JSON")
-    _error(door.post(chat, b'{"model": "\xff\xfe"}'), 400, "body", "not UTF-8")
-    _error(door.post(chat, b'{"model": "a\\udc00"}'), 400, "body", "surrogate")
-    _error(door.post(chat, b"[" * 30_000 + b"]" * 30_000), 400, "body", "levels deep")
-    _error(door.post(chat, b"[]"), 400, None, "valid dictionary")
-    _error(door.post(chat, b""), 400, "body", "not valid JSON")
+    assert_openai_error(door.post(chat, b'{"model": '), 400, "body", "not valid JSON")
+    assert_openai_error(door.post(chat, b'{"model": "\xff\xfe"}'), 400, "body", "not UTF-8")
+    assert_openai_error(door.post(chat, b'{"model": "a\\udc00"}'), 400, "body", "surrogate")
+    assert_openai_error(door.post(chat, b"[" * 30_000 + b"]" * 30_000), 400, "body", "levels deep")
+    assert_openai_error(door.post(chat, b"[]"), 400, None, "valid dictionary")
+    assert_openai_error(door.post(chat, b""), 400, "body", "not valid JSON")
     # The body is read as JSON whatever its content type says (curl -d sends form
     # encoding): JSON is served, anything else is a 400 naming the body.
     good = json.dumps({"model": door.model, "prompt": "hi", "max_tokens": 1}).encode()
     for content_type in ("text/plain", "application/x-www-form-urlencoded", ""):
         assert door.post("/v1/completions", good,
                          **{"content-type": content_type}).status_code == 200
-        _error(door.post("/v1/completions", b"prompt=hi", **{"content-type": content_type}),
-               400, "body", "not valid JSON")
+        assert_openai_error(door.post("/v1/completions", b"prompt=hi",
+                                      **{"content-type": content_type}),
+                            400, "body", "not valid JSON")
     _served_promptly(door)
 
 
 def test_bodies_past_the_limit_are_413s_naming_it(door: Door) -> None:
     big = b'{"prompt": "' + b"a" * MAX_MESSAGE_BYTES + b'"}'
-    _error(door.post("/v1/completions", big), 413, "body", str(MAX_MESSAGE_BYTES),
-           "--max-message-bytes")
+    assert_openai_error(door.post("/v1/completions", big), 413, "body",
+                        str(MAX_MESSAGE_BYTES), "--max-message-bytes")
 
     # Chunked, no length: refused as soon as the bytes read pass the limit.
     def chunks() -> Iterator[bytes]:
         yield from (b" " * 8192 for _ in range(MAX_MESSAGE_BYTES // 8192 + 2))
 
     response = httpx.post(f"{door.base}/v1/completions", content=chunks(), timeout=30)
-    _error(response, 413, "body", str(MAX_MESSAGE_BYTES))
+    assert_openai_error(response, 413, "body", str(MAX_MESSAGE_BYTES))
 
     # A length past the limit is refused before a byte of the body is sent.
     with door.connect() as sock:

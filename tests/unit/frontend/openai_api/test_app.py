@@ -26,6 +26,7 @@ from services.frontend.chat.template import ChatTemplates
 from tests.unit.frontend.fakes import CALL_TEXT, FakeEngine
 from tests.unit.frontend.fakes import CHAT_MODEL as MODEL
 from tests.unit.frontend.fakes import CHAT_TOKENIZER as TOKENIZER
+from tests.unit.frontend.openai_api.error_body import assert_openai_error
 from tests.unit.frontend.openai_api.serving import ANSWER, KEY, Env
 from tests.unit.frontend.openai_api.serving import script as _script
 from tests.unit.frontend.openai_api.serving import serve as _serve
@@ -36,20 +37,6 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
-
-
-def _assert_error(response: httpx.Response, status: int, param: str | None,
-                  *words: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and isinstance(error["type"], str)
-    assert error["param"] == param, error
-    for word in words:
-        assert word in error["message"], error
-    return error
 
 
 # --- models -------------------------------------------------------------------------
@@ -386,28 +373,28 @@ def test_bad_requests_get_400_with_the_field_at_fault() -> None:
         async with env.http() as http:
             response = await http.post("/v1/chat/completions", content=b"{not json",
                                        headers={"content-type": "application/json"})
-            error = _assert_error(response, 400, "body", "JSON")
+            error = assert_openai_error(response, 400, "body", "JSON")
             assert error["type"] == "invalid_request_error"
 
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello", "max_tokens": "many"})
-            _assert_error(response, 400, "max_tokens", "max_tokens")
+            assert_openai_error(response, 400, "max_tokens", "max_tokens")
 
             response = await http.post("/v1/chat/completions", json={
                 "model": MODEL.name, "messages": [{"role": "robot", "content": "hi"}]})
-            _assert_error(response, 400, "messages[0].role", "robot")
+            assert_openai_error(response, 400, "messages[0].role", "robot")
 
             response = await http.post("/v1/chat/completions", json={
                 "model": MODEL.name, "messages": USER, "temperature": -1})
-            _assert_error(response, 400, "temperature", "temperature")
+            assert_openai_error(response, 400, "temperature", "temperature")
 
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello", "temperature": -1, "stream": True})
-            _assert_error(response, 400, "temperature", "temperature")
+            assert_openai_error(response, 400, "temperature", "temperature")
 
             response = await http.post("/v1/chat/completions", json={
                 "model": "nope", "messages": USER})
-            error = _assert_error(response, 404, "model", "nope")
+            error = assert_openai_error(response, 404, "model", "nope")
             assert error["code"] == "model_not_found"
 
         client = env.client()
@@ -428,7 +415,7 @@ def test_body_larger_than_max_message_bytes_is_refused() -> None:
         async with env.http() as http:
             big = {"model": MODEL.name, "prompt": "hello " * 1000}
             response = await http.post("/v1/completions", json=big)
-            error = _assert_error(response, 413, "body", "4096", "--max-message-bytes")
+            error = assert_openai_error(response, 413, "body", "4096", "--max-message-bytes")
             assert error["code"] == "body_too_large"
 
             # Streamed without a length: refused while reading.
@@ -436,7 +423,7 @@ def test_body_larger_than_max_message_bytes_is_refused() -> None:
                 for _ in range(10):
                     yield b" " * 1000
             response = await http.post("/v1/completions", content=chunks())
-            _assert_error(response, 413, "body", "4096")
+            assert_openai_error(response, 413, "body", "4096")
 
             ok = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello", "max_tokens": 2})
@@ -454,14 +441,14 @@ def test_api_keys_guard_the_api_but_not_health(tmp_path: Path) -> None:
     async def body(env: Env) -> None:
         async with env.http() as http:
             response = await http.get("/v1/models")
-            error = _assert_error(response, 401, None, "Bearer")
+            error = assert_openai_error(response, 401, None, "Bearer")
             assert error["type"] == "authentication_error"
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello"}, headers={"Authorization": "Bearer x"})
-            _assert_error(response, 401, None)
+            assert_openai_error(response, 401, None)
             for path in ("/v1/embeddings", "/v1/score", "/v1/rerank", "/classify"):
                 response = await http.post(path, json={"input": "hello"})
-                _assert_error(response, 401, None, "Bearer")
+                assert_openai_error(response, 401, None, "Bearer")
             # Probes carry no key.
             assert (await http.get("/health")).status_code == 200
         with pytest.raises(openai.AuthenticationError):
@@ -490,10 +477,10 @@ def test_pooling_routes_on_a_generative_model_are_400_naming_the_task() -> None:
                     ("/v1/score", {"text_1": "hi", "text_2": ["ho"]}, "score"),
                     ("/rerank", {"query": "hi", "documents": ["ho"]}, "score")):
                 response = await http.post(path, json={"model": MODEL.name, **fields})
-                error = _assert_error(response, 400, None, f"{task} needs a pooling model")
+                error = assert_openai_error(response, 400, None, f"{task} needs a pooling model")
                 assert error["code"] == "failed_precondition"
             response = await http.post("/v1/embeddings", json={"model": "nope", "input": "x"})
-            _assert_error(response, 404, "model", "nope")
+            assert_openai_error(response, 404, "model", "nope")
         assert env.engine.adds == []
 
     _serve(body)
@@ -546,13 +533,13 @@ def test_engine_overload_is_429_with_retry_after() -> None:
         async with env.http() as http:
             response = await http.post("/v1/chat/completions", json={
                 "model": MODEL.name, "messages": USER})
-            error = _assert_error(response, 429, None)
+            error = assert_openai_error(response, 429, None)
             assert error["type"] == "rate_limit_error"
             assert int(response.headers["retry-after"]) >= 1
 
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello", "stream": True})
-            _assert_error(response, 429, None)
+            assert_openai_error(response, 429, None)
             assert int(response.headers["retry-after"]) >= 1
         with pytest.raises(openai.RateLimitError):
             await env.client().completions.create(model=MODEL.name, prompt="hello")
@@ -567,7 +554,7 @@ def test_no_engine_is_503_and_unhealthy() -> None:
             assert (await http.get("/health")).status_code == 503
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello"})
-            _assert_error(response, 503, None)
+            assert_openai_error(response, 503, None)
         with pytest.raises(openai.InternalServerError) as info:
             await env.client().chat.completions.create(model=MODEL.name, messages=USER)
         assert info.value.status_code == 503
@@ -602,7 +589,7 @@ def test_a_draining_frontend_refuses_new_requests_with_503() -> None:
                 await asyncio.sleep(0.01)
             response = await http.post("/v1/chat/completions", json={
                 "model": MODEL.name, "messages": USER})
-            error = _assert_error(response, 503, None, "draining")
+            error = assert_openai_error(response, 503, None, "draining")
             assert error["type"] == "service_unavailable"
             assert len(env.engine.adds) == 1
             # The running stream goes on while draining.
@@ -640,12 +627,12 @@ def test_x_request_id_is_used_and_echoed_and_a_running_duplicate_is_409() -> Non
                 assert (await anext(running.aiter_lines())).startswith("data: ")
                 response = await http.post("/v1/completions", json={
                     "model": MODEL.name, "prompt": "hello"}, headers={"X-Request-Id": "dup"})
-                _assert_error(response, 409, "request_id", "dup")
+                assert_openai_error(response, 409, "request_id", "dup")
                 assert response.headers["x-request-id"] == "dup"
 
             response = await http.post("/v1/completions", json={
                 "model": MODEL.name, "prompt": "hello"}, headers={"X-Request-Id": "x" * 10000})
-            _assert_error(response, 400, "request_id")
+            assert_openai_error(response, 400, "request_id")
             # Not echoed: a new id names the refusal.
             assert len(response.headers["x-request-id"]) == 32
             # Found by the HTTP fuzzer: an id with an outer space cannot be a header
@@ -655,7 +642,7 @@ def test_x_request_id_is_used_and_echoed_and_a_running_duplicate_is_409() -> Non
                                     ("/generate", {"text": "hello"})):
                 response = await http.post(path, json={"model": MODEL.name, **body_json,
                                                        "request_id": " ", "rid": "x "})
-                _assert_error(response, 400, "request_id", "space")
+                assert_openai_error(response, 400, "request_id", "space")
 
             # Refused before the id was settled (the body, the model): echoed all the same.
             for path, body_json in (("/v1/completions", {"model": MODEL.name}),
@@ -726,7 +713,7 @@ def test_every_error_names_openai_params_with_a_snake_case_code_and_a_request_id
                     else:
                         response = await http.request(method, path, json=data,
                                                       headers=headers)
-                    error = _assert_error(response, status, param)
+                    error = assert_openai_error(response, status, param)
                     case = (method, path, error)
                     assert error["code"] == code, case
                     assert "sampling." not in error["message"], case

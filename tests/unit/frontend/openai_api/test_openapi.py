@@ -19,18 +19,10 @@ from services.frontend.openai_api.pooling_routes import PoolingRoutes
 from services.frontend.openai_api.rl_routes import RlRoutes
 from services.frontend.openai_api.sglang_routes import SglangRoutes
 from tests.unit.frontend.fakes import CHAT_MODEL as MODEL
+from tests.unit.frontend.openai_api.error_body import assert_openai_error
 from tests.unit.frontend.openai_api.serving import KEY, Env, serve
 
 USER = [{"role": "user", "content": "hi"}]
-
-
-def _assert_error(response: Any, status: int, param: str | None, *words: str) -> None:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param, error
-    for word in words:
-        assert word in error["message"], error
 
 
 def test_every_route_of_every_part_is_documented() -> None:
@@ -89,20 +81,20 @@ def test_bodies_that_broke_the_parser_are_refused_naming_the_body() -> None:
                                        headers={"content-type": "application/json"})
 
             # Nested past json's own recursion limit: was a RecursionError, a 500.
-            _assert_error(await post(b"[" * 100_000), 400, "body", "levels deep")
+            assert_openai_error(await post(b"[" * 100_000), 400, "body", "levels deep")
             # Parses, but deeper than a request can hold.
             deep: Any = "x"
             for _ in range(MAX_JSON_DEPTH + 1):
                 deep = {"a": deep}
-            _assert_error(await post(json.dumps(
+            assert_openai_error(await post(json.dumps(
                 {"model": MODEL.name, "messages": USER, "chat_template_kwargs": deep}).encode()),
                 400, "body", str(MAX_JSON_DEPTH))
             # A lone surrogate escape parses to a str no proto can hold: was a 500.
-            _assert_error(await post(
+            assert_openai_error(await post(
                 b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.name.encode(),
                 "/v1/completions"), 400, "body", "surrogate")
-            _assert_error(await post(b'{"model": "\xff"}'), 400, "body", "UTF-8")
-            _assert_error(await post(b'{"model": '), 400, "body", "JSON")
+            assert_openai_error(await post(b'{"model": "\xff"}'), 400, "body", "UTF-8")
+            assert_openai_error(await post(b'{"model": '), 400, "body", "JSON")
             # A byte-order mark is allowed, as json.loads(bytes) allows it.
             ok = await post(b"\xef\xbb\xbf" + json.dumps(
                 {"model": MODEL.name, "messages": USER, "max_tokens": 2}).encode())
