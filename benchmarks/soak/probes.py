@@ -5,7 +5,6 @@ but `sweep_kv_pools`, which only sends requests."""
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ from corestream.generate.v1 import admin_service_pb2_grpc as admin_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.soak.processes import roles
 from tests.integration.cluster import Cluster
@@ -25,7 +25,6 @@ from tests.integration.cluster import Cluster
 SWEEP_TOKENS = 256
 SWEEP_BLOCK_TOKENS = 16
 """At least the engines' block size (16 by default): a bound on tokens per block."""
-_SAMPLE = re.compile(r"^([a-zA-Z_:]+)(\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
 def serving(channel: grpc.Channel, engines: int) -> bool:
@@ -87,38 +86,36 @@ def sweep_kv_pools(channel: grpc.Channel, at_once: int) -> None:
         list(pool.map(lambda r: stub.Generate(r, timeout=120), requests))
 
 
-def scrape(http_port: int) -> dict[str, float]:
-    """The HTTP door's /metrics as {name{labels}: value}."""
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(http_port: int) -> Samples:
+    """The HTTP door's /metrics as {(sample name, labels): value}."""
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return samples
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def metric_sum(samples: dict[str, float], name: str) -> float:
-    return sum(v for k, v in samples.items() if k.split("{")[0] == name)
+def metric_sum(samples: Samples, name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
 
 
-def grpc_in_flight(samples: dict[str, float]) -> float:
+def grpc_in_flight(samples: Samples) -> float:
     """RPCs the frontend started and has not finished."""
     return (metric_sum(samples, "corestream:grpc_server_started_total")
             - metric_sum(samples, "corestream:grpc_server_handled_total"))
 
 
-def request_counts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def request_counts(before: Samples, after: Samples) -> dict[str, float]:
     """How far the frontend's request counters moved: finished samples, and refused
     requests by code."""
     counts = {"samples finished": metric_sum(after, "corestream:request_success_total")
               - metric_sum(before, "corestream:request_success_total")}
     for key, value in after.items():
-        if key.startswith("corestream:requests_rejected_total"):
-            code = re.search(r'code="([A-Z_]+)"', key)
-            delta = value - before.get(key, 0.0)
-            if code and delta:
-                name = f"rejected {code.group(1)}"
-                counts[name] = counts.get(name, 0.0) + delta
+        name, labels = key
+        delta = value - before.get(key, 0.0)
+        if name == "corestream:requests_rejected_total" and delta:
+            code = f"rejected {dict(labels)['code']}"
+            counts[code] = counts.get(code, 0.0) + delta
     return counts

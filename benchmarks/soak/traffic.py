@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,13 +359,10 @@ def _http_chat_delta(choice: Any) -> str:
 
 def _read_http_stream(spec: RequestSpec, stream: Any, outcome: Outcome, delta: Any) -> None:
     with stream:
-        for chunk in _chunks(stream):
+        for chunk in stream:
             outcome.chunks += 1
             for choice in chunk.choices:
                 outcome.texts[choice.index] += delta(choice)
             if spec.disconnect_after is not None and outcome.chunks >= spec.disconnect_after:
                 raise _Abandoned
 
-
-def _chunks(stream: Any) -> Iterator[Any]:
-    yield from stream
