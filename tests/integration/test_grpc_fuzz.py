@@ -822,6 +822,23 @@ def restore_admin(admin: admin_grpc.AdminServiceStub) -> Callable[[], None]:
     return restore
 
 
+def on_real_engines(cls: type[Message]) -> st.SearchStrategy[Message]:
+    """Any request, but for the cluster's one engine (0), all engines (unset), or the
+    next index, which is not there: the generic strategy's random indexes are nearly
+    all refused before any engine is asked."""
+    @st.composite
+    def build(draw: st.DrawFn) -> Message:
+        request: Any = draw(messages(cls.DESCRIPTOR))
+        index = draw(st.sampled_from([None, 0, 0, 1]))
+        if index is None:
+            request.ClearField("engine_index")
+        else:
+            request.engine_index = index
+        return request  # type: ignore[no-any-return]
+
+    return build()
+
+
 def _admin_surfaces(tmp: Path) -> list[Surface]:
     # InitWeightTransfer would wait timeout_s (default 300 s) for a trainer that never
     # comes: its targeted requests name a closed local port and a short timeout.
@@ -840,6 +857,8 @@ def _admin_surfaces(tmp: Path) -> list[Surface]:
     for surface in ADMIN_SURFACES:
         targeted = {"InitWeightTransfer": init_transfer,
                     "UpdateWeightsFromDisk": from_disk}.get(surface.method)
+        if targeted is None and "engine_index" in surface.descriptor.input_type.fields_by_name:
+            targeted = on_real_engines
         if surface.method == "InitWeightTransfer":
             # Only the targeted strategy: a generic timeout_s may be hours.
             surfaces.append(_TargetedOnly(ADMIN, surface.method, init_transfer,
