@@ -39,7 +39,7 @@ serve: $(VENV)/.serve-installed
 	$(VENV)/bin/corestream serve $(ARGS)
 
 # The kernel, loader, model-vs-transformers and bfloat16-serving tests again with every
-# CPU path capped at AVX2 (our kernels, oneDNN, ATen: kernels/cpu_isa.py), as on a CPU
+# CPU path capped at AVX2 (our kernels, oneDNN, ATen: kernels/corestream_kernels/cpu_isa.py), as on a CPU
 # without AVX-512, so that a change that breaks such machines fails on any machine.
 AVX2_TESTS := tests/kernels tests/unit/engine/models/test_model_vs_hf.py \
 	tests/unit/engine/models/test_moe_vs_hf.py tests/unit/engine/models/test_models_loading.py \

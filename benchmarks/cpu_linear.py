@@ -1,4 +1,5 @@
-"""The CPU layouts of the linear weights, step against step (kernels/cpu_linear.py).
+"""The CPU layouts of the linear weights, step against step
+(kernels/corestream_kernels/cpu_linear.py).
 
     .venv/bin/python benchmarks/cpu_linear.py [--rounds 5] [--threads 2] [--dtype D]
 
@@ -22,14 +23,14 @@ from pathlib import Path
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 import torch  # noqa: E402
+from corestream_kernels import cpu_linear  # noqa: E402
 
 from benchmarks.decode_step import decode_times, prefill_times  # noqa: E402
 from benchmarks.vllm_reference import cpu_line  # noqa: E402
 from benchmarks.workload import bench_checkpoint  # noqa: E402
-from kernels import cpu_linear  # noqa: E402
 from services.engine.worker.config import RunnerConfig  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402
 

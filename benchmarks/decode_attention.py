@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/decode_attention.py [--threads 2] [--repeats 20]
         [--baseline REV] [--dtype float32|bfloat16]
 
-`paged_decode` of this working tree (the extension `kernels.cpu_extension` builds) and
+`paged_decode` of this working tree (the extension `corestream_kernels.cpu_extension` builds) and
 the same op as of git revision REV (default: the last version before the AVX-512 tiles),
 built from `git show REV:kernels/csrc/...` into a separate extension whose op namespace
 is renamed, so both live in one process. For each shape both kernels run on the same
@@ -30,14 +30,14 @@ from typing import Any
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 
 import torch  # noqa: E402
-
-from kernels.cpu_paged_attention import DecodeFn, warm_up  # noqa: E402
+from corestream_kernels.cpu_paged_attention import DecodeFn, warm_up  # noqa: E402
 
 # The kernel before the AVX-512 tiles: one horizontal sum per (token, query head).
 DEFAULT_BASELINE = "d60f15aecdf17218e88a39dfb7b13e65ae6d48ae"
+# Where the sources were at the baseline (kernels/ held them before it held a package).
 SOURCES = ("kernels/csrc/paged_attention_cpu.cpp", "kernels/csrc/cpu_math.h")
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, CACHE_BLOCKS = 8, 4, 64, 16, 4096
 SHAPES = ((4, 256), (16, 384), (120, 400))  # (batch, tokens of context per sequence)

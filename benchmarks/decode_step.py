@@ -7,7 +7,7 @@ takes, e.g. a GGUF file), through `ModelRunner.execute` (no scheduler, no gRPC):
 - decode, batch 1: one sequence after a 128-token prompt, one token per step (latency);
 - decode, batch 128: 128 sequences after 64-token prompts, one token each per step;
 - prefill: one chunk of 2048 prompt tokens.
-Each round runs every workload on both backends (`kernels.backend`: "cpp", then
+Each round runs every workload on both backends (`corestream_kernels.backend`: "cpp", then
 "torch") back to back, so that a loaded machine slows both alike; the script prints
 each side's median step and the ratio cpp/torch (`--backends cpp` times the C++ side
 alone: on a GGUF model the torch path dequantizes every weight at every step). Prefills
@@ -25,13 +25,13 @@ from pathlib import Path
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 import torch  # noqa: E402
+from corestream_kernels.backend import set_backend  # noqa: E402
 
 from benchmarks.sequences import Sequences  # noqa: E402
 from benchmarks.workload import VOCAB, bench_checkpoint  # noqa: E402
-from kernels.backend import set_backend  # noqa: E402
 from services.common.tiny_checkpoint import resolve_model  # noqa: E402
 from services.engine.worker.config import RunnerConfig  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402

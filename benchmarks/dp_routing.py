@@ -29,7 +29,7 @@ from pathlib import Path
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 from benchmarks.throughput import stream_all  # noqa: E402
 from benchmarks.workload import VOCAB, BenchRequest, bench_checkpoint, warmup_workload  # noqa: E402

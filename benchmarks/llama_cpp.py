@@ -36,10 +36,11 @@ import numpy as np
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
+
+from corestream_kernels.cpu_isa import requested_level  # noqa: E402
 
 from benchmarks.workload import CACHE, VOCAB, bench_checkpoint  # noqa: E402
-from kernels.cpu_isa import requested_level  # noqa: E402
 
 VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"

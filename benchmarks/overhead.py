@@ -20,7 +20,7 @@ from pathlib import Path
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 from benchmarks.throughput import Result, run_cluster, run_engine  # noqa: E402
 from benchmarks.workload import BenchRequest, fixed_logits_checkpoint, mixed_workload  # noqa: E402

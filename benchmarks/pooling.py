@@ -70,7 +70,7 @@ import numpy as np
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 from benchmarks.vllm_reference import ReferenceServer, cpu_line, vllm_python  # noqa: E402
 from benchmarks.workload import CACHE  # noqa: E402

@@ -1,5 +1,5 @@
 """A single-stream decode step beside other work on the same cores: one parallel region per
-step (a StagePlan, `kernels/csrc/work_items.h`) against a fork and join per op.
+step (a StagePlan, `kernels/corestream_kernels/csrc/work_items.h`) against a fork and join per op.
 
     .venv/bin/python benchmarks/preemption.py [--rounds 10] [--bursts 3] [--burst-ms 0.5]
 
@@ -23,11 +23,12 @@ from pathlib import Path
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
+
+from corestream_kernels.cpu_extension import load  # noqa: E402
 
 from benchmarks.decode_step import decode_times  # noqa: E402
 from benchmarks.workload import bench_checkpoint  # noqa: E402
-from kernels.cpu_extension import load  # noqa: E402
 from services.engine.worker.config import RunnerConfig  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402
 

@@ -1,16 +1,17 @@
-"""Decode GEMVs on GGUF blocks (kernels/quant.py's `quant_linear`) against the machine's
-read bandwidth and our float linear layers.
+"""Decode GEMVs on GGUF blocks (kernels/corestream_kernels/quant.py's `quant_linear`)
+against the machine's read bandwidth and our float linear layers.
 
     .venv/bin/python benchmarks/quant_gemv.py [--rows 1,4,16] [--types Q4_0,Q4_K] [--llama]
 
 For each type and shape (SmolLM2-135M's projections and head, and a 4096 x 4096 matrix):
 the median time per call on the layout the loader serves (rows grouped by 16 for all but
-Q5_K: kernels/quant.py's `group_rows`), the weight's bytes read per second (GB/s)
+Q5_K: kernels/corestream_kernels/quant.py's `group_rows`), the weight's bytes read per second (GB/s)
 and that as a share of the read bandwidth measured here (a torch sum over a buffer eight
 times the last-level cache), the speed-up over the file's own layout (`x file`, grouped
-types only) and over our float32 and bfloat16 `linear` (kernels/cpu_linear.py, packed as
-the engine loads them) on the same shape. Each call reads a different copy of
-the weight, enough copies to overflow the caches, as a model's layers do in a decode step.
+types only) and over our float32 and bfloat16 `linear`
+(kernels/corestream_kernels/cpu_linear.py, packed as the engine loads them) on the same
+shape. Each call reads a different copy of the weight, enough copies to overflow the
+caches, as a model's layers do in a decode step.
 The K-quants take rows of multiples of 256 values: SmolLM2's 576-wide inputs are n/a
 (llama.cpp's Q4_K_M files store those tensors in other types).
 
@@ -35,16 +36,14 @@ from typing import Any
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 import torch  # noqa: E402
-
-from benchmarks.vllm_reference import cpu_line  # noqa: E402
-from kernels import backend  # noqa: E402
-from kernels.cpu_extension import load  # noqa: E402
-from kernels.cpu_isa import target  # noqa: E402
-from kernels.cpu_linear import cpu_layout, linear  # noqa: E402
-from kernels.quant import (  # noqa: E402
+from corestream_kernels import backend  # noqa: E402
+from corestream_kernels.cpu_extension import load  # noqa: E402
+from corestream_kernels.cpu_isa import target  # noqa: E402
+from corestream_kernels.cpu_linear import cpu_layout, linear  # noqa: E402
+from corestream_kernels.quant import (  # noqa: E402
     BLOCK_FORMATS,
     GGMLType,
     QuantizedWeight,
@@ -55,6 +54,8 @@ from kernels.quant import (  # noqa: E402
     quantize_q8_0,
     ungroup_rows,
 )
+
+from benchmarks.vllm_reference import cpu_line  # noqa: E402
 
 # (name, out_features, in_features)
 SHAPES = [("576x576 (q, o)", 576, 576), ("576->1536 (gate, up)", 1536, 576),

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from corestream_kernels.quant import QuantizedWeight
 
 from benchmarks.workload import CACHE
-from kernels.quant import QuantizedWeight
 
 _COPIES_BYTES = 256 << 20
 _GGML_F32 = 0

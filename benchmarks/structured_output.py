@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 import numpy as np  # noqa: E402
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 from benchmarks.workload import (  # noqa: E402
     BenchRequest,

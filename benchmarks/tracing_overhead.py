@@ -18,7 +18,7 @@ from pathlib import Path
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 from benchmarks.side_by_side import parse_args, report, run_rounds, start  # noqa: E402
 from benchmarks.workload import bench_checkpoint, mixed_workload  # noqa: E402

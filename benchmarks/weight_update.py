@@ -51,7 +51,7 @@ from typing import Any
 
 # Runnable as a script from anywhere: the repository root is the import root.
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 from benchmarks.workload import VOCAB, bench_checkpoint, smollm2_shaped_checkpoint  # noqa: E402
 

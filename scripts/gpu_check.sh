@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 log_dir=${1:-${OUT:-/tmp}}
 mkdir -p "$log_dir"
-export PYTHONUNBUFFERED=1 PYTHONPATH=".:protos${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONPATH=".:protos:kernels${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 run() {
   echo "=== $*"

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from corestream_kernels import cpu_isa
 
-from kernels import cpu_isa
 from tests.gguf_models import llama_cpp_record, require_smollm2_gguf
 
 # CORESTREAM_CPU_ISA=avx2 (the forced suite of `make test`) caps oneDNN and ATen too; they
@@ -39,7 +39,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # against that of whichever test needs the kernels first.
     if importlib.util.find_spec("torch") is None:
         return
-    from kernels.cpu_extension import load
+    from corestream_kernels.cpu_extension import load
 
     load()
 

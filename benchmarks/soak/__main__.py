@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "protos")]
+sys.path[:0] = [str(ROOT), str(ROOT / "protos"), str(ROOT / "kernels")]
 
 from benchmarks.soak.run import CI_CONFIG, SoakConfig, run_soak  # noqa: E402
 

@@ -16,7 +16,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from kernels.cpu_isa import apply_to_libraries
+from corestream_kernels.cpu_isa import apply_to_libraries
+
 from services.cli.admin import add_arguments as add_admin_arguments
 from services.cli.admin import run as run_admin
 from services.common.config import CONFIG_ERROR_EXIT, add_arguments

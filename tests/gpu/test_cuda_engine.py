@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from corestream_kernels.backend import use_triton
 
-from kernels.backend import use_triton
 from services.common.tiny_checkpoint import ensure_tiny_checkpoint
 from services.engine.worker.config import RunnerConfig
 from services.engine.worker.model_runner import ModelRunner

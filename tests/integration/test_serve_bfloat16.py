@@ -16,9 +16,9 @@ import torch
 from corestream.common.v1 import common_pb2
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
+from corestream_kernels import cpu_isa
 from safetensors.torch import load_file, save_file
 
-from kernels import cpu_isa
 from services.common.tiny_checkpoint import resolve_model
 from tests.integration.cluster import Cluster
 

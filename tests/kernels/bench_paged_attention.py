@@ -11,10 +11,9 @@ import statistics
 import time
 
 import torch
-
-from kernels.backend import set_backend
-from kernels.cpu_paged_attention import warm_up
-from kernels.paged_attention import paged_attention
+from corestream_kernels.backend import set_backend
+from corestream_kernels.cpu_paged_attention import warm_up
+from corestream_kernels.paged_attention import paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 8, 4, 64, 16
 BACKENDS = ("torch", "cpp")

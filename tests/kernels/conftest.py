@@ -7,10 +7,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from kernels import backend, cpu_extension
-from kernels.cpu_extension import load
-from kernels.cpu_paged_attention import DecodeFn
+from corestream_kernels import backend, cpu_extension
+from corestream_kernels.cpu_extension import load
+from corestream_kernels.cpu_paged_attention import DecodeFn
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from torch.utils import cpp_extension
 
 from tests.kernels.paged_batch import make_batch
 
-CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "kernels" / "corestream_kernels" / "csrc"
 LENGTHS = [15, 16, 17, 1, 31, 33, 50, 7, 100, 47]
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from corestream_kernels.decoder_layers import DecodeModel
 
-from kernels.decoder_layers import DecodeModel
 from services.common.sampling import SamplingParams
 from services.engine.models.llama import LlamaModel
 from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput

@@ -6,8 +6,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from kernels.kv_cache import write_kv_cache
+from corestream_kernels.kv_cache import write_kv_cache
 
 
 @dataclass
@@ -25,7 +24,7 @@ class PagedBatch:
     sliding_window: int | None
 
     def args(self) -> tuple[object, ...]:
-        """The positional arguments of `kernels.paged_attention.paged_attention`."""
+        """The positional arguments of `corestream_kernels.paged_attention.paged_attention`."""
         return (
             self.query,
             self.key_cache,

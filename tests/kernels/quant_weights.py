@@ -4,8 +4,7 @@ makes (gguf has none for them)."""
 from __future__ import annotations
 
 import torch
-
-from kernels.quant import BLOCK_FORMATS, GGMLType, QuantizedWeight
+from corestream_kernels.quant import BLOCK_FORMATS, GGMLType, QuantizedWeight
 
 
 def random_k_blocks(kind: GGMLType, out_features: int, in_features: int,

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from corestream_kernels import backend, cpu_linear
+from corestream_kernels.decoder_layers import LAYER_TENSORS, flat_weights
 
-from kernels import backend, cpu_linear
-from kernels.decoder_layers import LAYER_TENSORS, flat_weights
 from services.common.sampling import SamplingParams
 from services.engine.models.llama import LlamaModel
 from services.engine.scheduler.output import ScheduledRequest, SchedulerOutput

@@ -18,9 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedModel
-
-from kernels.quant import (
+from corestream_kernels.quant import (
     GROUPED_TYPES,
     GGMLType,
     QuantizedWeight,
@@ -30,6 +28,8 @@ from kernels.quant import (
     quantize_q5_1,
     quantize_q8_0,
 )
+from transformers import PreTrainedModel
+
 from services.engine.models.linear import QuantizedEmbedding, QuantizedLinear
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.loader import pack_projections, place_quantized

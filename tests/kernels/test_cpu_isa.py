@@ -1,4 +1,4 @@
-"""The instruction sets the CPU paths use (`kernels.cpu_isa`), and proof that a forced
+"""The instruction sets the CPU paths use (`corestream_kernels.cpu_isa`), and proof that a forced
 level reaches all three libraries: `make test` runs the kernel, loader and model suites
 again under CORESTREAM_CPU_ISA=avx2, and this module's last test fails there if the
 cap did not take (oneDNN still packing bfloat16, ATen still on AVX-512, the extension
@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-
-from kernels import backend, cpu_extension, cpu_isa
-from kernels.cpu_linear import onednn_bf16
+from corestream_kernels import backend, cpu_extension, cpu_isa
+from corestream_kernels.cpu_linear import onednn_bf16
 
 ROOT = Path(__file__).resolve().parents[2]
 ZEN3 = frozenset({"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "fma",
@@ -105,7 +104,7 @@ def test_off_x86_the_extension_is_not_built_and_one_line_says_so(
     monkeypatch.setattr(cpu_extension, "_ops", None)
     monkeypatch.setattr(cpu_extension, "_failed", False)
     backend.set_backend("auto")
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_extension"):
+    with caplog.at_level(logging.WARNING, logger="corestream_kernels.cpu_extension"):
         assert cpu_extension.load() is None
         assert cpu_extension.load() is None  # once per process
     (record,) = caplog.records

@@ -11,16 +11,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import corestream_kernels.cpu_extension as cpu_extension
 import pytest
 import torch
 import torch.nn.functional as F
-
-import kernels.cpu_extension as cpu_extension
-from kernels.activation import silu_and_mul
-from kernels.backend import set_backend
-from kernels.kv_cache import write_kv_cache
-from kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_torch
-from kernels.rotary import apply_rotary, rotate_and_store_kv
+from corestream_kernels.activation import silu_and_mul
+from corestream_kernels.backend import set_backend
+from corestream_kernels.kv_cache import write_kv_cache
+from corestream_kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_torch
+from corestream_kernels.rotary import apply_rotary, rotate_and_store_kv
 
 DTYPES = [torch.float32, torch.bfloat16]
 # float32: the ops sum in another order (and fuse multiply-adds) than torch's kernels.
@@ -276,7 +275,7 @@ def test_a_second_checkout_loads_the_build_without_compiling(
 ) -> None:
     # The kernels' package copied elsewhere, as in another clone of the same commit: its
     # first load imports the cached build and never runs torch's compile step.
-    shutil.copytree(Path(cpu_extension.__file__).parent, tmp_path / "kernels",
+    shutil.copytree(Path(cpu_extension.__file__).parent, tmp_path / "corestream_kernels",
                     ignore=shutil.ignore_patterns("__pycache__"))
     code = (
         "import logging, sys\n"
@@ -285,7 +284,7 @@ def test_a_second_checkout_loads_the_build_without_compiling(
         "def refuse(*args, **kwargs):\n"
         "    raise AssertionError('compiled again')\n"
         "ext.load = refuse\n"
-        "from kernels import backend, cpu_extension\n"
+        "from corestream_kernels import backend, cpu_extension\n"
         "backend.set_backend('cpp')\n"
         "assert cpu_extension.__file__.startswith(sys.argv[1]), cpu_extension.__file__\n"
         "assert cpu_extension.load() is not None\n"

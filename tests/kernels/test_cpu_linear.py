@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import backend
-from kernels.cpu_linear import (
+from corestream_kernels import backend
+from corestream_kernels.cpu_linear import (
     PANEL_WIDTH,
     can_pack,
     cpu_layout,

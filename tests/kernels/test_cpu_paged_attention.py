@@ -10,14 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import corestream_kernels.cpu_extension as cpu_extension
+import corestream_kernels.cpu_paged_attention as cpu_module
 import pytest
 import torch
+from corestream_kernels.backend import set_backend
+from corestream_kernels.cpu_paged_attention import DecodeFn
+from corestream_kernels.paged_attention import paged_attention
 
-import kernels.cpu_extension as cpu_extension
-import kernels.cpu_paged_attention as cpu_module
-from kernels.backend import set_backend
-from kernels.cpu_paged_attention import DecodeFn
-from kernels.paged_attention import paged_attention
 from tests.kernels.paged_batch import PagedBatch, make_batch
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}

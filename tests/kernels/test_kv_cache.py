@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import torch
-
-from kernels.kv_cache import write_kv_cache
+from corestream_kernels.kv_cache import write_kv_cache
 
 
 def test_write_places_each_token_at_its_slot() -> None:

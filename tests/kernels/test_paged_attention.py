@@ -1,11 +1,11 @@
 from __future__ import annotations
 
+import corestream_kernels.paged_attention as paged_attention_module
 import pytest
 import torch
+from corestream_kernels.backend import set_backend
+from corestream_kernels.paged_attention import paged_attention
 
-import kernels.paged_attention as paged_attention_module
-from kernels.backend import set_backend
-from kernels.paged_attention import paged_attention
 from tests.kernels.paged_batch import make_batch
 
 BLOCK_SIZE, HEADS, KV_HEADS, DIM = 4, 4, 2, 16

@@ -1,4 +1,5 @@
-"""GGUF's quantized weights (kernels/quant.py, csrc/quant_*.{h,cpp}): the torch reference
+"""GGUF's quantized weights (kernels/corestream_kernels/quant.py, csrc/quant_*.{h,cpp}): the
+torch reference
 against ggml's own numpy code (`gguf.quants`), bit for bit, and the C++ `quant_linear`
 against the torch reference.
 
@@ -25,9 +26,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-from kernels import backend
-from kernels.quant import (
+from corestream_kernels import backend
+from corestream_kernels.quant import (
     GROUPED_TYPES,
     WIDENS_TO_Q8_0,
     GGMLType,
@@ -46,6 +46,7 @@ from kernels.quant import (
     weight_rows,
     widen_to_q8_0,
 )
+
 from tests.kernels.quant_weights import random_k_blocks
 
 gguf = pytest.importorskip("gguf")

@@ -16,14 +16,15 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     # NOTE: triton reads this when a kernel is decorated, so it must precede the first
-    # import of kernels.triton_*.
+    # import of corestream_kernels.triton_*.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 
-from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.triton_kv_cache import write_kv_cache_triton  # noqa: E402
-from kernels.triton_paged_attention import paged_attention_triton  # noqa: E402
+from corestream_kernels.paged_attention import paged_attention  # noqa: E402
+from corestream_kernels.triton_kv_cache import write_kv_cache_triton  # noqa: E402
+from corestream_kernels.triton_paged_attention import paged_attention_triton  # noqa: E402
+
 from tests.kernels.paged_batch import PagedBatch, make_batch  # noqa: E402
 
 # fp32 dots run as tf32 on GPUs; the interpreter computes them exactly.
@@ -173,7 +174,7 @@ def test_attention_realistic(
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 37])
 def test_dispatch_on_cuda_matches_torch(window: int | None) -> None:
-    from kernels.backend import force_torch
+    from corestream_kernels.backend import force_torch
 
     batch = make_batch(
         [(0, 200), (300, 1), (40, 60), (700, 1)],
@@ -200,9 +201,10 @@ def test_model_layers_share_the_runners_query_offsets(
 ) -> None:
     """A windowed model through the Triton kernels, against transformers: every layer
     reads the offsets the runner copied once for the step, instead of copying its own."""
-    import kernels.kv_cache as kv_cache_module
-    import kernels.paged_attention as paged_attention_module
-    import kernels.triton_paged_attention as triton_module
+    import corestream_kernels.kv_cache as kv_cache_module
+    import corestream_kernels.paged_attention as paged_attention_module
+    import corestream_kernels.triton_paged_attention as triton_module
+
     from services.engine.scheduler.output import ScheduledRequest
     from services.engine.worker.config import RunnerConfig
     from services.engine.worker.model_runner import ModelRunner

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIRST_PARTY = {"services", "kernels", "corestream", "benchmarks", "tests"}
+FIRST_PARTY = {"services", "corestream_kernels", "corestream", "benchmarks", "tests"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -56,9 +56,10 @@ def violations(
          ("torch", "transformers", "triton")),
         ("services/coordinator", ("services.common", "services.coordinator", "corestream"),
          ("torch", "transformers", "triton")),
-        ("services/engine", ("services.common", "services.engine", "kernels", "corestream"),
+        ("services/engine", ("services.common", "services.engine", "corestream_kernels",
+                             "corestream"),
          ("transformers",)),
-        ("kernels", ("kernels",), ("transformers",)),
+        ("kernels", ("corestream_kernels",), ("transformers",)),
         ("services/serve", ("services.common", "services.serve", "services.engine.config",
                             "services.engine.waves.config", "services.engine.worker.config",
                             "services.engine.kv_publisher.config",
@@ -66,7 +67,8 @@ def violations(
                             "services.engine.worker.cpu_threads", "services.coordinator.config",
                             "services.frontend.config", "corestream"),
          ("torch", "transformers", "triton")),
-        ("services/cli", ("services.common", "services.cli", "services.serve", "kernels.cpu_isa",
+        ("services/cli", ("services.common", "services.cli", "services.serve",
+                          "corestream_kernels.cpu_isa",
                           "services.engine.config", "services.engine.waves.config",
                           "services.engine.worker.config", "services.engine.kv_publisher.config",
                           "services.coordinator.config",

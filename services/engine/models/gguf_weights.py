@@ -26,15 +26,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from corestream_kernels.quant import GGMLType, QuantizedWeight
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
-from kernels.quant import GGMLType, QuantizedWeight
 from services.engine.models.tp_sharding import ShardPlan
 
 QUANTIZED_TYPES = frozenset(GGMLType[name] for name in (
     "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"))
-"""The block types a linear layer serves as stored (`kernels.quant.quant_linear`)."""
+"""The block types a linear layer serves as stored (`corestream_kernels.quant.quant_linear`)."""
 
 # blk.<i>.<part> -> the layer's module, as Hugging Face names it.
 _LAYER_PARTS: dict[str, str] = {

@@ -1,7 +1,7 @@
 """`Linear`: the models' linear layer, whose weight may be packed for oneDNN on CPU.
 
 `lay_out_for_cpu` gives every such weight of a loaded model its CPU layout once (see
-kernels/cpu_linear.py for why); until then, and on CUDA, a layer is `nn.Linear`.
+kernels/corestream_kernels/cpu_linear.py for why); until then, and on CUDA, a layer is `nn.Linear`.
 A GGUF checkpoint's layers of a block type are `QuantizedLinear` instead (its embedding
 table `QuantizedEmbedding`): they hold the file's blocks and never a float copy of them.
 """
@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch import nn
-
-from kernels.cpu_linear import (
+from corestream_kernels.cpu_linear import (
     cpu_layout,
     is_panels_only,
     layout_name,
@@ -21,7 +19,8 @@ from kernels.cpu_linear import (
     own_panels,
     unpack_panels,
 )
-from kernels.quant import QuantizedWeight, dequantize_blocks, quant_linear, weight_rows
+from corestream_kernels.quant import QuantizedWeight, dequantize_blocks, quant_linear, weight_rows
+from torch import nn
 
 
 class Linear(nn.Linear):

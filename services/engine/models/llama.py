@@ -14,7 +14,8 @@ residual add is deferred into the norm after it (`add_rms_norm`), so layers pass
 call (`rotate_and_store_kv`); gate and up meet in `silu_and_mul`.
 
 On CPU, a step in which every sequence decodes one token skips the Python model: one C++
-op runs the embedding, every layer and the final norm (`kernels.decoder_layers`), with the
+op runs the embedding, every layer and the final norm
+(`corestream_kernels.decoder_layers`), with the
 same ops in the same order, so the outputs are the same bits, also where a GGUF file's
 layers keep their quantized blocks (`QuantizedLinear`, `QuantizedEmbedding`); prefills,
 and mixture-of-experts layers, run the code below.
@@ -38,20 +39,20 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
-
-from kernels.activation import silu_and_mul
-from kernels.backend import get_backend
-from kernels.decoder_layers import (
+from corestream_kernels.activation import silu_and_mul
+from corestream_kernels.backend import get_backend
+from corestream_kernels.decoder_layers import (
     ABSENT,
     DecodeModel,
     cpu_decode_model,
     flat_weights,
     quant_format,
 )
-from kernels.paged_attention import paged_attention
-from kernels.rms_norm import add_rms_norm, rms_norm
-from kernels.rotary import rotate_and_store_kv
+from corestream_kernels.paged_attention import paged_attention
+from corestream_kernels.rms_norm import add_rms_norm, rms_norm
+from corestream_kernels.rotary import rotate_and_store_kv
+from torch import nn
+
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import (
@@ -197,7 +198,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.forward(x), residual
 
     def decode_tensors(self) -> dict[str, torch.Tensor | None] | None:
-        """This layer's tensors by `kernels.decoder_layers.LAYER_TENSORS` name, for the C++
+        """This layer's tensors by `corestream_kernels.decoder_layers.LAYER_TENSORS` name, for
+        the C++
         decode path; None if the layer is not a plain Llama-family one (e.g. its MLP is a
         mixture of experts, or a fused projection of mixed block types)."""
         attn, mlp = self.self_attn, self.mlp

@@ -40,13 +40,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
-from torch import nn
-
-from kernels import cpu_isa
-from kernels.cpu_extension import cpu_ops
-from kernels.cpu_linear import why_no_onednn
-from kernels.quant import (
+from corestream_kernels import cpu_isa
+from corestream_kernels.cpu_extension import cpu_ops
+from corestream_kernels.cpu_linear import why_no_onednn
+from corestream_kernels.quant import (
     WIDENS_TO_Q8_0,
     QuantizedWeight,
     dequantize,
@@ -54,6 +51,9 @@ from kernels.quant import (
     quantize_int8_per_channel,
     widen_to_q8_0,
 )
+from safetensors import safe_open
+from torch import nn
+
 from services.common.gguf_checkpoint import GGUF_FILE_KEY
 from services.common.pooling import Pooler, PoolingTask
 from services.engine.models.checkpoint_layout import (

@@ -29,9 +29,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from corestream_kernels.activation import silu_and_mul
 from torch import nn
 
-from kernels.activation import silu_and_mul
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.decoder_config import DecoderConfig, MoEConfig
 from services.engine.models.linear import Linear

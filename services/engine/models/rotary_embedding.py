@@ -136,7 +136,8 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin `[T, 1, head_dim]` (float32) for `positions` `[T]`, laid out for
-        `kernels.rotary`: cos is `[cos, cos]` and sin is `[-sin, sin]` over the two halves.
+        `corestream_kernels.rotary`: cos is `[cos, cos]` and sin is `[-sin, sin]` over the two
+        halves.
 
         Built once per step, so that each layer's rotation is one op on CPU (the C++
         kernel) and a few whole-tensor ops elsewhere.

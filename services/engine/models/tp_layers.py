@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from corestream_kernels.cpu_linear import linear
 from torch import nn
 
-from kernels.cpu_linear import linear
 from services.engine.models.linear import Linear
 from services.engine.parallel.tp_group import TPGroup
 

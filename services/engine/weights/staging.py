@@ -20,9 +20,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from corestream_kernels.cpu_linear import cpu_layout, own_panels
 from torch import nn
 
-from kernels.cpu_linear import cpu_layout, own_panels
 from services.engine.models.checkpoint_layout import CheckpointLayout, TensorSpec
 from services.engine.models.linear import (
     Linear,

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from corestream_kernels.cpu_linear import is_panels_only
 
-from kernels.cpu_linear import is_panels_only
 from services.common.model_info import ModelInfo, load_model_info
 from services.common.pooling import Pooler, PoolingParams, PoolingType
 from services.common.sampling import SamplingParams

@@ -3,7 +3,7 @@
 The reference is transformers' own GGUF reading, loaded into transformers' Llama in
 float32 (`tests.gguf_models.transformers_model`). Both sides read the same blocks:
 dequantized, ours equal theirs bit for bit. Our linear layers keep the blocks and, at
-decode, quantize the activations to 8 bits in two passes (`kernels.quant.quant_linear`;
+decode, quantize the activations to 8 bits in two passes (`corestream_kernels.quant.quant_linear`;
 a decode step runs them all in one C++ call, with the same bits as the Python layers), so
 decoded tokens are compared teacher-forced (the issue's bar: top-1 agreement; over 20
 prompts in test_gguf_vs_llama_cpp.py) rather than equal, while prefill (which dequantizes
@@ -18,10 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from tokenizers import Tokenizer
-
-from kernels.cpu_extension import cpu_ops
-from kernels.quant import (
+from corestream_kernels.cpu_extension import cpu_ops
+from corestream_kernels.quant import (
     GGMLType,
     QuantizedWeight,
     dequantize,
@@ -30,6 +28,8 @@ from kernels.quant import (
     quantize_q5_1,
     quantize_q8_0,
 )
+from tokenizers import Tokenizer
+
 from services.common.gguf_checkpoint import ensure_gguf_view
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.gguf_weights import read_gguf
@@ -61,7 +61,8 @@ DECODE_STEPS = 4
 # The issue's bar for the weights' resident bytes, against the file's size.
 MAX_WEIGHT_BYTES_PER_FILE_BYTE = 1.3
 # Ours quantizes the activations of the Q4_1/Q8_0 projections to two 8-bit passes (about
-# 15 bits) at every row count (kernels/csrc/quant_groups.h); transformers multiplies the
+# 15 bits) at every row count (kernels/corestream_kernels/csrc/quant_groups.h); transformers
+# multiplies the
 # dequantized weights in float32. Measured: at most 9.5e-3 over these prompts' logits,
 # which reach 38 in magnitude (1.2e-4 when the prefill multiplied float activations; one
 # 8-bit pass, as llama.cpp's, errs by about 100x more).

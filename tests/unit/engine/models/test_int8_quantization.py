@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from corestream_kernels.quant import GGMLType, dequantize, ungroup_rows
 
-from kernels.quant import GGMLType, dequantize, ungroup_rows
 from services.common.gguf_checkpoint import ensure_gguf_view
 from services.engine.models.linear import QuantizedLinear
 from services.engine.models.loader import load_model

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from corestream_kernels import cpu_linear
+from corestream_kernels.cpu_extension import load as load_cpu_kernels
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from kernels import cpu_linear
-from kernels.cpu_extension import load as load_cpu_kernels
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import Linear
 from services.engine.models.loader import model_class

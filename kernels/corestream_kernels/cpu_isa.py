@@ -1,7 +1,7 @@
 """Which instruction sets the CPU paths use, chosen at run time from the CPU's flags.
 
 Three libraries pick a code path by the CPU: our C++ kernels (compiled on first use,
-`kernels.cpu_extension`), oneDNN (torch's linear layers, packed weights) and ATen's own
+`corestream_kernels.cpu_extension`), oneDNN (torch's linear layers, packed weights) and ATen's own
 vectorized kernels. Each asks the CPU itself, so a machine without AVX-512 runs the AVX2
 code of all three. `CORESTREAM_CPU_ISA` caps all three at a lower level than the CPU has,
 so that an AVX-512 machine runs, and its tests check, the code that older CPUs run:

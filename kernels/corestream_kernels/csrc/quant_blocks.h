@@ -1,4 +1,4 @@
-// GGUF's weight blocks (kernels/quant.py describes them for Python) and the 8-bit blocks
+// GGUF's weight blocks (kernels/corestream_kernels/quant.py describes them for Python) and the 8-bit blocks
 // the activations are quantized to for the integer dot products (quant_dot.h).
 //
 // Weight blocks, by byte offset (values per block / bytes per block):
@@ -139,7 +139,7 @@ inline void affine(const uint8_t* q, int n, float scale, float offset, float* y)
 
 // A row of `k` values (whole blocks) as floats. d * sc and dmin * m are rounded to float
 // first, as ggml does, but the rest is one FMA per value, so this agrees with
-// kernels/quant.py's `dequantize` to a rounding, not bit for bit.
+// kernels/corestream_kernels/quant.py's `dequantize` to a rounding, not bit for bit.
 inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_t k) {
   const Format f = format_of(type);
   const int64_t blocks = k / f.values;
@@ -264,7 +264,7 @@ inline void dequantize_row(GgmlType type, const uint8_t* row, float* out, int64_
 // of 2 bytes, and every other 4 bytes (the Q5 types' qh, Q4_K's scales, the payload: the
 // nibbles, Q8_0's bytes) a field of its own. So one vector load takes the same four values
 // of 16 (or 8) rows, and one conversion the scales of all of them. It is a permutation of
-// the file's bytes, of the same size; kernels/quant.py's `group_rows` makes it, `gguf_row`
+// the file's bytes, of the same size; kernels/corestream_kernels/quant.py's `group_rows` makes it, `gguf_row`
 // undoes it for a row.
 constexpr int64_t kGroupRows = 16;
 

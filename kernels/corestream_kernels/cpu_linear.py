@@ -36,7 +36,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import cpu_ops
+from corestream_kernels.cpu_extension import cpu_ops
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -212,7 +212,7 @@ def onednn_rows(rows: int) -> int:
     doubling (at most 12.5% padding). oneDNN builds one primitive per row count (~5 ms,
     ~0.6 MiB each, up to 1,024 kept), so prefills of every length grew an engine by
     hundreds of MiB; buckets bound that to a few dozen. The C++ `linear` does the same
-    (kernels/csrc/linear_cpu.cpp)."""
+    (kernels/corestream_kernels/csrc/linear_cpu.cpp)."""
     if rows <= 8:
         return rows
     step = 8

@@ -8,15 +8,15 @@ cos is `[cos, cos]` and sin `[-sin, sin]` over the two halves, so a rotation is
 
 On CPU the rotation of every q and k head and the write of keys and values into the
 cache are one C++ op (`csrc/layers_cpu.cpp`); elsewhere they are `apply_rotary` and
-`kernels.kv_cache.write_kv_cache`, which are also the reference.
+`corestream_kernels.kv_cache.write_kv_cache`, which are also the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu_extension import DTYPES, cpu_ops
-from kernels.kv_cache import write_kv_cache
+from corestream_kernels.cpu_extension import DTYPES, cpu_ops
+from corestream_kernels.kv_cache import write_kv_cache
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

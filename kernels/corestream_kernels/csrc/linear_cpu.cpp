@@ -8,7 +8,7 @@
 // speed at which the weight streams from memory. oneDNN's matmul on a packed weight
 // streamed it at about half the machine's read bandwidth for one row (AMD EPYC, AVX-512),
 // so decode steps of one stream went at half the speed they could. This kernel walks the
-// same bytes (kernels/cpu_linear.py hands it a plain tensor that aliases oneDNN's buffer,
+// same bytes (kernels/corestream_kernels/cpu_linear.py hands it a plain tensor that aliases oneDNN's buffer,
 // after checking the layout) one panel at a time, each panel front to back:
 //
 //   float32:  panels [P, Kp, 64]      panel p, row k, lane j = W[64p + j, k]
@@ -25,7 +25,7 @@
 //
 // Where oneDNN cannot take a weight (bfloat16 on a CPU without AVX-512 BW/VL/DQ or
 // AVX-NE-CONVERT: oneDNN refuses to pack it, and torch's own bf16 GEMM runs at a fifth of
-// float32's speed there), kernels/cpu_linear.py lays the panels out itself and keeps no
+// float32's speed there), kernels/corestream_kernels/cpu_linear.py lays the panels out itself and keeps no
 // other copy of the weight: then every call, prefill's many rows too, reads the panels,
 // with the rows split into blocks so that both cores share a layer of few panels.
 
@@ -459,7 +459,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const at:
   return out;
 }
 
-// A weight whose values live only in its panels (kernels/cpu_linear.py's
+// A weight whose values live only in its panels (kernels/corestream_kernels/cpu_linear.py's
 // `panels_only_weight`): its shape, with every stride zero and nothing behind it.
 bool panels_only(const at::Tensor& weight) {
   return weight.dim() == 2 && weight.stride(0) == 0 && weight.stride(1) == 0 &&
@@ -556,5 +556,5 @@ TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {
   m.impl("panel_linear", &panel_linear);
 }
 
-// Weights packed for oneDNN (kernels/cpu_linear.py) carry this key; the op is the same.
+// Weights packed for oneDNN (kernels/corestream_kernels/cpu_linear.py) carry this key; the op is the same.
 TORCH_LIBRARY_IMPL(corestream_cpu, MkldnnCPU, m) { m.impl("linear", &corestream_cpu::linear); }

@@ -1,19 +1,19 @@
 """Writing new keys and values into the block-paged KV cache.
 
-Cache layout, shared with `kernels.paged_attention`: one tensor per layer for keys
+Cache layout, shared with `corestream_kernels.paged_attention`: one tensor per layer for keys
 and one for values, each `[num_blocks, block_size, num_kv_heads, head_dim]`. A token's
 slot is `block_id * block_size + offset_in_block`, so the cache viewed as
 `[num_slots, num_kv_heads, head_dim]` is indexed by the slot directly.
 
 On CUDA with triton installed the write is one Triton kernel
-(`kernels.triton_kv_cache`); elsewhere it is the `index_copy_` below.
+(`corestream_kernels.triton_kv_cache`); elsewhere it is the `index_copy_` below.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.backend import use_triton
+from corestream_kernels.backend import use_triton
 
 
 def write_kv_cache(
@@ -35,7 +35,7 @@ def write_kv_cache(
     )
     assert slot_mapping.shape == (key.shape[0],), (slot_mapping.shape, key.shape)
     if use_triton(key):
-        from kernels.triton_kv_cache import write_kv_cache_triton
+        from corestream_kernels.triton_kv_cache import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, key_cache, value_cache, slot_mapping)
         return

@@ -15,8 +15,8 @@ namespace corestream_cpu {
 inline bool present(const at::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 // x @ weight^T + bias, x [M, K]. weight [N, K] is plain or packed for oneDNN
-// (kernels/cpu_linear.py); panels, if not empty, is a packed weight's bytes as
-// kernels/cpu_linear.py's `weight_panels` gives them, used for up to a few rows of x.
+// (kernels/corestream_kernels/cpu_linear.py); panels, if not empty, is a packed weight's bytes as
+// kernels/corestream_kernels/cpu_linear.py's `weight_panels` gives them, used for up to a few rows of x.
 // bias is [N] or empty.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& panels,
                   const at::Tensor& bias);

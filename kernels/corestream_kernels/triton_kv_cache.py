@@ -1,4 +1,4 @@
-"""Triton kernel for `kernels.kv_cache.write_kv_cache` (imported only when triton is).
+"""Triton kernel for `corestream_kernels.kv_cache.write_kv_cache` (imported only when triton is).
 
 One program per token copies that token's `num_kv_heads * head_dim` keys and values
 into its slot. Both sides are contiguous over (head, dim), so a token is one flat
@@ -43,7 +43,7 @@ def write_kv_cache_triton(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Same contract as `kernels.kv_cache.write_kv_cache`."""
+    """Same contract as `corestream_kernels.kv_cache.write_kv_cache`."""
     num_tokens = key.shape[0]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     row = num_kv_heads * head_dim

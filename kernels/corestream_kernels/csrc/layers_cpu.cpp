@@ -64,7 +64,7 @@ __attribute__((noinline)) void silu_mul_row(T* out, const T* gate, const T* up, 
 }
 
 // One head of dim elements rotated: x' = x * cos + swap_halves(x) * sin, with cos and sin
-// laid out as kernels/rotary.py builds them ([cos, cos] and [-sin, sin] over the halves).
+// laid out as kernels/corestream_kernels/rotary.py builds them ([cos, cos] and [-sin, sin] over the halves).
 // Written to out and, if not null, also to also_out; out may be x.
 template <typename T>
 __attribute__((noinline)) void rotate_head(T* out, T* also_out, const T* x, const float* c,
@@ -212,7 +212,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // Rotates q and k heads in place and stores keys and values in the paged cache.
 // qk: [T, Hq + Hkv, D], q heads then k heads, any token and head strides, contiguous D;
 // value: [T, Hkv, D], likewise. cos, sin: [T, D] float32, contiguous, laid out as
-// kernels/rotary.py builds them: cos = [cos, cos], sin = [-sin, sin] over the two halves,
+// kernels/corestream_kernels/rotary.py builds them: cos = [cos, cos], sin = [-sin, sin] over the two halves,
 // so that x' = x * cos + swap_halves(x) * sin.
 // key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous, qk's dtype;
 // slot_mapping: [T] int64, the cache slot of each token.

@@ -3,7 +3,7 @@
 The torch decode path gathers every sequence's K and V blocks into dense tensors and then
 runs SDPA over them, so it reads the context twice and writes it once; the kernel reads
 each cached token once, in place. It is part of the CPU extension that
-`kernels.cpu_extension` builds on first use; where that build fails the caller gets None
+`corestream_kernels.cpu_extension` builds on first use; where that build fails the caller gets None
 and uses torch.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.cpu_extension import DTYPES, cpu_ops, load
+from corestream_kernels.cpu_extension import DTYPES, cpu_ops, load
 
 # Mirror the C++ entry point's limits, so unsupported shapes take the torch path
 # instead of raising.

@@ -1,12 +1,13 @@
 """The C++ kernels for CPU (`csrc/*.cpp`), compiled into one extension on first use.
 
 The extension registers its ops under `torch.ops.corestream_cpu`: the decode attention
-(`paged_decode`, see `kernels.cpu_paged_attention`) and the small per-layer ops
-(`rms_norm`, `add_rms_norm`, `silu_and_mul`, `rotary_store_kv`, see `kernels.rms_norm`,
-`kernels.activation` and `kernels.rotary`), all of them in a row for every layer of a
+(`paged_decode`, see `corestream_kernels.cpu_paged_attention`) and the small per-layer ops
+(`rms_norm`, `add_rms_norm`, `silu_and_mul`, `rotary_store_kv`, see `corestream_kernels.rms_norm`,
+`corestream_kernels.activation` and `corestream_kernels.rotary`), all of them in a row for
+every layer of a
 decode-only step (`decode_layers`), and that with the embedding, the final norm and the head
-(`decode_model`, see `kernels.decoder_layers`), and the linear layer of GGUF's quantized
-weights (`quant_linear`, see `kernels.quant`). It is compiled with
+(`decode_model`, see `corestream_kernels.decoder_layers`), and the linear layer of GGUF's quantized
+weights (`quant_linear`, see `corestream_kernels.quant`). It is compiled with
 torch.utils.cpp_extension the first time a CPU op needs it (or on `load()`), never at
 import, and the build is cached on disk under TORCH_EXTENSIONS_DIR (default
 ~/.cache/torch_extensions), keyed by what it is built from (sources, CPU, flags, torch
@@ -14,10 +15,10 @@ version, compiler) and not by the checkout's path: one build serves every clone 
 virtualenv on the machine, and a cached build is imported directly (under a second).
 The first build says so in a line, since it takes minutes. If it cannot be built (no
 compiler, no ninja, a compile error) every op runs its torch code; the failure is logged
-once per process, or raised under `CORESTREAM_KERNELS=cpp` (`kernels.backend`). Threads
+once per process, or raised under `CORESTREAM_KERNELS=cpp` (`corestream_kernels.backend`). Threads
 come from torch's intra-op pool (`torch.set_num_threads`).
 
-The build targets the instruction sets `kernels.cpu_isa` chooses (the CPU's own, or a
+The build targets the instruction sets `corestream_kernels.cpu_isa` chooses (the CPU's own, or a
 lower level forced by CORESTREAM_CPU_ISA), and the sources pick their vector code by what
 the compiler targets: AVX-512 (with or without the bf16 dot products), AVX2 with FMA, or
 portable loops. Off x86-64 the extension is not built (nothing there has tested it), and
@@ -39,8 +40,8 @@ from typing import Any
 
 import torch
 
-from kernels.backend import cpu_kernel_required, use_cpu_kernel
-from kernels.cpu_isa import target
+from corestream_kernels.backend import cpu_kernel_required, use_cpu_kernel
+from corestream_kernels.cpu_isa import target
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-// quant_linear: y = x @ W^T for a weight W kept as GGUF blocks (kernels/quant.py's
+// quant_linear: y = x @ W^T for a weight W kept as GGUF blocks (kernels/corestream_kernels/quant.py's
 // QuantizedWeight), never dequantized whole.
 //
 // - Up to kMaxGemvRows rows of x (decode steps): x is quantized to 8-bit blocks once (two

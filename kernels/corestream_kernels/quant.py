@@ -37,7 +37,7 @@ from enum import IntEnum
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import cpu_ops
+from corestream_kernels.cpu_extension import cpu_ops
 
 
 class GGMLType(IntEnum):

@@ -1,6 +1,6 @@
 // Decode attention read straight from the block-paged KV cache, on CPU.
 //
-// Built on first use by kernels/cpu_extension.py (torch.utils.cpp_extension), with
+// Built on first use by kernels/corestream_kernels/cpu_extension.py (torch.utils.cpp_extension), with
 // -O3 -march=native -fopenmp. Two implementations of one work item:
 // - attend_one_avx512 (paged_attention_avx512.h), where the build targets AVX-512 (F,
 //   BW, VL): tiles of 16 tokens, each query head's 16 scores summed in one go

@@ -501,7 +501,7 @@ std::vector<at::Tensor> plan_outputs(PlannedStep& step, const at::Tensor& final_
 }
 
 // A model's decode-only step with the arguments that stay the same from step to step
-// bound once (the extension module's DecodeModel, see kernels/decoder_layers.py):
+// bound once (the extension module's DecodeModel, see kernels/corestream_kernels/decoder_layers.py):
 // the embedding of input_ids [B] (`embedding`: [table], or a quantized table's [blocks,
 // format], see quant_projection.h, whose rows are dequantized into the model's dtype,
 // final_norm's), the rotation rows of positions [B] from rotary_table [2, max_positions,
@@ -867,13 +867,13 @@ TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {
   m.impl("decode_model", &decode_model);
 }
 
-// Weights packed for oneDNN (kernels/cpu_linear.py) carry this key; the ops are the same.
+// Weights packed for oneDNN (kernels/corestream_kernels/cpu_linear.py) carry this key; the ops are the same.
 TORCH_LIBRARY_IMPL(corestream_cpu, MkldnnCPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("decode_model", &decode_model);
 }
 
-// The extension is also a Python module (kernels/cpu_extension.py): the bound model, whose
+// The extension is also a Python module (kernels/corestream_kernels/cpu_extension.py): the bound model, whose
 // forward releases the GIL like an op, so that the engine's other threads run meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeModel>(m, "DecodeModel")

@@ -17,7 +17,7 @@ and buffers from one step to the next while the batch size holds.
 
 A GGUF model's layers that keep the file's blocks (`QuantizedWeight`) go into the same call:
 a projection's blocks take its weight's place and `quant_format` its panels', and the op
-multiplies them with the GEMV that `kernels.quant.quant_linear` runs at few rows
+multiplies them with the GEMV that `corestream_kernels.quant.quant_linear` runs at few rows
 (`csrc/quant_projection.h`); a quantized embedding table goes as [blocks, format].
 
 The op without binding, for tests: decode_model(input_ids, positions, embedding,
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_extension import cpu_ops, python_module
-from kernels.cpu_paged_attention import decode_shape_supported
-from kernels.quant import QuantizedWeight
+from corestream_kernels.cpu_extension import cpu_ops, python_module
+from corestream_kernels.cpu_paged_attention import decode_shape_supported
+from corestream_kernels.quant import QuantizedWeight
 
 LAYER_TENSORS = (
     "input_norm", "qkv_weight", "qkv_panels", "qkv_bias", "q_norm", "k_norm", "o_weight",
@@ -44,7 +44,7 @@ LAYER_TENSORS = (
     "down_weight", "down_panels", "down_bias",
 )
 """The tensors each layer hands over, in this order (the C++ op's `Slot`); a bias, norm
-or panels (`kernels.cpu_linear.weight_panels`) the layer lacks goes as `ABSENT`. A
+or panels (`corestream_kernels.cpu_linear.weight_panels`) the layer lacks goes as `ABSENT`. A
 quantized projection hands over its blocks as its weight and `quant_format` as its
 panels."""
 

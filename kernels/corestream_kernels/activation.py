@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_extension import DTYPES, cpu_ops
+from corestream_kernels.cpu_extension import DTYPES, cpu_ops
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ Every block stays in the cache even once it has slid out of every window; freein
 blocks would save memory on long contexts, and is left to a later change.
 
 On CUDA with triton installed this runs one Triton kernel for the whole batch
-(`kernels.triton_paged_attention`). On CPU, decodes (the common case, and bound by memory
-traffic) go to a C++ kernel that reads the cache in place (`kernels.cpu_paged_attention`),
+(`corestream_kernels.triton_paged_attention`). On CPU, decodes (the common case, and bound by memory
+traffic) go to a C++ kernel that reads the cache in place
+(`corestream_kernels.cpu_paged_attention`),
 when it builds. Everything else runs the torch code below, which is also the reference:
 it gathers each sequence's blocks into a dense tensor and hands it to
 `scaled_dot_product_attention`, decodes in batched calls over chunks of sequences, prompts
@@ -29,8 +30,8 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from kernels.backend import use_triton
-from kernels.cpu_paged_attention import cpu_decode_kernel
+from corestream_kernels.backend import use_triton
+from corestream_kernels.cpu_paged_attention import cpu_decode_kernel
 
 # NOTE: the bytes of keys and values one decode chunk gathers. Gathers much larger than
 # this land in freshly mapped pages on every call, and on CPU those page faults cost
@@ -68,7 +69,7 @@ def paged_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if use_triton(query):
-        from kernels.triton_paged_attention import paged_attention_triton
+        from corestream_kernels.triton_paged_attention import paged_attention_triton
 
         max_query_len = max(
             (end - start for start, end in pairwise(query_start_loc_host)), default=0

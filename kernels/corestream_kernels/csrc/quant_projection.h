@@ -1,5 +1,5 @@
 // The quantized projections of a decode step (decode_model, decoder_cpu.cpp): linear
-// layers and a head kept as a GGUF file's blocks (kernels/quant.py's QuantizedWeight),
+// layers and a head kept as a GGUF file's blocks (kernels/corestream_kernels/quant.py's QuantizedWeight),
 // multiplied as quant_linear multiplies them at few rows (quant_cpu.cpp): the input rows
 // quantized once (QuantActivations), then the GEMV's items (quant_gemv_items), here as
 // stages of the step's StagePlan. The same calls on the same rows give the same bits as
@@ -8,7 +8,7 @@
 // A projection hands its tensors over in the op's three slots of a linear (weight, panels,
 // bias): a quantized one puts its blocks, uint8 [out_features, row_bytes], in the weight
 // slot, and their format in the panels slot: int64 [ggml_type, in_features, grouped]
-// (kernels/decoder_layers.py `quant_format`; grouped: rows interleaved as quant_blocks.h
+// (kernels/corestream_kernels/decoder_layers.py `quant_format`; grouped: rows interleaved as quant_blocks.h
 // says). A quantized embedding table goes as [blocks, format] likewise.
 #pragma once
 
@@ -63,7 +63,7 @@ inline quant::QuantMatrix quant_format(const at::Tensor& blocks, const at::Tenso
 }
 
 // Row `ids[i]` of a quantized table into out row i (T), for each of n ids. dequantize_row
-// rounds each value once (one FMA); kernels/quant.py's `dequantize` rounds a product and
+// rounds each value once (one FMA); kernels/corestream_kernels/quant.py's `dequantize` rounds a product and
 // then a sum, but every product there (a 4- to 8-bit q times an f16 scale, itself times a
 // 6-bit one for the K-quants) is exact in float32, so the two give the same bits.
 template <typename T>

@@ -3,7 +3,7 @@
 The entry points (`write_kv_cache`, `paged_attention`) run Triton when their tensors
 are on CUDA and triton can be imported; on CPU, `paged_attention` runs its decodes, and
 `rms_norm`, `add_rms_norm`, `silu_and_mul` and `rotate_and_store_kv` run entirely,
-through C++ kernels built on first use (`kernels.cpu_extension`), and fall back to
+through C++ kernels built on first use (`corestream_kernels.cpu_extension`), and fall back to
 torch, after one warning, if that build fails. Everything else runs torch.
 
 `CORESTREAM_KERNELS` (read once, at import) or `set_backend` picks the policy:

@@ -1,4 +1,5 @@
-"""Triton kernel for `kernels.paged_attention.paged_attention` (imported only when triton is).
+"""Triton kernel for `corestream_kernels.paged_attention.paged_attention` (imported only
+when triton is).
 
 One launch covers the whole flattened batch: prompts, chunks after a cached prefix and
 decodes alike. The grid is (query blocks, kv heads). A program owns BLOCK_Q consecutive
@@ -164,7 +165,7 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `kernels.paged_attention.paged_attention`, with the query offsets
+    """Same contract as `corestream_kernels.paged_attention.paged_attention`, with the query offsets
     `query_start_loc` `[B + 1]` int32 on the device and the longest query as a host int."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
