@@ -13,6 +13,7 @@ functions, so that the layout keeps one direction inside each package too.
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,27 @@ import services.cli.main
 services.cli.main.build_parser().parse_args(["frontend"])
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT)
+
+
+def test_no_package_of_ours_shadows_hugging_faces_kernels() -> None:
+    # transformers >= 5.25 imports Hugging Face's `kernels`. The repository's root comes
+    # first on sys.path (tests, scripts), so a regular package of ours named `kernels`
+    # would be found instead of theirs; the folder holds corestream_kernels instead.
+    code = """
+import importlib.util, json, sys
+spec = importlib.util.find_spec("kernels")
+where = list(spec.submodule_search_locations or []) if spec else []
+print(json.dumps({"origin": spec and spec.origin, "where": where}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=ROOT,
+                          capture_output=True, text=True)
+    found = json.loads(done.stdout)
+    if found["origin"] not in (None, "namespace"):  # a regular package: must be theirs
+        assert not found["origin"].startswith(str(ROOT / "kernels")), found
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    import corestream_kernels
+
+    assert Path(corestream_kernels.__file__).parent == ROOT / "kernels" / "corestream_kernels"
 
 
 def module_name(root: Path, path: Path) -> str:
