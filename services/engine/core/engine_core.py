@@ -36,7 +36,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.pooling import Pooler, TaskMismatch, resolve_params
@@ -80,6 +81,28 @@ class _UpdateFailed(Exception):
     """A step's update raised: fatal (the sentinel recovers from failed executes only)."""
 
 
+@dataclass
+class PendingAbort:
+    """The ids of one abort call that neither of its two copies has applied yet.
+
+    A client may reuse a request id as soon as its request ended, and the frontend
+    does: it aborts what is left of a call and at once sends the next with the same id.
+    Were each copy applied in full, the one that comes second (an abort_queue copy
+    applied after the new ADD was taken) would abort the new request. So the early copy
+    takes only the ids it found, and the copy in the input's order takes the rest,
+    which can only name requests added before the abort."""
+
+    left: list[str]
+
+    def applied(self, request_ids: Iterable[str]) -> None:
+        found = set(request_ids)
+        self.left = [rid for rid in self.left if rid not in found]
+
+    def take_all(self) -> list[str]:
+        left, self.left = self.left, []
+        return left
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
@@ -103,7 +126,7 @@ class EngineCore:
             speculator=self._speculator(config, executor),
         )
         self.input_queue: InputQueue = queue.SimpleQueue()
-        self.aborts_queue: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        self.aborts_queue: queue.SimpleQueue[PendingAbort] = queue.SimpleQueue()
         self.sessions = SessionRouter()
         self.details = IterationRecorder(config.iteration_details, self.sessions.details_asked)
         # When each batch in flight began to schedule, by its step (details only).
@@ -218,9 +241,11 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         # Both queues: aborts_queue applies right after the running step's execute,
-        # input_queue keeps the order with an ADD that has not been processed yet.
-        self.aborts_queue.put(request_ids)
-        self.input_queue.put((InputType.ABORT, request_ids))
+        # input_queue keeps the order with an ADD that has not been processed yet. One
+        # PendingAbort on both, so that no id is aborted twice (see there).
+        abort = PendingAbort(list(request_ids))
+        self.aborts_queue.put(abort)
+        self.input_queue.put((InputType.ABORT, abort))
 
     def call_utility(self, call: UtilityCall) -> None:
         """Run a utility on the loop thread; the reply reaches call.session_id."""
@@ -347,7 +372,8 @@ class EngineCore:
                 # Added even while draining: it was accepted before the drain began.
                 self._enqueue(request)
         elif kind is InputType.ABORT:
-            self.outputs.emit(self._abort(payload))
+            # In the input's order: whatever the ids name now was added before the abort.
+            self.outputs.emit(self._abort(payload.take_all()))
         elif kind is InputType.UTILITY:
             self.utilities.run(payload)
         elif kind is InputType.KV_SUBSCRIBE:
@@ -507,7 +533,10 @@ class EngineCore:
     def _apply_aborts(self) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
         while not self.aborts_queue.empty():  # the loop is its only reader
-            updates += self._abort(self.aborts_queue.get_nowait())
+            abort = self.aborts_queue.get_nowait()
+            done = self._abort(abort.left)
+            abort.applied(update.request_id for update in done)
+            updates += done
         return updates
 
     def _abort(self, request_ids: list[str]) -> list[RequestUpdate]:

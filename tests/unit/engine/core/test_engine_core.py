@@ -109,6 +109,25 @@ def test_abort_stops_outputs_and_frees_blocks() -> None:
 
 
 @pytest.mark.timeout(30)
+def test_an_abort_never_reaches_a_request_that_reused_the_id_after_it(core: EngineCore) -> None:
+    # The frontend aborts what is left of a call and at once sends the next call under
+    # the same id (a client's request_id). The abort's early copy used to be applied
+    # after the next step's execute, to whatever held the id then: the new request.
+    q = core.sessions.open("s")
+    core.start()
+    core.abort_requests(["x"])  # the old "x": already over, or not here at all
+    core.add_request(request("x", max_tokens=3))
+    by_id, _ = collect(q, {"x"})
+    assert tokens(by_id["x"]) == [4, 5, 6]
+    assert by_id["x"][-1].finish_reason is FinishReason.LENGTH
+    # An abort still reaches a request added before it that the loop has not taken yet.
+    core.add_request(request("y", max_tokens=50))
+    core.abort_requests(["y"])
+    by_id, _ = collect(q, {"y"})
+    assert by_id["y"][-1].finish_reason is FinishReason.ABORT
+
+
+@pytest.mark.timeout(30)
 def test_execute_failure_kills_engine_and_fails_requests() -> None:
     runner = FakeRunner()
     runner.fail = True
