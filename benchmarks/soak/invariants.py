@@ -120,7 +120,7 @@ def resources_flat(records: list[ProcessRecord], rss_drift: float, min_lived_s: 
            if r.last.rss_bytes > r.warm.rss_bytes * (1 + rss_drift)
            or r.last.fds > r.warm.fds + fd_slack
            or r.last.threads > r.warm.threads + thread_slack]
-    lines = [f"{r.role} (pid {r.pid}, {r.lived_s:.0f} s): RSS "
+    lines = [f"{r.role} (pid {r.pid}, {r.lived_s:.0f} s{', ended' if r.ended else ''}): RSS "
              f"{r.warm.rss_bytes / 2**20:.0f} -> {r.last.rss_bytes / 2**20:.0f} MiB "
              f"({(r.last.rss_bytes / r.warm.rss_bytes - 1) * 100:+.1f}%), fds "
              f"{r.warm.fds} -> {r.last.fds}, threads {r.warm.threads} -> {r.last.threads}"

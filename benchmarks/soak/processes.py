@@ -34,6 +34,9 @@ class ProcessRecord:
     last: Usage
     lived_s: float
     """From the warm sample to the last one."""
+    ended: bool = False
+    """Gone before the end (a fault killed it, or its engine): judged by its last sample,
+    since a process that grows and is then killed would otherwise never be judged."""
 
 
 def _argv(pid: int) -> list[bytes]:
@@ -129,11 +132,13 @@ class UsageSampler:
                 self.warm[pid] = (role, u, now)
 
     def records(self) -> list[ProcessRecord]:
-        """Each live process with a warm level: that level, its last, how long between."""
+        """Each process that had a warm level, live or gone since: that level, its last,
+        how long between."""
         live = set(roles(self._cluster).values())
-        return [ProcessRecord(role, pid, warm, self.last[pid][1], self.last[pid][2] - at)
-                for pid, (role, warm, at) in sorted(self.warm.items(), key=lambda x: x[1][0])
-                if pid in live]
+        return [ProcessRecord(role, pid, warm, self.last[pid][1], self.last[pid][2] - at,
+                              ended=pid not in live)
+                for pid, (role, warm, at) in sorted(self.warm.items(),
+                                                    key=lambda x: (x[1][0], x[1][2]))]
 
     @property
     def running(self) -> bool:

@@ -4,6 +4,7 @@ must fail on the violation it exists for (so a green soak means something)."""
 from __future__ import annotations
 
 import random
+import time
 
 from benchmarks.soak import faults, invariants
 from benchmarks.soak.processes import ProcessRecord, Usage
@@ -119,3 +120,33 @@ def test_metrics_must_match_the_clients_counts() -> None:
     assert not invariants.metrics_agree({"rejected INVALID_ARGUMENT": 2.0},
                                         {"rejected INVALID_ARGUMENT": 1.0}).ok
     assert not invariants.metrics_agree({}, {"rejected INTERNAL": 1.0}).ok
+
+
+def test_a_process_that_grew_and_was_killed_is_still_judged(monkeypatch) -> None:
+    # The hour-long run's longest-lived engine grew 306 -> 334 MiB and was then killed by
+    # a fault: judging live processes only, the run never saw it.
+    from benchmarks.soak import processes
+
+    live = {"engine-0": 1}
+    sizes = {1: 100, 2: 100}
+    monkeypatch.setattr(processes, "roles", lambda cluster: dict(live))
+    monkeypatch.setattr(processes, "usage", lambda pid: Usage(sizes[pid], 10, 5))
+    sampler = processes.UsageSampler(cluster=None, log=lambda line: None,  # type: ignore[arg-type]
+                                     log_every_s=1e9, every_s=1e9)
+    try:
+        sampler.sample()  # engine-0 (pid 1) is born
+        sampler.warm_from(time.monotonic(), settle_s=0.0)
+        sampler.sample()  # ... warm at 100
+        sizes[1] = 120
+        sampler.sample()  # ... grows
+        live["engine-0"] = 2  # ... and a fault replaces it
+        sizes.pop(1)
+        sampler.sample()
+        sampler.healed(time.monotonic())
+        sampler.sample()  # the replacement, warm once the cluster served again
+    finally:
+        sampler.stop()
+    by_pid = {r.pid: r for r in sampler.records()}
+    assert by_pid[1].ended and by_pid[1].last.rss_bytes == 120
+    assert not by_pid[2].ended
+    assert not invariants.resources_flat(list(by_pid.values()), 0.05, 0.0, 0, 0).ok
