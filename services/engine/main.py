@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if not replacing:
         # (A replacement's warm-up would need the others at its collectives: its first
         # steps pay for the lazy setup instead.)
-        runner.warmup()
+        runner.warmup(onednn_rows(config))
     core = EngineCore(config, maybe_inject(runner, os.environ.get(FAULT_INJECT_ENV),
                                            config.engine_index))
     if hasattr(runner, "on_failure"):
@@ -199,8 +199,14 @@ def build_executor(config: EngineConfig, runner_config: RunnerConfig,
         runner_config, runner_config.tensor_parallel_size, engine_index=config.engine_index,
         log_level=config.log_level, log_format=obs_config.log_format,
         worker_fault=worker_fault(os.environ.get(FAULT_INJECT_ENV), config.engine_index),
-        expert_parallel=rendezvous, pooler=pooler,
+        expert_parallel=rendezvous, pooler=pooler, onednn_rows=onednn_rows(config),
     )
+
+
+def onednn_rows(config: EngineConfig) -> int:
+    """Up to how many rows of input oneDNN's primitives are built on start: a step's
+    token budget, which no forward exceeds."""
+    return config.max_num_batched_tokens if config.onednn_warmup else 0
 
 
 def splits_experts(runner_config: RunnerConfig) -> bool:

@@ -101,6 +101,7 @@ class TensorParallelExecutor:
         startup_timeout_s: float = 300.0,
         expert_parallel: ExpertParallelRendezvous | None = None,
         pooler: Pooler | None = None,
+        onednn_rows: int = 0,
     ) -> None:
         """Start N-1 workers and build rank 0 here; returns once every rank has loaded its
         shard and allocated its KV cache. `worker_fault` arms a test-only fault in the
@@ -129,6 +130,7 @@ class TensorParallelExecutor:
                     startup_timeout_s=startup_timeout_s,
                     fault=worker_fault if rank == size - 1 else None,
                     expert_parallel=expert_parallel, pooler=pooler,
+                    onednn_rows=onednn_rows,
                 )
                 process = context.Process(target=run_worker,
                                           args=(spec, self._channel.follower_end(rank)),
@@ -205,8 +207,9 @@ class TensorParallelExecutor:
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._workers if p.pid is not None]
 
-    def warmup(self) -> None:
-        self._runner.warmup()
+    def warmup(self, onednn_rows: int = 0) -> None:
+        # The workers built theirs on start (WorkerSpec.onednn_rows).
+        self._runner.warmup(onednn_rows)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         try:

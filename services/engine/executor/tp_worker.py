@@ -69,6 +69,8 @@ class WorkerSpec:
     expert_parallel: ExpertParallelRendezvous | None = None
     pooler: Pooler | None = None
     """A pooling model's pooler: the rank builds the same model (no LM head)."""
+    onednn_rows: int = 0
+    """Build oneDNN's primitives for up to this many rows on start (`warm_onednn`)."""
 
 
 def _die_with_parent() -> None:
@@ -130,6 +132,7 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
     if spec.device_index is not None:
         config = dataclasses.replace(config, device=f"cuda:{spec.device_index}")
     runner = ModelRunner(config, pooler=spec.pooler)
+    runner.warm_onednn(spec.onednn_rows)
     channel.report(("ready", runner.num_blocks))
     weights = FollowerWeights(runner, channel.report)
     forwards = 0

@@ -166,6 +166,12 @@ def panels_of(model: nn.Module) -> list[torch.Tensor]:
     return [m.panels for m in model.modules() if isinstance(m, Linear) and m.panels is not None]
 
 
+def linear_layers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None,
+                                                  torch.Tensor | None]]:
+    """(weight, bias, panels) of every `Linear` in `model`, as `linear` takes them."""
+    return [(m.weight, m.bias, m.panels) for m in model.modules() if isinstance(m, Linear)]
+
+
 def quantized_blocks(model: nn.Module) -> list[torch.Tensor]:
     """The blocks of every quantized layer of `model` (`QuantizedLinear`,
     `MixedQuantizedLinear`, `QuantizedEmbedding`): the rest of a decode step's bytes."""

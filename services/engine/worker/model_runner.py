@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from corestream_kernels.cpu_linear import is_panels_only
+from corestream_kernels.cpu_linear import is_panels_only, warm_onednn
 
 from services.common.model_info import ModelInfo, load_model_info
 from services.common.pooling import Pooler, PoolingParams, PoolingType
@@ -33,7 +33,7 @@ from services.common.tiny_checkpoint import resolve_model
 from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.checkpoint_layout import CheckpointLayout
 from services.engine.models.decoder_config import DecoderConfig
-from services.engine.models.linear import panels_of, quantized_blocks
+from services.engine.models.linear import linear_layers, panels_of, quantized_blocks
 from services.engine.models.loader import load_model, torch_dtype
 from services.engine.models.protocol import CausalLM, GreedyDecoder
 from services.engine.parallel.collectives import Collectives
@@ -398,13 +398,27 @@ class ModelRunner:
             return torch.cuda.mem_get_info(self._device)[0]
         return available_host_memory()
 
-    def warmup(self) -> None:
-        """One small prefill and one decode, so first-request latency excludes lazy setup.
+    def warm_onednn(self, max_rows: int) -> None:
+        """oneDNN's primitives for inputs of up to `max_rows` rows, built now (CPU only;
+        `corestream_kernels.cpu_linear.warm_onednn`)."""
+        if not self._on_cpu or max_rows < 1:
+            return
+        models = [self.model] + ([self.draft.model] if self.draft is not None else [])
+        start = time.perf_counter()
+        calls = warm_onednn([layer for m in models for layer in linear_layers(m)], max_rows)
+        if calls:
+            logger.info("oneDNN: %d layer shapes x row buckets, up to %d rows, built in "
+                        "%.2f s", calls, max_rows, time.perf_counter() - start)
+
+    def warmup(self, onednn_rows: int = 0) -> None:
+        """One small prefill and one decode, so first-request latency excludes lazy setup;
+        first oneDNN's primitives for up to `onednn_rows` rows (`warm_onednn`).
 
         On CPU it ends by releasing the calling thread's OpenMP workers
         (`cpu_threads.release_openmp_pool`): the engine loads and warms the model on one
         thread and then steps it on its busy loop's, and two pools would throttle both.
         """
+        self.warm_onednn(onednn_rows)
         num_tokens = min(8, self.model_info.max_model_len - 1)
         blocks = list(range(-(-(num_tokens + 1) // self.block_size)))
         greedy = SamplingParams(temperature=0.0)
