@@ -48,6 +48,11 @@ def test_one_seed_draws_the_same_requests_and_faults() -> None:
     assert all(0 < f.at_s < 100 for f in plan)
     long = faults.plan(random.Random(1), 3600.0, 2, every_kind_once=False, mean_gap_s=60)
     assert 30 < len(long) < 120 and all(f.at_s < 3600 for f in long)
+    for seed in range(20):  # every kind in every long plan (seed 1 once drew no kill_engine)
+        drawn = faults.plan(random.Random(seed), 600.0, 2, every_kind_once=False,
+                            mean_gap_s=60)
+        if len(drawn) >= len(faults.KINDS):
+            assert {f.kind for f in drawn} == set(faults.KINDS)
 
 
 def test_a_hang_and_a_late_end_fail_no_hang() -> None:
