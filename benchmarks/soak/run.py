@@ -119,7 +119,10 @@ def _cluster_args(config: SoakConfig, http_port: int) -> list[str]:
             "--watchdog-timeout", str(config.watchdog_s), "--max-num-seqs",
             str(config.max_num_seqs), "--max-waiting-requests", str(config.max_waiting),
             "--kv-cache-memory", KV_CACHE_MEMORY, "--max-restarts", "20",
-            "--restart-window-s", "60", "--log-level", "warning"]
+            "--restart-window-s", "60", "--log-level", "warning",
+            # The engines' default, which the test clusters turn off: memory flat after
+            # start is one of the soak's checks.
+            "--onednn-warmup"]
 
 
 def run_soak(config: SoakConfig, log: Callable[[str], None] = print) -> SoakReport:

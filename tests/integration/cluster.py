@@ -60,9 +60,11 @@ class Cluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         # serve's metrics port is fixed by default: off here, since tests may run
-        # clusters side by side (a test's own --metrics-port comes later and wins).
+        # clusters side by side (a test's own --metrics-port comes later and wins). The
+        # engines' oneDNN warm-up too (~1 s an engine, 3 minutes of the suite): the
+        # kernel tests and the soak (`--onednn-warmup`) test it.
         cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(self.port),
-               "--metrics-port", "0", *extra_args]
+               "--metrics-port", "0", "--no-onednn-warmup", *extra_args]
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
