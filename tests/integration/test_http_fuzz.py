@@ -79,7 +79,8 @@ pytestmark = pytest.mark.timeout(3600)
 class Door:
     """A cluster with its HTTP door, and the door's OpenAPI document loaded."""
 
-    def __init__(self, tmp: Path, model: list[str] | None = None) -> None:
+    def __init__(self, tmp: Path, model: list[str] | None = None,
+                 kind: str = "generate") -> None:
         (tmp / "keys").write_text(API_KEY + "\n")
         (tmp / "admin").write_text(ADMIN_KEY + "\n")
         http_port = free_port()
@@ -92,7 +93,7 @@ class Door:
         self.pids = descendants(self.cluster.proc.pid)
         self.schema = schemathesis.openapi.from_url(f"{self.base}/openapi.json")
         self.statuses: Counter[tuple[str, int]] = Counter()
-        self.kind = "generate"
+        self.kind = kind
 
     def headers(self, path: str) -> dict[str, str]:
         key = API_KEY if path in API_KEY_ONLY else ADMIN_KEY
@@ -135,8 +136,7 @@ def pooling_door(request: pytest.FixtureRequest,
         make_embedder(folder, "qwen3", "MEAN", normalize=True, prompts={"query": "query: "})
     else:
         make_classifier(folder, "llama", num_labels=1)
-    door = Door(tmp, ["--model", str(folder)])
-    door.kind = request.param
+    door = Door(tmp, ["--model", str(folder)], request.param)
     yield door
     door.cluster.stop()
 

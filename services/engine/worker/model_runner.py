@@ -159,7 +159,7 @@ class ModelRunner:
             # and of the panels-only ones (stand-ins, with nothing behind them), and the
             # quantized layers' blocks (grouped copies on the heap; a file's memory map
             # is not anonymous memory and stays as it is); the draft model's alike.
-            models = [self.model] + ([self.draft.model] if self.draft is not None else [])
+            models = self._models()
             self.huge_pages = collapse_in_background(
                 [p for m in models for p in m.parameters()
                  if not p.is_mkldnn and not is_panels_only(p)]
@@ -398,14 +398,18 @@ class ModelRunner:
             return torch.cuda.mem_get_info(self._device)[0]
         return available_host_memory()
 
+    def _models(self) -> list[torch.nn.Module]:
+        """The target model, and the draft model where there is one."""
+        return [self.model] + ([self.draft.model] if self.draft is not None else [])
+
     def warm_onednn(self, max_rows: int) -> None:
         """oneDNN's primitives for inputs of up to `max_rows` rows, built now (CPU only;
         `corestream_kernels.cpu_linear.warm_onednn`)."""
         if not self._on_cpu or max_rows < 1:
             return
-        models = [self.model] + ([self.draft.model] if self.draft is not None else [])
         start = time.perf_counter()
-        calls = warm_onednn([layer for m in models for layer in linear_layers(m)], max_rows)
+        calls = warm_onednn([layer for m in self._models() for layer in linear_layers(m)],
+                            max_rows)
         if calls:
             logger.info("oneDNN: %d layer shapes x row buckets, up to %d rows, built in "
                         "%.2f s", calls, max_rows, time.perf_counter() - start)
