@@ -78,8 +78,10 @@ class EngineConfig:
         "re-forms its group, and reruns the step; 0 dies at the first.", default=3
     )
     engine_recovery_timeout_s: float = doc(
-        "Seconds a paused engine keeps trying to re-form its group (a peer must come "
-        "back, or be replaced) before it gives up and dies, its requests ending with "
+        "Seconds a paused engine waits for the missing ranks of its group to come back "
+        "(or be replaced); past them the ranks that are back go on as a smaller group if "
+        "they can hold every expert (else they wait on, saying why), and a rank that "
+        "cannot reach its group's store gives up and dies, its requests ending with "
         "UNAVAILABLE.", default=120.0
     )
     speculative_config: str = doc(

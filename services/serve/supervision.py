@@ -87,6 +87,9 @@ class Part:
     restart_at: float | None = None
     replacing: list[Child] | None = None
     """The children the pending restart replaces alone (None: all of them)."""
+    left_out: list[Child] = field(default_factory=list)
+    """Ranks of an MoE group that exited and were not replaced (restarts spent): the
+    others go on without them; a restart of the whole group brings them back."""
 
     @property
     def is_engine(self) -> bool:
@@ -100,7 +103,8 @@ class Part:
     def exit_cause(self) -> str | None:
         """Why the part went, or None while every child runs. In an MoE group a rank's
         death takes the others down: a signal is the likelier first cause."""
-        exited = [(c, code) for c in self.children if (code := c.exited()) is not None]
+        exited = [(c, code) for c in self.children
+                  if (code := c.exited()) is not None and c not in self.left_out]
         if not exited:
             return None
         child, code = min(exited, key=lambda e: e[1] >= 0)
@@ -133,10 +137,11 @@ class Supervision:
     @property
     def num_engines(self) -> int:
         """Engine processes not given up: the ones the cluster should have."""
-        return sum(len(p.children) for p in self.parts
+        return sum(len(p.children) - len(p.left_out) for p in self.parts
                    if p.is_engine and not self._trackers[p.name].given_up)
 
     def start(self, part: Part) -> None:
+        part.left_out.clear()
         for child in part.children:
             child.start()
 
@@ -175,7 +180,21 @@ class Supervision:
             return (f"{part.name} cannot start with these flags or this checkpoint (exit "
                     f"code {CONFIG_ERROR_EXIT}, its reason is above); no restart would cure it")
         delay = tracker.on_exit(cause)
-        exited = [c for c in part.children if c.exited() is not None]
+        exited = [c for c in part.children
+                  if c.exited() is not None and c not in part.left_out]
+        if part.replaces_ranks and part.children[0] not in exited and delay is None:
+            # No replacement is coming: the other ranks go on without it, once their
+            # engine_recovery_timeout_s has passed (if they can hold every expert).
+            tracker.given_up = False  # the part serves on (its exits still count)
+            part.left_out += exited
+            log.error("%s: %s exited and is not replaced (%s); the other ranks go on "
+                      "without it after --engine-recovery-timeout-s", part.name,
+                      ", ".join(f"{c.name} ({describe_exit(c.exited() or 0)})"
+                                for c in exited),
+                      f"{tracker.recent_exits} exits within {tracker.policy.window_s:g} s"
+                      if tracker.policy.max_restarts else "--max-restarts 0")
+            self._write_status()
+            return None
         if part.replaces_ranks and delay is not None and part.children[0] not in exited:
             part.replacing = exited
             log.error("%s: replacing %s alone; the other ranks re-form the group with it",

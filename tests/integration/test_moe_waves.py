@@ -83,12 +83,12 @@ def one_process(moe_checkpoint: Path, prompts: dict[str, list[int]],
 
 
 def group_of_two(moe_checkpoint: Path, collective_timeout_s: int,
-                 fault: str | None = None) -> Cluster:
+                 fault: str | None = None, *extra: str) -> Cluster:
     """Two expert-parallel engines whose collectives give up after the timeout."""
     env = {"OMP_NUM_THREADS": "1", **({"CORESTREAM_FAULT_INJECT": fault} if fault else {})}
     return Cluster(["--model", str(moe_checkpoint), "--engines", "2", "--wave-check-interval",
                     "4", "--data-parallel-timeout", str(collective_timeout_s),
-                    "--kv-cache-memory", "16MiB"], env=env)
+                    "--kv-cache-memory", "16MiB", *extra], env=env)
 
 
 def greedy_calls(stub: pb_grpc.GenerateServiceStub, prompts: dict[str, list[int]],
@@ -333,6 +333,64 @@ def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Pa
                     reference["p0"]
         print(f"rank 1 killed: rank 0's streams completed {resumed:.1f} s later, both ranks "
               f"serving after {serving:.1f} s")
+    finally:
+        c.stop()
+
+
+def test_a_rank_never_replaced_leaves_its_peer_serving_as_a_smaller_group(
+        moe_checkpoint: Path) -> None:
+    """SIGKILL rank 1 with restarts off: no replacement comes. Rank 0 pauses, waits
+    out --engine-recovery-timeout-s, then re-forms the group without rank 1 (a group of
+    one), loads the experts rank 1 held from the checkpoint and keeps everything else:
+    its streams complete with the tokens of the whole model, it is the same process,
+    and new requests are served by it."""
+    tokens = 60
+    prompts = {f"p{i}": [7 + i, 50 - i, 13, 2 * i + 3] for i in range(8)}
+    reference = one_process(moe_checkpoint, prompts, tokens)
+    c = group_of_two(moe_checkpoint, 5, None, "--max-restarts", "0",
+                     "--engine-recovery-timeout-s", "6")
+    try:
+        survivor = c.engine_pid(0)
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            streams = {rid: stub.GenerateStream(pb.GenerateStreamRequest(
+                token_ids=pb.TokenIds(ids=ids), data_parallel_rank=i % 2,
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                   ignore_eos=True)), timeout=180)
+                for i, (rid, ids) in enumerate(prompts.items())}
+            got: dict[str, list[int]] = {rid: [] for rid in prompts}
+            for rid, stream in streams.items():  # every stream has started
+                got[rid] += next(stream).token_ids
+            os.kill(c.engine_pid(1), signal.SIGKILL)
+            killed = time.monotonic()
+            errors = {}
+            for rid, stream in streams.items():
+                try:
+                    for chunk in stream:
+                        got[rid] += chunk.token_ids
+                except grpc.RpcError as e:
+                    errors[rid] = e.code()
+            resumed = time.monotonic() - killed
+            on_rank0 = [rid for i, rid in enumerate(prompts) if i % 2 == 0]
+            assert {rid: got[rid] for rid in on_rank0} == {rid: reference[rid]
+                                                           for rid in on_rank0}
+            assert set(errors) == set(prompts) - set(on_rank0), errors
+            assert set(errors.values()) == {grpc.StatusCode.UNAVAILABLE}
+            assert resumed >= 6, "rank 0 went on before its recovery timeout"
+            status = json.loads(admin_grpc.AdminServiceStub(channel).GetFaultStatus(
+                admin_pb.GetFaultStatusRequest(engine_index=0), timeout=20
+            ).results[0].result_json)
+            assert status["state"] == "RUNNING" and status["group_size"] == 1, status
+            assert c.engine_pid(0) == survivor
+            reply = stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompts["p1"]),
+                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                   ignore_eos=True)), timeout=120)
+            assert list(reply.completions[0].token_ids) == reference["p1"]
+        output = c.output()
+        assert "experts 0..3 of 4 loaded" in output
+        assert "is not replaced" in output
+        print(f"rank 1 killed, never replaced: rank 0 serving alone {resumed:.1f} s later")
     finally:
         c.stop()
 

@@ -17,11 +17,17 @@ a step's exception here, and the sentinel:
    state, and the engine resumes where it stopped: the same requests, the same outputs
    as without the fault.
 
-Recovery is automatic and retried until `engine_recovery_timeout_s` has passed since the
-fault; past it (the group never re-formed: a rank is gone for good) the engine gives up
-and dies as it would have at once before (its requests end UNAVAILABLE). A step that keeps
-failing after recoveries (more than `max_step_faults` in a row) is no transient fault: the
-engine dies then too. `fault_status`, `fault_recover` (try again now) and `fault_abort`
+Recovery is automatic and retried while the missing ranks may still come back (a
+replacement that serve or Kubernetes starts). Once `engine_recovery_timeout_s` has passed
+since the fault, the group may go on without them: the first rank re-forms it with the
+ranks that are back, if they can hold every expert between them (each then loads from
+the checkpoint the experts it owns in the smaller group, and keeps the rest of its
+state); if they cannot, the ranks wait on, saying why (`fault_status`, logs), until a
+replacement comes or an operator gives up. A rank that the group went on without dies
+when it comes back (`LeftOut`), and so does a rank whose group's store is gone past the
+timeout (the first rank died: the whole group restarts). A step that keeps failing after
+recoveries (more than `max_step_faults` in a row) is no transient fault: the engine dies
+then too. `fault_status`, `fault_recover` (try again now) and `fault_abort`
 (give up now) are utility calls (AdminService, `corestream admin fault`).
 
 Plain Python: the executor re-forms the group (`Executor.reform_group`).
@@ -40,6 +46,7 @@ from services.engine.core.emitter import OutputEmitter
 from services.engine.core.lifecycle import Lifecycle
 from services.engine.executor.protocol import Executor
 from services.engine.messages import EngineState
+from services.engine.parallel.errors import LeftOut
 from services.engine.scheduler.output import SchedulerOutput
 from services.engine.scheduler.scheduler import Scheduler
 from services.engine.waves.state import WaveState
@@ -83,6 +90,8 @@ class Sentinel:
         self._recovering = False
         self._attempts = 0
         self.epoch = 0
+        self.group_size: int | None = None
+        """Ranks in the group as last re-formed (None before any re-forming)."""
         self.last_error = ""
         """Why the latest recovery attempt failed."""
 
@@ -132,35 +141,44 @@ class Sentinel:
 
     def _recover(self, wave_state: list[int]) -> None:
         self._attempts += 1
+        # Past the timeout the missing ranks had their chance: the group may go on
+        # without them.
+        shrink = time.time() - self.faults[-1].at >= self._recovery_timeout_s
         try:
             reform = getattr(self._executor, "reform_group", None)
-            epoch, states = reform(wave_state) if reform is not None else (0, [wave_state])
-        except NotImplementedError as exc:
+            epoch, states = (reform(wave_state, shrink=shrink) if reform is not None
+                             else (0, [wave_state]))
+        except (NotImplementedError, LeftOut) as exc:
             # No retry can help: die at once, as before the sentinel.
             reason = f"{self.faults[-1].reason}; the group cannot be re-formed: {exc}"
             self._post(lambda: self._lifecycle.die(reason, fail_requests=True))
             return
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-            self._post(lambda: self._attempt_failed(error))
+            incomplete = isinstance(exc, TimeoutError)
+            self._post(lambda: self._attempt_failed(error, incomplete))
             return
         self._post(lambda: self._resume(epoch, states))
 
-    def _attempt_failed(self, error: str) -> None:
-        """On the loop thread."""
+    def _attempt_failed(self, error: str, incomplete: bool) -> None:
+        """On the loop thread. `incomplete`: the group's store answered, but ranks were
+        missing (and, past the timeout, the others could not go on without them)."""
         self._recovering = False
         self.last_error = error
         if not self.paused:
             return  # aborted meanwhile
         waited = time.time() - self.faults[-1].at
-        if waited >= self._recovery_timeout_s:
+        if waited >= self._recovery_timeout_s and not incomplete:
             self._lifecycle.die(
                 f"the group did not re-form within engine_recovery_timeout_s "
                 f"{self._recovery_timeout_s:g} after {self.faults[-1].reason} ({error})",
                 fail_requests=True)
             return
-        logger.warning("%s: re-forming the group failed (attempt %d, %.0f s of %g): %s",
-                       self._name, self._attempts, waited, self._recovery_timeout_s, error)
+        logger.warning("%s: re-forming the group failed (attempt %d, %.0f s%s): %s",
+                       self._name, self._attempts, waited,
+                       f" of {self._recovery_timeout_s:g}"
+                       if waited < self._recovery_timeout_s else
+                       ", past engine_recovery_timeout_s; waiting on", error)
         threading.Timer(RETRY_PAUSE_S, lambda: self._post(self._retry)).start()
 
     def _retry(self) -> None:
@@ -173,15 +191,16 @@ class Sentinel:
         if not self.paused:
             return
         self._agree(epoch, states)
-        logger.warning("%s: recovered under epoch %d after %.2f s; resuming %d requests",
-                       self._name, epoch, time.time() - self.faults[-1].at,
-                       len(self._scheduler.requests))
+        logger.warning("%s: recovered under epoch %d (%d ranks) after %.2f s; resuming %d "
+                       "requests", self._name, epoch, len(states),
+                       time.time() - self.faults[-1].at, len(self._scheduler.requests))
         self.halted = False
         self._lifecycle.set_state(EngineState.RUNNING)
         self._outputs.broadcast()
 
     def _agree(self, epoch: int, states: list[list[int]]) -> None:
         self.epoch = epoch
+        self.group_size = len(states)
         wave = self._wave()
         if wave is not None:
             # Every rank computes the same from the same gathered states. A rank that
@@ -200,7 +219,7 @@ class Sentinel:
         deadline = time.monotonic() + self._recovery_timeout_s
         while True:
             try:
-                epoch, states = self._executor.reform_group([0, 0, 0])
+                epoch, states = self._executor.reform_group([0, 0, 0], shrink=False)
                 break
             except TimeoutError:
                 if time.monotonic() >= deadline:
@@ -217,6 +236,7 @@ class Sentinel:
             "faults": len(self.faults),
             "in_a_row": self._in_a_row,
             "epoch": self.epoch,
+            "group_size": self.group_size,
             "recovering": self._recovering,
             "recovery_attempts": self._attempts,
             "last_fault": None if last is None else

@@ -72,11 +72,15 @@ class Executor(Protocol):
         """All-reduce over the expert-parallel group: does any rank have work?"""
         ...
 
-    def reform_group(self, state: list[int]) -> tuple[int, list[list[int]]]:
+    def reform_group(self, state: list[int], shrink: bool = False
+                     ) -> tuple[int, list[list[int]]]:
         """After a failed step, re-form the expert-parallel group under a new epoch
         (every live rank calls this; it returns once all have) and gather every rank's
-        `state` ints: (epoch, states in rank order). Optional: an executor without it
-        has no group, and its engine retries the step as it is."""
+        `state` ints: (epoch, states in rank order). `shrink`: the group may go on
+        without the ranks that did not come back, if the others can serve the model
+        (TimeoutError, saying why, if they cannot); `LeftOut`: it went on without this
+        one. Optional: an executor without it has no group, and its engine retries the
+        step as it is."""
         ...
 
     def start_profile(self, folder: Path, name: str) -> dict[str, Any]:

@@ -226,13 +226,14 @@ class TensorParallelExecutor:
     def any_rank_has_work(self, has_work: bool) -> bool:
         return self._runner.any_rank_has_work(has_work)
 
-    def reform_group(self, state: list[int]) -> tuple[int, list[list[int]]]:
+    def reform_group(self, state: list[int], shrink: bool = False
+                     ) -> tuple[int, list[list[int]]]:
         if current_dp_group() is not None:
             # NOTE: every TP rank is in the DP group of its own TP rank; each would have
             # to re-form it, through a call to the workers: not built yet.
             raise NotImplementedError("re-forming an expert-parallel group of "
                                       "tensor-parallel engines is not supported yet")
-        return self._runner.reform_group(state)
+        return self._runner.reform_group(state, shrink)
 
     def start_profile(self, folder: Path, name: str) -> dict[str, Any]:
         return self._runner.start_profile(folder, name)

@@ -37,7 +37,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from corestream_kernels import cpu_isa
@@ -71,7 +71,12 @@ from services.engine.models.linear import (
     QuantizedLinear,
     lay_out_for_cpu,
 )
-from services.engine.models.moe import QuantizedExperts, StackedExperts
+from services.engine.models.moe import (
+    QuantizedExperts,
+    SparseMoeBlock,
+    SparseMoeForCausalLM,
+    StackedExperts,
+)
 from services.engine.models.registry import MODEL_REGISTRY, supported, unsupported_message
 from services.engine.models.tp_sharding import ShardPlan
 
@@ -164,12 +169,7 @@ def load_model(
             f"quantization {quantization} takes a safetensors checkpoint on one rank; "
             + (f"{gguf_file} is a GGUF file, served with its own quantization" if gguf_file
                else "tensor parallelism does not shard quantized weights"))
-    if gguf_file:
-        quantized = os.environ.get(DEQUANTIZE_ENV, "") in ("", "0")
-        state = read_gguf(Path(gguf_file), hf_config["model_type"], dtype, device, model_name,
-                          plan, keep_quantized=lambda name: quantized and name.endswith(".weight"))
-    else:
-        state = dict(_read_safetensors(folder, dtype, device, model_name, plan, layout.tensors))
+    state = _read_state(folder, hf_config, dtype, device, model_name, plan, layout.tensors)
     if experts is not None:
         pack_experts(state, getattr(cls, "packed_experts", {}), experts, dtype,
                      layout.placements)
@@ -220,6 +220,72 @@ def load_model(
                 ", ".join(hf_config.get("architectures", [])), folder, device, dtype,
                 f", tensor-parallel shard {tp.rank} of {tp.world_size}" if tp else "")
     return model.eval()
+
+
+def _read_state(folder: Path, hf_config: dict[str, Any], dtype: torch.dtype,
+                device: torch.device, model_name: Callable[[str], str | None],
+                plan: ShardPlan | None, specs: dict[str, TensorSpec]) -> dict[str, Weight]:
+    """The checkpoint's tensors that `model_name` keeps, from its GGUF file (quantized
+    matrices kept as blocks) or its safetensors files (`specs` records those)."""
+    gguf_file = hf_config.get(GGUF_FILE_KEY)
+    if gguf_file:
+        quantized = os.environ.get(DEQUANTIZE_ENV, "") in ("", "0")
+        return dict(read_gguf(Path(gguf_file), hf_config["model_type"], dtype, device,
+                              model_name, plan,
+                              keep_quantized=lambda name: quantized and name.endswith(".weight")))
+    return dict(_read_safetensors(folder, dtype, device, model_name, plan, specs))
+
+
+def load_experts(model: SparseMoeForCausalLM, path: str | Path, dtype: torch.dtype,
+                 device: torch.device) -> range:
+    """Give `model` the experts its expert-parallel rank owns now, read from the
+    checkpoint at `path`, in place of those it held; returns their ids.
+
+    For a group re-formed without a rank (its ranks numbered afresh): every other weight,
+    the KV cache and the requests stay as they are, and only the experts move. The
+    checkpoint layout follows, so live weight updates reach the new experts."""
+    if model.tp is not None:
+        raise NotImplementedError("moving experts between ranks of tensor-parallel "
+                                  "engines is not supported yet")
+    folder = Path(path)
+    hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    cls = type(model)
+    moe = model.config.moe
+    assert moe is not None
+    experts = model.expert_parallel.local_experts(moe.num_experts)
+    renames: Mapping[str, str] = getattr(cls, "checkpoint_renames", {})
+
+    def expert_name(name: str) -> str | None:
+        ours = _model_tensor_name(name, renames, experts)
+        return ours if ours is not None and _EXPERT_TENSOR.match(ours) else None
+
+    specs: dict[str, TensorSpec] = {}
+    state = _read_state(folder, hf_config, dtype, device, expert_name, None, specs)
+    layout: CheckpointLayout = model.checkpoint_layout
+    layout.tensors.update({name: spec for name, spec in specs.items()
+                           if _EXPERT_TENSOR.match(name)})
+    for name in [n for n in layout.placements if (m := _EXPERT_TENSOR.match(n))
+                 and int(m["id"]) not in experts]:
+        del layout.placements[name]
+    blocks = [(name, module) for name, module in model.named_modules()
+              if isinstance(module, SparseMoeBlock)]
+    with torch.device("meta"):
+        for _, block in blocks:
+            block.experts = StackedExperts(experts, model.config.hidden_size,
+                                           moe.intermediate_size)
+    pack_experts(state, getattr(cls, "packed_experts", {}), experts, dtype, layout.placements)
+    place_quantized(model, state, dtype)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    unloaded = [f"{name}.experts.{p}" for name, block in blocks
+                for p, value in block.experts.named_parameters() if value.is_meta]
+    if unloaded or result.unexpected_keys:
+        raise ValueError(f"checkpoint {folder} does not hold experts {experts.start}.."
+                         f"{experts.stop - 1} whole: missing {unloaded}, unexpected "
+                         f"{sorted(result.unexpected_keys)}")
+    model.local_experts = experts
+    logger.info("experts %d..%d of %d loaded from %s", experts.start, experts.stop - 1,
+                moe.num_experts, folder)
+    return experts
 
 
 def note_attention_window(config: DecoderConfig, max_model_len: int) -> None:

@@ -12,17 +12,28 @@ same shape; the group's timeout bounds each of them, so a rank that stops joinin
 its peers instead of hanging them. After such a failure the ranks `reform` the group: a
 fresh gloo group under the next *epoch* (its keys prefixed in the same store), which the
 first rank to ask moves on and the others join.
+
+A rank that never comes back can be left out: `reform(shrink=...)` lets the first rank
+(the store's host, which every re-formed group keeps) decide, once the caller's patience
+is spent, that the group goes on with the ranks that are back. The decision is written
+in the store, so every waiting rank reads the same one; a rank not in it (the dead
+one's replacement, come too late) is refused with `LeftOut`. Ranks are then numbered
+afresh (their order kept); `members` says which ranks of the first group they were.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from services.engine.parallel.errors import LeftOut
 
 if TYPE_CHECKING:
     from services.engine.parallel.nccl import NcclCommunicator
@@ -46,6 +57,12 @@ class Collectives:
             raise ValueError(f"rank must be in [0, world_size {world_size}), got {rank}")
         self.rank = rank
         self.world_size = world_size
+        self.members = list(range(world_size))
+        """The ranks of the group as first formed that are in it now, in rank order
+        (`members[rank]` is this rank's first rank); fewer after a `reform` left some
+        out."""
+        self.first_rank = rank
+        """This rank's number in the group as first formed (its flag)."""
         self._store = store
         self._timeout = timeout
         self._gloo: dist.ProcessGroupGloo | None = (
@@ -80,15 +97,21 @@ class Collectives:
         del self._gloo
         del self._store
 
-    def reform(self) -> int:
+    def reform(self, shrink: Callable[[list[int]], str | None] | None = None) -> int:
         """Replace the group's connections by fresh ones under the next epoch; returns
         it. Every live rank must call this (the call returns once all have, or raises
         after the group's timeout). The old group is dropped without a barrier: a peer
         may be gone. The epoch is agreed in the store: the first rank to ask moves it
-        on from the one this rank knows, a later one finds it moved and joins it."""
+        on from the one this rank knows, a later one finds it moved and joins it.
+
+        `shrink` given (the caller waited long enough for the missing ranks): on the
+        first rank, re-form at once with the ranks that are back, if `shrink(members)`
+        (their first ranks) returns None; a reason refuses it (`TimeoutError` with that
+        reason, after the wait). Every other rank follows a decision it finds."""
         if self._nccl is not None:
             raise NotImplementedError("re-forming a group whose tensors travel over NCCL "
                                       "is not supported yet")
+        self._refuse_if_left_out()
         if self._gloo is None:
             # A replacement: the epoch the others are re-forming under.
             self._target = int(self._store.get(EPOCH_KEY))
@@ -99,27 +122,79 @@ class Collectives:
         else:
             self._target = max(self._target, int(self._store.get(EPOCH_KEY)))
         epoch = self._target
-        self._wait_for_all(epoch)
-        self._gloo = _gloo_group(self._store, epoch, self.rank, self.world_size, self._timeout)
+        members = self._wait_for_all(epoch, shrink)
+        if members == self.members:
+            group = _gloo_group(self._store, epoch, self.rank, self.world_size, self._timeout)
+        else:
+            rank = members.index(self.first_rank)
+            # Keys of their own: a latecomer may have begun the full group's rendezvous.
+            group = _gloo_group(self._store, epoch, rank, len(members), self._timeout,
+                                suffix="/of-" + "-".join(map(str, members)))
+            logger.warning("%s re-formed without ranks %s: rank %d of %d (was %d of %d)",
+                           type(self).__name__, sorted(set(self.members) - set(members)),
+                           rank, len(members), self.rank, self.world_size)
+            self.rank, self.world_size, self.members = rank, len(members), members
+        self._gloo = group
         self.epoch, self._target = epoch, None
         logger.info("%s re-formed as rank %d of %d under epoch %d", type(self).__name__,
                     self.rank, self.world_size, epoch)
         return epoch
 
-    def _wait_for_all(self, epoch: int) -> None:
+    def _refuse_if_left_out(self) -> None:
+        raw = self._store.get(MEMBERS_KEY) if self._store.check([MEMBERS_KEY]) else b""
+        if raw and self.first_rank not in (members := json.loads(raw)):
+            raise LeftOut(
+                f"rank {self.first_rank} was left out of the group, which went on as "
+                f"ranks {members} of the first {len(self.members)} when it did not come "
+                "back in time (engine_recovery_timeout_s); restart the whole group to "
+                "bring it back")
+
+    def _wait_for_all(self, epoch: int,
+                      shrink: Callable[[list[int]], str | None] | None) -> list[int]:
         """Announce this rank for `epoch` (once) and wait, up to the group's timeout,
-        until every rank has: gloo's rendezvous keys are formed only once everybody is
-        there (a retry would find an earlier attempt's stale addresses)."""
+        until every rank has, or the first rank decided to go on without some: the
+        members of the group to form (first ranks). gloo's rendezvous keys are formed
+        only once everybody is there (a retry would find an earlier attempt's stale
+        addresses)."""
         key = f"epoch-{epoch}/arrived"
+        decided = f"epoch-{epoch}/members"
         if self._arrived != epoch:
+            # Who, before how many: the first rank reads who is here when it decides.
+            self._store.set(f"{key}-{self.first_rank}", b"1")
             self._store.add(key, 1)
             self._arrived = epoch
+        deciding = shrink is not None and self.first_rank == self.members[0]
+        refused = ""
         deadline = time.monotonic() + self._timeout.total_seconds()
-        while (here := self._store.add(key, 0)) < self.world_size:
+        while True:
+            if self._store.check([decided]):
+                members: list[int] = json.loads(self._store.get(decided))
+                if self.first_rank not in members:
+                    raise LeftOut(f"rank {self.first_rank} came too late for epoch {epoch}: "
+                                  f"the group went on as ranks {members}")
+                return members
+            here = self._store.add(key, 0)
+            if here >= self.world_size:
+                return self.members
+            if deciding and not refused:
+                back = [r for r in self.members if self._store.check([f"{key}-{r}"])]
+                refused = (shrink(back) or "") if shrink is not None else ""
+                if not refused:
+                    self._decide(decided, back)
+                    continue
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{here} of {self.world_size} ranks are back for epoch "
-                                   f"{epoch} after {self._timeout.total_seconds():g} s")
+                                   f"{epoch} after {self._timeout.total_seconds():g} s"
+                                   + (f"; going on without the others: {refused}"
+                                      if refused else ""))
             time.sleep(0.05)
+
+    def _decide(self, key: str, members: list[int]) -> None:
+        """The first rank's decision: the group goes on as `members`. Set once, for the
+        epoch and for good (a later replacement of a left-out rank reads it too)."""
+        value = json.dumps(members).encode()
+        if self._store.compare_set(key, b"", value) == value:
+            self._store.set(MEMBERS_KEY, value)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """`[world_size, *tensor.shape]`: every rank's `tensor`, in rank order.
@@ -166,16 +241,18 @@ class Collectives:
 
 
 def _gloo_group(store: dist.Store, epoch: int, rank: int, world_size: int,
-                timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+                timeout: datetime.timedelta, suffix: str = "") -> dist.ProcessGroupGloo:
     """The gloo group of `epoch` (each epoch's keys under a prefix of their own; epoch 0
     is the group as first formed, on the store's own keys)."""
-    scoped = store if epoch == 0 else dist.PrefixStore(f"epoch-{epoch}", store)
+    scoped = store if epoch == 0 else dist.PrefixStore(f"epoch-{epoch}{suffix}", store)
     return dist.ProcessGroupGloo(scoped, rank, world_size, timeout)
 
 
 GroupT = TypeVar("GroupT", bound=Collectives)
 EPOCH_KEY = "corestream/epoch"
 """The store's key holding the group's current epoch (see `Collectives.reform`)."""
+MEMBERS_KEY = "corestream/members"
+"""Set once the group went on without some ranks: the first ranks still in it (JSON)."""
 
 
 def connect(

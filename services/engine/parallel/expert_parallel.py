@@ -34,19 +34,23 @@ class ExpertParallel:
     def __init__(self, group: DPGroup | None) -> None:
         """`group` None: a single rank that owns every expert and never communicates."""
         self.group = group
-        self.rank = group.rank if group is not None else 0
-        self.world_size = group.world_size if group is not None else 1
         self._batch_sizes: list[int] | None = None
         """Every rank's token count in the current forward, while one runs."""
 
+    # Read from the group each time: a group re-formed without a rank numbers its ranks
+    # afresh (services/engine/core/sentinel.py), and the experts move with them.
+    @property
+    def rank(self) -> int:
+        return self.group.rank if self.group is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size if self.group is not None else 1
+
     def local_experts(self, num_experts: int) -> range:
         """The ids of the experts this rank owns."""
-        if num_experts % self.world_size:
-            raise ValueError(
-                f"num_experts {num_experts} is not divisible by the data-parallel size "
-                f"{self.world_size}: expert parallelism gives every rank the same number "
-                f"of experts; choose a data-parallel size that divides {num_experts}"
-            )
+        if why := uneven_split(num_experts, self.world_size):
+            raise ValueError(why + f"; choose a data-parallel size that divides {num_experts}")
         per_rank = num_experts // self.world_size
         return range(self.rank * per_rank, (self.rank + 1) * per_rank)
 
@@ -101,3 +105,12 @@ class ExpertParallel:
                 out[r, : sizes[r]] = chunk
         group.all_reduce(out)
         return out[self.rank, :num_tokens]
+
+
+def uneven_split(num_experts: int, world_size: int) -> str | None:
+    """Why `num_experts` cannot be split over `world_size` ranks; None if it can."""
+    if num_experts % world_size:
+        return (f"num_experts {num_experts} is not divisible by the data-parallel size "
+                f"{world_size}: expert parallelism gives every rank the same number of "
+                "experts")
+    return None

@@ -34,10 +34,12 @@ from services.engine.models.attention_metadata import AttentionMetadata
 from services.engine.models.checkpoint_layout import CheckpointLayout
 from services.engine.models.decoder_config import DecoderConfig
 from services.engine.models.linear import linear_layers, panels_of, quantized_blocks
-from services.engine.models.loader import load_model, torch_dtype
+from services.engine.models.loader import load_experts, load_model, torch_dtype
+from services.engine.models.moe import SparseMoeForCausalLM
 from services.engine.models.protocol import CausalLM, GreedyDecoder
 from services.engine.parallel.collectives import Collectives
 from services.engine.parallel.dp_group import current_dp_group
+from services.engine.parallel.expert_parallel import uneven_split
 from services.engine.scheduler.output import (
     GrammarMask,
     PositionLogprobs,
@@ -314,16 +316,37 @@ class ModelRunner:
             return has_work
         return bool(group.all_reduce(torch.tensor([int(has_work)], dtype=torch.int64)).item())
 
-    def reform_group(self, state: list[int]) -> tuple[int, list[list[int]]]:
+    def reform_group(self, state: list[int], shrink: bool = False
+                     ) -> tuple[int, list[list[int]]]:
         """Re-form the DP group after a failed step (every live rank calls this) and
         gather each rank's `state`: (the new epoch, every rank's state in rank order).
-        Without a group: (0, [state])."""
+        Without a group: (0, [state]).
+
+        `shrink`: the missing ranks had their time; the group may go on without them
+        (`Collectives.reform`) if the ranks that are back can hold every expert between
+        them, each loading from the checkpoint the experts it owns in the smaller group."""
         group = current_dp_group()
         if group is None:
             return 0, [state]
-        epoch = group.reform()
+        members = group.members
+        epoch = group.reform(self._can_hold_experts if shrink else None)
+        if group.members != members and isinstance(self.model, SparseMoeForCausalLM):
+            with torch.inference_mode():
+                load_experts(self.model, resolve_model(self.config.model), self._dtype,
+                             self._device)
+            self._staging = None  # staged against the experts it held before
         gathered = group.all_gather(torch.tensor(state, dtype=torch.int64))
         return epoch, gathered.tolist()
+
+    def _can_hold_experts(self, members: list[int]) -> str | None:
+        """Why `members` ranks cannot serve this model's experts between them; None if
+        they can."""
+        moe = getattr(self.model.config, "moe", None)
+        if moe is None:
+            return None
+        if self.model.tp is not None:
+            return "tensor-parallel engines cannot move experts between them yet"
+        return uneven_split(moe.num_experts, len(members))
 
     def start_profile(self, folder: Path, name: str) -> dict[str, Any]:
         """Start the torch profiler (the profile utility call)."""

@@ -104,7 +104,8 @@ class LockstepRunner(FakeRunner):
         self.barrier.wait(self.timeout_s)  # nobody votes again before everyone has read
         return result
 
-    def reform_group(self, state: list[int]) -> tuple[int, list[list[int]]]:
+    def reform_group(self, state: list[int], shrink: bool = False
+                     ) -> tuple[int, list[list[int]]]:
         group = _REFORMS.setdefault(id(self.barrier), _Reform(self.barrier.parties))
         return group.join(self.rank, state, self.barrier, self)
 

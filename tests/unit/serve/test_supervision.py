@@ -234,3 +234,28 @@ def test_an_engine_that_refuses_its_configuration_stops_the_cluster_at_once(
     clock.now += 60
     assert children["engine-1"].starts == 1 and restarts(registry, "engine-1") == 0
     assert [s.part for s in read_status(tmp_path / "restarts.json") if s.given_up] == ["engine-1"]
+
+
+def test_an_moe_groups_later_rank_not_replaced_leaves_the_others_serving(
+        tmp_path: Path) -> None:
+    """Restarts spent (here: off): a later rank that exits is left out, and the others
+    go on (their sentinels re-form the group without it); the whole group's restart,
+    once allowed again, brings it back."""
+    status = tmp_path / "restarts.json"
+    supervision, children, clock, registry = cluster(status, moe=True, engines=3,
+                                                     policy=RestartPolicy(0, 60, 1))
+    group = supervision.parts[1]
+    group.replaces_ranks = True
+    children["engine-1"].code = -9
+    assert supervision.check() is None
+    assert [children[f"engine-{i}"].stops for i in range(3)] == [0, 0, 0]
+    assert group.left_out == [children["engine-1"]] and supervision.num_engines == 2
+    clock.now += 100
+    assert supervision.check() is None  # no restart, and the exit is not seen twice
+    assert [children[f"engine-{i}"].starts for i in range(3)] == [1, 1, 1]
+    assert restarts(registry, "engines") == 0
+    assert not read_status(status)[1].given_up
+    # The first rank going stops them all, and gives the group up (restarts are off).
+    children["engine-0"].code = -9
+    assert supervision.check() == "no engine is left"
+    assert children["engine-2"].stops == 1

@@ -11,6 +11,7 @@ import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
+from services.engine.core.sentinel import RETRY_PAUSE_S
 from services.engine.messages import EngineState, InputType, SessionOutputs
 from services.engine.request import UNAVAILABLE, FinishReason
 from services.engine.scheduler.output import RunnerOutput
@@ -89,26 +90,40 @@ def test_no_retries_with_max_step_faults_0() -> None:
 
 
 class Unreformable(FakeRunner):
-    """Fails one step, and re-forming its group always fails (a peer never returns)."""
+    """Fails one step, and re-forming its group always fails (a peer never returns):
+    with `error`, TimeoutError by default (the group's store answers, a rank is
+    missing). `shrinks`: once allowed to, it goes on without the missing rank."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: type[Exception] = TimeoutError, shrinks: bool = False) -> None:
         super().__init__()
         self.attempts = 0
+        self.error = error
+        self.shrinks = shrinks
+        self.shrink_flags: list[bool] = []
+        self.failed = False
 
     def execute(self, out):  # type: ignore[no-untyped-def]
-        if self.steps == 2:
+        if self.steps == 2 and not self.failed:
+            self.failed = True
             raise RuntimeError("peer gone")
         return super().execute(out)
 
-    def reform_group(self, state: list[int]) -> tuple[int, list[list[int]]]:
+    def reform_group(self, state: list[int], shrink: bool = False
+                     ) -> tuple[int, list[list[int]]]:
         self.attempts += 1
-        raise TimeoutError("the group did not re-form")
+        self.shrink_flags.append(shrink)
+        if shrink and self.shrinks:
+            return 1, [state]
+        time.sleep(0.05)
+        raise self.error("1 of 2 ranks are back" + (
+            "; going on without the others: 8 experts over 3 ranks" if shrink else ""))
 
 
-def faulting(recovery_timeout_s: float) -> tuple[EngineCore, Unreformable, Any]:
+def faulting(recovery_timeout_s: float, runner: Unreformable | None = None
+             ) -> tuple[EngineCore, Unreformable, Any]:
     """A started engine whose step fails and whose group never re-forms, with request
     "r" on Session "s" (returned: the core, its runner, the Session's queue)."""
-    runner = Unreformable()
+    runner = runner or Unreformable()
     core = EngineCore(EngineConfig(engine_recovery_timeout_s=recovery_timeout_s), runner)
     q = core.sessions.open("s")
     core.start()
@@ -145,14 +160,54 @@ def test_paused_engine_answers_status_and_abort_ends_its_requests() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_recovery_gives_up_after_the_timeout() -> None:
-    core, runner, q = faulting(0.5)
+def test_an_unreachable_group_gives_up_after_the_timeout() -> None:
+    core, runner, q = faulting(0.5, Unreformable(ConnectionError))
     try:
         by_id, _ = collect(q, {"r"})
         assert by_id["r"][-1].error_code == UNAVAILABLE
         assert core.state is EngineState.DEAD
         assert "did not re-form within engine_recovery_timeout_s" in core.death_reason
         assert runner.attempts >= 1
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_past_the_timeout_the_group_goes_on_without_the_missing_rank() -> None:
+    """The missing rank never comes: once the timeout passed, re-forming may leave it
+    out, and the engine resumes its request with the tokens of a run without the fault."""
+    _, want, _ = run(FakeRunner(), prompts=((1, 2, 3),))
+    core, runner, q = faulting(0.3, Unreformable(shrinks=True))
+    try:
+        by_id, _ = collect(q, {"r"}, timeout=30)
+        assert all(u.error_code == 0 for u in by_id["r"])
+        assert tokens(by_id["r"]) == want["r0"]
+        assert runner.shrink_flags[0] is False and runner.shrink_flags[-1] is True
+        status = ok(call(core, q, "fault_status"))
+        assert status["state"] == "RUNNING" and status["group_size"] == 1, status
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_that_cannot_go_on_smaller_waits_saying_why() -> None:
+    """Past the timeout, with ranks that cannot serve the model without the missing
+    one: the engine does not die, it waits paused, and its status says why."""
+    core, runner, q = faulting(0.3)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            status = ok(call(core, q, "fault_status"))
+            if "going on without the others" in status["last_recovery_error"]:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert "8 experts over 3 ranks" in status["last_recovery_error"]
+        time.sleep(RETRY_PAUSE_S + 0.5)  # and it goes on trying
+        status = ok(call(core, q, "fault_status"))
+        assert status["state"] == "PAUSED_FAULT" and core.state is EngineState.PAUSED_FAULT
+        assert runner.attempts >= 2 and True in runner.shrink_flags
+        assert ok(call(core, q, "fault_abort"))["state"] == "DEAD"
     finally:
         core.shutdown()
 
