@@ -57,6 +57,8 @@ PROTOCOL_VERSION = 1
 _ENDED_STATES = (common_pb2.ENGINE_STATE_STOPPED, common_pb2.ENGINE_STATE_DEAD)
 _NOT_ACCEPTING_STATES = (common_pb2.ENGINE_STATE_DRAINING, common_pb2.ENGINE_STATE_PAUSED_FAULT,
                          *_ENDED_STATES)
+_ATTEMPTS = itertools.count(1)
+"""Numbers every request sent to an engine from this process (its wire id's suffix)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,10 @@ class EngineClient:
         self._watchdog_timeout_s = watchdog_timeout_s
         self._last_heard = time.monotonic()
         self._engine_index: int | None = None
-        self._streams: dict[str, asyncio.Queue[EngineEvent]] = {}
+        self._streams: dict[str, tuple[str, asyncio.Queue[EngineEvent]]] = {}
+        """Wire id -> (the caller's request id, its queue), of the requests in flight."""
+        self._wire_ids: dict[str, str] = {}
+        """The caller's request id -> the wire id the engine knows it by."""
         self._send_queue: asyncio.Queue[engine_pb2.SessionRequest | None] | None = None
         self._connected = False
         self._state: int = common_pb2.ENGINE_STATE_UNSPECIFIED
@@ -178,7 +183,7 @@ class EngineClient:
         their request id, failures end them all)."""
         if not self.accepting or self._send_queue is None:
             raise unavailable(f"engine {self.address} is not accepting requests")
-        if request.request_id in self._streams:
+        if request.request_id in self._wire_ids:
             raise RequestError(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request_id {request.request_id!r} is already running",
@@ -188,16 +193,24 @@ class EngineClient:
             queue = asyncio.Queue()
         if not self._streams:
             self._last_heard = time.monotonic()  # silence counts only while busy
-        self._streams[request.request_id] = queue
-        self._send_queue.put_nowait(engine_pb2.SessionRequest(add=request))
+        # The engine knows the request by an id of this attempt alone: callers reuse a
+        # request id as soon as its request ended here (an abort, a retry), while the
+        # engine may still be sending the old one's last outputs, which must not reach
+        # the new one's queue.
+        message = engine_pb2.SessionRequest(add=request)  # (a copy of the request)
+        wire_id = message.add.request_id = f"{request.request_id}@{next(_ATTEMPTS)}"
+        self._streams[wire_id] = (request.request_id, queue)
+        self._wire_ids[request.request_id] = wire_id
+        self._send_queue.put_nowait(message)
         return queue
 
     def abort(self, request_id: str, notify: bool = False) -> bool:
         """Abort in the engine and stop listening; with `notify` the request's queue
         receives a FINISH_REASON_ABORT output so that its stream ends normally."""
-        queue = self._streams.pop(request_id, None)
-        if queue is None:
+        wire_id = self._wire_ids.pop(request_id, None)
+        if wire_id is None:
             return False
+        _, queue = self._streams.pop(wire_id)
         if notify:
             queue.put_nowait(
                 engine_pb2.RequestOutput(
@@ -207,7 +220,7 @@ class EngineClient:
         if self._send_queue is not None:
             self._send_queue.put_nowait(
                 engine_pb2.SessionRequest(
-                    abort=engine_pb2.AbortRequests(request_ids=[request_id])
+                    abort=engine_pb2.AbortRequests(request_ids=[wire_id])
                 )
             )
         return True
@@ -344,12 +357,14 @@ class EngineClient:
                                               or response.HasField("kv_cache_snapshot")):
             self._kv_listener(self, response)
         for output in response.outputs:
-            queue = self._streams.get(output.request_id)
-            if queue is None:  # aborted here while the engine was still producing
+            wire_id = output.request_id
+            stream = self._streams.get(wire_id)
+            if stream is None:  # aborted here while the engine was still producing
                 continue
+            output.request_id, queue = stream
             queue.put_nowait(output)
             if output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                del self._streams[output.request_id]
+                del self._streams[wire_id], self._wire_ids[output.request_id]
         state = response.engine_state
         if state != common_pb2.ENGINE_STATE_UNSPECIFIED and state != self._state:
             self._state = state
@@ -389,7 +404,8 @@ class EngineClient:
             if not future.done():
                 future.set_exception(unavailable(f"{self.name} failed ({reason})"))
         streams, self._streams = self._streams, {}
-        for queue in streams.values():
+        self._wire_ids = {}
+        for _, queue in streams.values():
             queue.put_nowait(
                 EngineFailure(
                     grpc.StatusCode.UNAVAILABLE,

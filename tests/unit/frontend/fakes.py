@@ -41,6 +41,12 @@ from services.frontend.server import FrontendServer
 from services.frontend.tokenizer import TextTokenizer
 
 
+def caller_id(wire_id: str) -> str:
+    """The request id an EngineClient's caller gave, from the id the engine sees
+    (the client adds "@<attempt>")."""
+    return wire_id.rpartition("@")[0]
+
+
 class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
     def __init__(self, script: list[int], step_s: float = 0.005, lockstep: int = 0) -> None:
         self.script = script
@@ -54,7 +60,11 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         self._turn = asyncio.Condition()
         self.hellos: list[engine_pb2.Hello] = []
         self.adds: list[engine_pb2.AddRequest] = []
+        """What was added, under the caller's request ids (`wire_adds`: the engine's)."""
         self.aborts: list[str] = []
+        """The caller's request ids aborted (`wire_aborts`: the engine's)."""
+        self.wire_adds: list[engine_pb2.AddRequest] = []
+        self.wire_aborts: list[str] = []
         self.aborted = asyncio.Event()
         self.error: tuple[int, str] | None = None
         """(google.rpc code, message): fail every request with FINISH_REASON_ERROR."""
@@ -66,6 +76,9 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
         self.die_on_add = False
         """End the Session with UNAVAILABLE on the next add, before any output (a
         process killed just as a request arrived)."""
+        self.answer_aborts = False
+        """Answer an abort with the request's FINISH_REASON_ABORT output, as a real
+        engine does."""
 
     async def Session(
         self,
@@ -87,7 +100,11 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
                             kv_cache_snapshot=engine_pb2.KvCacheSnapshot(
                                 epoch="fake", block_size=16)))
                 elif kind == "add":
-                    self.adds.append(message.add)
+                    self.wire_adds.append(message.add)
+                    add = engine_pb2.AddRequest()
+                    add.CopyFrom(message.add)
+                    add.request_id = caller_id(add.request_id)
+                    self.adds.append(add)
                     if self.die_on_add:
                         out.put_nowait(None)
                         return
@@ -96,11 +113,17 @@ class FakeEngine(engine_pb2_grpc.EngineCoreServiceServicer):
                     )
                 elif kind == "abort":
                     for request_id in message.abort.request_ids:
-                        self.aborts.append(request_id)
+                        self.wire_aborts.append(request_id)
+                        self.aborts.append(caller_id(request_id))
                         self.aborted.set()
                         task = running.pop(request_id, None)
                         if task is not None:
                             task.cancel()
+                            if self.answer_aborts:
+                                out.put_nowait(engine_pb2.SessionResponse(outputs=[
+                                    engine_pb2.RequestOutput(
+                                        request_id=request_id,
+                                        finish_reason=common_pb2.FINISH_REASON_ABORT)]))
 
         reader = asyncio.create_task(read())
         try:
