@@ -278,6 +278,32 @@ def test_a_rank_whose_step_fails_pauses_with_its_peer_and_both_resume(
         c.stop()
 
 
+def kill_rank_1_under_streams(
+        c: Cluster, stub: pb_grpc.GenerateServiceStub, prompts: dict[str, list[int]],
+        tokens: int) -> tuple[dict[str, list[int]], dict[str, tuple[int, Any, str]], float]:
+    """Stream every prompt (prompt i on rank i % 2), SIGKILL rank 1 once all have
+    started, and read them to their end: (tokens by prompt, (rank, code, details) of
+    those that failed, seconds from the kill until the last ended)."""
+    streams = {rid: stub.GenerateStream(pb.GenerateStreamRequest(
+        token_ids=pb.TokenIds(ids=ids), data_parallel_rank=i % 2,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
+                                           ignore_eos=True)), timeout=180)
+        for i, (rid, ids) in enumerate(prompts.items())}
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    for rid, stream in streams.items():  # every stream has started
+        got[rid] += next(stream).token_ids
+    os.kill(c.engine_pid(1), signal.SIGKILL)
+    killed = time.monotonic()
+    errors = {}
+    for i, (rid, stream) in enumerate(streams.items()):
+        try:
+            for chunk in stream:
+                got[rid] += chunk.token_ids
+        except grpc.RpcError as e:
+            errors[rid] = (i % 2, e.code(), e.details() or "")
+    return got, errors, time.monotonic() - killed
+
+
 def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Path) -> None:
     """SIGKILL rank 1 with streams running on both ranks. Rank 0 pauses (its collective
     fails), keeps its requests, and re-forms the group with the replacement serve starts
@@ -292,28 +318,8 @@ def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Pa
         survivor = c.engine_pid(0)
         with grpc.insecure_channel(c.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
-
-            def request(ids: list[int], rank: int) -> pb.GenerateStreamRequest:
-                return pb.GenerateStreamRequest(
-                    token_ids=pb.TokenIds(ids=ids), data_parallel_rank=rank,
-                    sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
-                                                       ignore_eos=True))
-
-            streams = {rid: stub.GenerateStream(request(ids, i % 2), timeout=180)
-                       for i, (rid, ids) in enumerate(prompts.items())}
-            got: dict[str, list[int]] = {rid: [] for rid in prompts}
-            for rid, stream in streams.items():  # every stream has started
-                got[rid] += next(stream).token_ids
-            os.kill(c.engine_pid(1), signal.SIGKILL)
-            killed = time.monotonic()
-            errors = {}
-            for i, (rid, stream) in enumerate(streams.items()):
-                try:
-                    for chunk in stream:
-                        got[rid] += chunk.token_ids
-                except grpc.RpcError as e:
-                    errors[rid] = (i % 2, e.code(), e.details())
-            resumed = time.monotonic() - killed
+            got, errors, resumed = kill_rank_1_under_streams(c, stub, prompts, tokens)
+            killed = time.monotonic() - resumed
             on_rank0 = [rid for i, rid in enumerate(prompts) if i % 2 == 0]
             assert {rid: got[rid] for rid in on_rank0} == {rid: reference[rid]
                                                            for rid in on_rank0}
@@ -353,29 +359,12 @@ def test_a_rank_never_replaced_leaves_its_peer_serving_as_a_smaller_group(
         survivor = c.engine_pid(0)
         with grpc.insecure_channel(c.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
-            streams = {rid: stub.GenerateStream(pb.GenerateStreamRequest(
-                token_ids=pb.TokenIds(ids=ids), data_parallel_rank=i % 2,
-                sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
-                                                   ignore_eos=True)), timeout=180)
-                for i, (rid, ids) in enumerate(prompts.items())}
-            got: dict[str, list[int]] = {rid: [] for rid in prompts}
-            for rid, stream in streams.items():  # every stream has started
-                got[rid] += next(stream).token_ids
-            os.kill(c.engine_pid(1), signal.SIGKILL)
-            killed = time.monotonic()
-            errors = {}
-            for rid, stream in streams.items():
-                try:
-                    for chunk in stream:
-                        got[rid] += chunk.token_ids
-                except grpc.RpcError as e:
-                    errors[rid] = e.code()
-            resumed = time.monotonic() - killed
+            got, errors, resumed = kill_rank_1_under_streams(c, stub, prompts, tokens)
             on_rank0 = [rid for i, rid in enumerate(prompts) if i % 2 == 0]
             assert {rid: got[rid] for rid in on_rank0} == {rid: reference[rid]
                                                            for rid in on_rank0}
             assert set(errors) == set(prompts) - set(on_rank0), errors
-            assert set(errors.values()) == {grpc.StatusCode.UNAVAILABLE}
+            assert {code for _, code, _ in errors.values()} == {grpc.StatusCode.UNAVAILABLE}
             assert resumed >= 6, "rank 0 went on before its recovery timeout"
             status = json.loads(admin_grpc.AdminServiceStub(channel).GetFaultStatus(
                 admin_pb.GetFaultStatusRequest(engine_index=0), timeout=20
