@@ -185,7 +185,7 @@ class Collectives:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{here} of {self.world_size} ranks are back for epoch "
                                    f"{epoch} after {self._timeout.total_seconds():g} s"
-                                   + (f"; going on without the others: {refused}"
+                                   + (f"; the ranks back cannot go on without the others: {refused}"
                                       if refused else ""))
             time.sleep(0.05)
 

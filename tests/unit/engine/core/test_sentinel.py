@@ -116,7 +116,8 @@ class Unreformable(FakeRunner):
             return 1, [state]
         time.sleep(0.05)
         raise self.error("1 of 2 ranks are back" + (
-            "; going on without the others: 8 experts over 3 ranks" if shrink else ""))
+            "; the ranks back cannot go on without the others: 8 experts over 3 ranks"
+            if shrink else ""))
 
 
 def faulting(recovery_timeout_s: float, runner: Unreformable | None = None
@@ -198,7 +199,7 @@ def test_a_group_that_cannot_go_on_smaller_waits_saying_why() -> None:
         deadline = time.monotonic() + 20
         while True:
             status = ok(call(core, q, "fault_status"))
-            if "going on without the others" in status["last_recovery_error"]:
+            if "the ranks back cannot go on without the others" in status["last_recovery_error"]:
                 break
             assert time.monotonic() < deadline, status
             time.sleep(0.05)

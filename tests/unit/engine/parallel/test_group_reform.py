@@ -75,7 +75,8 @@ def test_the_group_goes_on_without_a_rank_that_never_came_back() -> None:
 def test_a_group_that_cannot_go_on_smaller_waits_for_the_missing_rank() -> None:
     groups = group_of(3)
     why = "num_experts 8 is not divisible by the data-parallel size 2"
-    with pytest.raises(TimeoutError, match="going on without the others: num_experts 8"):
+    with pytest.raises(TimeoutError,
+                       match="the ranks back cannot go on without the others: num_experts 8"):
         groups[0].reform(lambda members: why)
     # The missing rank comes back after all: the whole group re-forms.
     epochs = on_threads(lambda: groups[0].reform(lambda members: why),
