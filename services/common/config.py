@@ -22,6 +22,10 @@ CONFIG_ERROR_EXIT = 2
 """The exit code of a process that refused its configuration (a flag's value, the
 checkpoint, a busy port): `corestream` exits so after printing why, as argparse does
 for a bad flag. Never restarted."""
+LEFT_OUT_EXIT = 3
+"""The exit code of an expert-parallel rank whose group went on without it (it came back
+after the others' engine_recovery_timeout_s): restarting it alone cannot help, so serve
+leaves it out; restarting the whole group brings it back."""
 
 
 def doc(help: str, **kwargs: Any) -> Any:

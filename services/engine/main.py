@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from corestream.coordinator.v1 import coordinator_service_pb2 as coordinator_pb
 
-from services.common.config import add_arguments, from_args
+from services.common.config import LEFT_OUT_EXIT, add_arguments, from_args
 from services.common.logs import setup_logging
 from services.common.model_info import load_model_info
 from services.common.observability import Observability
@@ -39,6 +39,7 @@ from services.engine.kv_publisher.publisher import KvEventPublisher
 from services.engine.load_reporter import LoadReporter
 from services.engine.messages import EngineState
 from services.engine.metrics import EngineMetrics
+from services.engine.parallel.errors import LeftOut
 from services.engine.server import EngineServer
 from services.engine.waves.config import DataParallelConfig
 from services.engine.waves.relay import WaveRelay
@@ -71,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
 
     expert_parallel = dp.data_parallel_size > 1 and splits_experts(runner_config)
     if expert_parallel:
-        join_expert_parallel_group(config, runner_config, dp)
+        try:
+            join_expert_parallel_group(config, runner_config, dp)
+        except LeftOut as exc:
+            logger.critical("%s; exiting with code %d", exc, LEFT_OUT_EXIT)
+            return LEFT_OUT_EXIT
     runner = build_executor(config, runner_config, obs_config,
                             dp if expert_parallel else None, pooler)
     replacing = expert_parallel and replaces_a_failed_rank()
@@ -98,7 +103,12 @@ def run(args: argparse.Namespace) -> int:
         core.join_waves(dp.wave_check_interval, relay.announce if relay else None,
                         dp.prefill_schedule_interval)
         if replacing:
-            core.sentinel.join_reformed_group()
+            try:
+                core.sentinel.join_reformed_group()
+            except LeftOut as exc:
+                logger.critical("%s; exiting with code %d", exc, LEFT_OUT_EXIT)
+                logging.shutdown()
+                os._exit(LEFT_OUT_EXIT)  # (as a dead engine: gloo threads may hold on)
 
     def exit_when_dead(state: EngineState) -> None:
         if state is EngineState.DEAD:

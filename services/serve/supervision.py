@@ -20,7 +20,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter
 
-from services.common.config import CONFIG_ERROR_EXIT
+from services.common.config import CONFIG_ERROR_EXIT, LEFT_OUT_EXIT
 from services.common.metrics import PREFIX
 from services.common.parent_death import child_env
 from services.common.restart_status import PartStatus, write_status
@@ -179,6 +179,17 @@ class Supervision:
                 child.stop(GROUP_STOP_S)
             return (f"{part.name} cannot start with these flags or this checkpoint (exit "
                     f"code {CONFIG_ERROR_EXIT}, its reason is above); no restart would cure it")
+        refused = [c for c in part.children[1:]
+                   if c.exited() == LEFT_OUT_EXIT and c not in part.left_out]
+        if part.replaces_ranks and refused and part.children[0].exited() is None:
+            # The group went on without it: another start would be refused the same way.
+            part.left_out += refused
+            log.error("%s: %s came back after the other ranks went on without it; left "
+                      "out (restart the whole group to bring it back)", part.name,
+                      ", ".join(c.name for c in refused))
+            if part.exit_cause() is None:
+                self._write_status()
+                return None
         delay = tracker.on_exit(cause)
         exited = [c for c in part.children
                   if c.exited() is not None and c not in part.left_out]

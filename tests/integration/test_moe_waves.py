@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +23,8 @@ from corestream.generate.v1 import admin_service_pb2_grpc as admin_grpc
 from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
-from tests.integration.cluster import Cluster
+from services.common.config import LEFT_OUT_EXIT
+from tests.integration.cluster import REPO, Cluster
 from tests.unit.engine.fakes import SessionClient
 
 pytestmark = pytest.mark.timeout(400)
@@ -357,6 +359,7 @@ def test_a_rank_never_replaced_leaves_its_peer_serving_as_a_smaller_group(
                      "--engine-recovery-timeout-s", "6")
     try:
         survivor = c.engine_pid(0)
+        rank1_argv = Path(f"/proc/{c.engine_pid(1)}/cmdline").read_bytes().split(b"\0")[:-1]
         with grpc.insecure_channel(c.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
             got, errors, resumed = kill_rank_1_under_streams(c, stub, prompts, tokens)
@@ -379,6 +382,13 @@ def test_a_rank_never_replaced_leaves_its_peer_serving_as_a_smaller_group(
         output = c.output()
         assert "experts 0..3 of 4 loaded" in output
         assert "is not replaced" in output
+        # Rank 1 started again by hand (as an orchestrator would): refused at once, with
+        # the exit code that tells serve not to restart it.
+        late = subprocess.run([a.decode() for a in rank1_argv], cwd=REPO, timeout=120,
+                              capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert late.returncode == LEFT_OUT_EXIT, late.stderr[-2000:]
+        assert "rank 1 was left out of the group" in late.stderr, late.stderr[-2000:]
         print(f"rank 1 killed, never replaced: rank 0 serving alone {resumed:.1f} s later")
     finally:
         c.stop()

@@ -287,7 +287,10 @@ def connect(
     nccl = None
     if device is not None and device.type == "cuda":
         nccl = _try_nccl(store, rank, world_size, device, cls.__name__)
-    return cls(store, rank, world_size, timeout, nccl, epoch)
+    group = cls(store, rank, world_size, timeout, nccl, epoch)
+    if epoch:
+        group._refuse_if_left_out()  # before the caller loads a model for nothing
+    return group
 
 
 def _try_nccl(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.common.config import LEFT_OUT_EXIT
 from services.common.restart_status import given_up_engines, read_status
 from services.serve.restart_policy import RestartPolicy, RestartTracker, describe_exit
 from services.serve.supervision import Child, Part, Supervision
@@ -259,3 +260,28 @@ def test_an_moe_groups_later_rank_not_replaced_leaves_the_others_serving(
     children["engine-0"].code = -9
     assert supervision.check() == "no engine is left"
     assert children["engine-2"].stops == 1
+
+
+def test_an_moe_groups_rank_that_comes_back_too_late_is_left_out_not_restarted(
+        tmp_path: Path) -> None:
+    """A replacement that found the group gone on without it exits with LEFT_OUT_EXIT:
+    starting it again would be refused the same way, so it is left out at once (not
+    counted as a crash), and the others serve on."""
+    supervision, children, clock, registry = cluster(tmp_path / "restarts.json", moe=True,
+                                                     engines=3)
+    group = supervision.parts[1]
+    group.replaces_ranks = True
+    children["engine-2"].code = LEFT_OUT_EXIT
+    assert supervision.check() is None
+    assert group.left_out == [children["engine-2"]] and supervision.num_engines == 2
+    clock.now += 60
+    assert supervision.check() is None
+    assert [children[f"engine-{i}"].starts for i in range(3)] == [1, 1, 1]
+    assert [children[f"engine-{i}"].stops for i in range(3)] == [0, 0, 0]
+    assert restarts(registry, "engines") == 0
+    # Another rank's crash is still a crash: it is replaced as before.
+    children["engine-1"].code = -9
+    assert supervision.check() is None
+    clock.now += 0.5
+    assert supervision.check() is None
+    assert [children[f"engine-{i}"].starts for i in range(3)] == [1, 2, 1]
