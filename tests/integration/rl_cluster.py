@@ -33,7 +33,7 @@ NUM_TOKENS = 6
 
 class Setup:
     def __init__(self, root: Path, *, engines: int = 2, tensor_parallel_size: int = 1,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         self.root = root
         self.engines = tuple(range(engines))
         tiny = ensure_tiny_checkpoint()
@@ -46,7 +46,7 @@ class Setup:
         self.cluster = Cluster(["--model", str(root / "v0"), "--engines", str(engines),
                                 "--tensor-parallel-size", str(tensor_parallel_size),
                                 "--http-port", str(self.http_port), "--weight-version", "v0",
-                                "--kv-cache-memory", "16MiB", *extra_args])
+                                "--kv-cache-memory", "16MiB", *extra_args], env=env)
         self.channel = grpc.insecure_channel(self.cluster.address)
         self.generate = pb_grpc.GenerateServiceStub(self.channel)
         self.admin = admin_grpc.AdminServiceStub(self.channel)

@@ -29,12 +29,17 @@ NUM_PER_ENGINE = 8
 # The test model's context is 128 tokens: 4 of prompt, 120 generated, a step each; a
 # keep pause sent at the first token lands long before the last.
 MAX_TOKENS = 120
+# The tiny model makes 120 tokens in tens of milliseconds, and on a loaded machine a
+# request's last token could come before the last stream's first: a floor on each step
+# (1.2 s a request) keeps requests running on both engines when a pause comes.
+STEP_FLOOR_MS = 10
 SAMPLING = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    s = Setup(tmp_path_factory.mktemp("barrier"))
+    s = Setup(tmp_path_factory.mktemp("barrier"),
+              env={"CORESTREAM_FAULT_INJECT": f"slow_steps:{STEP_FLOOR_MS}"})
     try:
         yield s
     finally:
@@ -120,8 +125,8 @@ def test_kept_requests_switch_once_and_report_both(setup: Setup) -> None:
     versions = streams.join()
     for thread in threads:
         thread.join(120)
-    # Versions never go back; a request that finished before the pause (the tiny model
-    # makes 120 tokens in tens of milliseconds) saw only v0, one queued behind it only v1.
+    # Versions never go back; a request that finished before the pause saw only v0, one
+    # queued behind it only v1.
     spans = [(seen[0], seen[-1]) for seen in versions.values() if _switches(seen) <= 1]
     assert len(spans) == len(versions), versions
     # Frozen across the update: each reports the version it started on and the new one.
