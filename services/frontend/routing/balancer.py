@@ -219,7 +219,7 @@ class Balancer:
         excluded = set(exclude)
         candidates = [
             (address, client) for address, client in self._clients.items()
-            if client.accepting and self._routable(address) and address not in excluded
+            if client.accepting and self._routable(address, client) and address not in excluded
         ]
         if data_parallel_rank is not None:
             candidates = self._pinned(data_parallel_rank, candidates)
@@ -300,11 +300,17 @@ class Balancer:
         await self._close_retired()
         self._refresh()
 
-    def _routable(self, address: str) -> bool:
+    def _routable(self, address: str, client: EngineClient) -> bool:
         if self.degraded:
             return True  # the snapshot is stale; the Session's own state decides
         load = self._loads.get(address)
-        return load is not None and load.routable
+        if load is None:
+            return False
+        # The engine tells its Session of each change of state as it happens; the
+        # coordinator relays the same a report and a snapshot later. A client that was
+        # pinned to an engine the moment it recovered must not be refused on the older.
+        running = client.running
+        return load.routable if running is None else running
 
     def _asleep(self, address: str) -> bool:
         load = self._loads.get(address)
@@ -360,7 +366,7 @@ class Balancer:
 
     def _refresh(self) -> None:
         # Ready exactly when pick() would find an engine.
-        ready = any(c.accepting and self._routable(a) for a, c in self._clients.items())
+        ready = any(c.accepting and self._routable(a, c) for a, c in self._clients.items())
         if ready != self._ready:
             self._ready = ready
             log.info("ready: %s (%d engines connected)", ready, self.num_connected)

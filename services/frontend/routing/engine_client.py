@@ -129,6 +129,14 @@ class EngineClient:
         return self._connected
 
     @property
+    def running(self) -> bool | None:
+        """Whether the engine's Session last said it runs (None until it says, and again
+        while the Session is down)."""
+        if self._state == common_pb2.ENGINE_STATE_UNSPECIFIED:
+            return None
+        return self._state == common_pb2.ENGINE_STATE_RUNNING
+
+    @property
     def accepting(self) -> bool:
         """Connected and not draining: new requests may go here."""
         return self._connected and self._state not in _NOT_ACCEPTING_STATES

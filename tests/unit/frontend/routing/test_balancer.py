@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from corestream.common.v1 import common_pb2
 
 from services.common.block_hash import prompt_block_hashes
 from services.frontend.errors import RequestError
@@ -197,6 +198,30 @@ def test_tensor_parallel_size_is_the_largest_told() -> None:
         assert balancer.tensor_parallel_size == 4
         await balancer.set_static(["s:1"])
         assert balancer.tensor_parallel_size == 0
+        await balancer.close()
+
+    asyncio.run(main())
+
+
+def test_the_sessions_word_on_the_engines_state_beats_an_older_snapshot() -> None:
+    """An engine back from a fault tells its Session at once; the coordinator's snapshot
+    follows a report later. A request pinned to it in between is routed, and one pinned to
+    an engine whose Session says it paused is refused whatever the snapshot says."""
+    async def main() -> None:
+        balancer = Balancer("f", client_factory=StubClient)
+        await balancer.update([_load("a:1", rank=0), _load("b:1", rank=1, routable=False)])
+        with pytest.raises(RequestError) as info:
+            balancer.pick(1)  # nothing from b's Session yet: the snapshot decides
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        b = balancer._clients["b:1"]
+        b._state = common_pb2.ENGINE_STATE_RUNNING
+        assert _picks(balancer, 2, rank=1) == ["b:1"] * 2
+        b._state = common_pb2.ENGINE_STATE_PAUSED_FAULT
+        await balancer.update([_load("a:1", rank=0), _load("b:1", rank=1)])
+        with pytest.raises(RequestError) as info:
+            balancer.pick(1)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert _picks(balancer, 2) == ["a:1"] * 2
         await balancer.close()
 
     asyncio.run(main())
