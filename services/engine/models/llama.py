@@ -237,11 +237,22 @@ class _HeadOutputs:
     outputs: list[torch.Tensor] | None = None
 
 
+def _embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """nn.Embedding, left uninitialized when built on the meta device (as the loader
+    builds every model before it fills the weights from the checkpoint): torch's random
+    init there runs its Python reference ops, whose first use imports dynamo, over a
+    second of every engine's and worker's start."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num_embeddings, embedding_dim,
+                            _weight=torch.empty(num_embeddings, embedding_dim))
+    return nn.Embedding(num_embeddings, embedding_dim)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: DecoderConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens: nn.Module = (
-            nn.Embedding(config.vocab_size, config.hidden_size) if tp is None
+            _embedding(config.vocab_size, config.hidden_size) if tp is None
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         )
         self.layers = nn.ModuleList(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +231,19 @@ def test_without_onednn_bfloat16_linear_weights_are_panels_alone(
     x = torch.randn(5, want.shape[1], dtype=torch.bfloat16)
     torch.testing.assert_close(down(x), torch.nn.functional.linear(x, want), rtol=2**-7,
                                atol=1e-3)
+
+
+def test_loading_a_model_imports_no_dynamo(tmp_path: Path) -> None:
+    # torch's random init of a module built on the meta device runs its Python reference
+    # ops, whose first use imports dynamo: over a second of every engine's and worker's
+    # start, and of its exit. The loader builds every model there and needs no init.
+    folder = tmp_path / "llama"
+    make_checkpoint(folder, "llama", **SMALL)
+    script = ("import sys, torch\n"
+              "from services.engine.models.loader import load_model\n"
+              f"load_model({str(folder)!r}, dtype=torch.float32, device=torch.device('cpu'), "
+              "max_model_len=128)\n"
+              "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).parents[4])
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
