@@ -80,6 +80,10 @@ def server_options(
     return options
 
 
+RECONNECT_BACKOFF_MS = (100, 2_000)
+"""The first and the longest wait between attempts to connect to a peer."""
+
+
 def channel_options(max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -87,6 +91,11 @@ def channel_options(max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> list
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # gRPC waits 1 s after a failed connect, then 1.6x longer each time up to 2
+        # minutes, failing calls at once meanwhile: a peer that is still starting or was
+        # just restarted (serve's supervision, Kubernetes) would be seen seconds late.
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
 
 

@@ -82,6 +82,9 @@ HOST = "127.0.0.1"
 STATE_PREFIX = "corestream-serve-"
 FRONTEND_SERVICE = "corestream.generate.v1.GenerateService"
 DP_MASTER_FLAG = "--data-parallel-master"
+# Each stage of the start begins as soon as the one before is ready; the checks are
+# local and cheap.
+STARTUP_POLL_S = 0.05
 
 
 def wait_until(check: Callable[[], bool], supervision: Supervision, deadline: float,
@@ -97,7 +100,7 @@ def wait_until(check: Callable[[], bool], supervision: Supervision, deadline: fl
                 return True
         except grpc.RpcError:
             pass  # not listening yet
-        time.sleep(0.2)
+        time.sleep(STARTUP_POLL_S)
     return False
 
 
