@@ -74,6 +74,9 @@ UNDO = {"/pause": "/resume", "/sleep": "/wake_up",
 API_KEY_ONLY = frozenset({"/init_weight_transfer_engine"})
 
 pytestmark = pytest.mark.timeout(3600)
+# The long runs (-m slow) of the operations with undo calls after each (the RL routes)
+# take longer than an hour on two busy cores.
+LONG_RUN_TIMEOUT_S = 4 * 3600
 
 
 class Door:
@@ -237,6 +240,7 @@ def test_schemathesis_long_run(door: Door) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(LONG_RUN_TIMEOUT_S)
 def test_schemathesis_long_run_other_operations(door: Door) -> None:
     # Operations without a body or parameters run out of distinct requests early.
     others = frozenset(op.ok().path for op in door.schema.get_all_operations()) - SLOW_SURFACES
