@@ -9,7 +9,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
 from services.common.config import LEFT_OUT_EXIT
-from tests.integration.cluster import REPO, Cluster
+from tests.integration.cluster import REPO, Cluster, descendants
 from tests.unit.engine.fakes import SessionClient
 
 pytestmark = pytest.mark.timeout(400)
@@ -282,10 +282,12 @@ def test_a_rank_whose_step_fails_pauses_with_its_peer_and_both_resume(
 
 def kill_rank_1_under_streams(
         c: Cluster, stub: pb_grpc.GenerateServiceStub, prompts: dict[str, list[int]],
-        tokens: int) -> tuple[dict[str, list[int]], dict[str, tuple[int, Any, str]], float]:
-    """Stream every prompt (prompt i on rank i % 2), SIGKILL rank 1 once all have
-    started, and read them to their end: (tokens by prompt, (rank, code, details) of
-    those that failed, seconds from the kill until the last ended)."""
+        tokens: int, victim: Callable[[], int] | None = None,
+) -> tuple[dict[str, list[int]], dict[str, tuple[int, Any, str]], float]:
+    """Stream every prompt (prompt i on rank i % 2), SIGKILL rank 1 (or the `victim`
+    process) once all have started, and read them to their end: (tokens by prompt,
+    (rank, code, details) of those that failed, seconds from the kill until the last
+    ended)."""
     streams = {rid: stub.GenerateStream(pb.GenerateStreamRequest(
         token_ids=pb.TokenIds(ids=ids), data_parallel_rank=i % 2,
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=tokens,
@@ -294,7 +296,7 @@ def kill_rank_1_under_streams(
     got: dict[str, list[int]] = {rid: [] for rid in prompts}
     for rid, stream in streams.items():  # every stream has started
         got[rid] += next(stream).token_ids
-    os.kill(c.engine_pid(1), signal.SIGKILL)
+    os.kill(victim() if victim is not None else c.engine_pid(1), signal.SIGKILL)
     killed = time.monotonic()
     errors = {}
     for i, (rid, stream) in enumerate(streams.items()):
@@ -341,6 +343,55 @@ def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Pa
                     reference["p0"]
         print(f"rank 1 killed: rank 0's streams completed {resumed:.1f} s later, both ranks "
               f"serving after {serving:.1f} s")
+    finally:
+        c.stop()
+
+
+def tensor_parallel_worker_pid(c: Cluster, engine_index: int) -> int:
+    """The pid of engine `engine_index`'s tensor-parallel worker (of a TP=2 engine)."""
+    workers = [pid for pid in descendants(c.engine_pid(engine_index))
+               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
+def test_a_killed_tensor_parallel_worker_takes_only_its_engine_and_the_peer_resumes(
+        moe_checkpoint: Path) -> None:
+    """Two expert-parallel engines of two TP ranks each: SIGKILL rank 1's worker with
+    streams on both ranks. Rank 1 dies (it lost half its model); serve replaces it.
+    Rank 0 and its worker each lose a peer of their expert-parallel group, pause,
+    re-form their own TP group (its ranks may have failed at different collectives) and
+    each its group with the replacement's rank, and resume: rank 0's streams complete
+    with the tokens of an uninterrupted run, rank 0 and its worker are the same
+    processes, and both ranks serve new requests."""
+    tokens = 60
+    prompts = {f"p{i}": [4 + i, 70 - i, 17, 2 * i + 5] for i in range(8)}
+    reference = one_process(moe_checkpoint, prompts, tokens)
+    c = group_of_two(moe_checkpoint, 10, None, "--tensor-parallel-size", "2")
+    try:
+        survivors = (c.engine_pid(0), tensor_parallel_worker_pid(c, 0))
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            got, errors, resumed = kill_rank_1_under_streams(
+                c, stub, prompts, tokens, lambda: tensor_parallel_worker_pid(c, 1))
+            killed = time.monotonic() - resumed
+            on_rank0 = [rid for i, rid in enumerate(prompts) if i % 2 == 0]
+            assert {rid: got[rid] for rid in on_rank0} == {rid: reference[rid]
+                                                           for rid in on_rank0}
+            assert sorted(errors) == [rid for rid in prompts if rid not in on_rank0], errors
+            for rank, code, details in errors.values():
+                assert rank == 1 and code == grpc.StatusCode.UNAVAILABLE, details
+            assert (c.engine_pid(0), tensor_parallel_worker_pid(c, 0)) == survivors
+            deadline = time.monotonic() + 120
+            while (epochs := fault_epochs(channel)) != [1, 1]:
+                assert time.monotonic() < deadline, epochs
+                time.sleep(0.5)
+            serving = time.monotonic() - killed
+            for rank in (0, 1):
+                assert generate(stub, prompts["p0"], rank=rank, max_tokens=tokens) == \
+                    reference["p0"]
+        print(f"rank 1's TP worker killed: rank 0's streams completed {resumed:.1f} s "
+              f"later, both ranks serving after {serving:.1f} s")
     finally:
         c.stop()
 

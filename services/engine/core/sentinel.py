@@ -107,6 +107,8 @@ class Sentinel:
         """The step that ran `failed` (None: no batch of this engine's, e.g. a wave's
         dummy step or its all-reduce) raised `exc`. True: the engine pauses and
         recovers; False: it must die (the caller re-raises)."""
+        if getattr(exc, "fatal", False):
+            return False  # the engine lost a part of itself (a TP worker): no re-forming helps
         if failed is not None:
             self._scheduler.unschedule(failed)
         self._in_a_row += 1

@@ -65,6 +65,9 @@ class CallKind(enum.IntEnum):
     STOP = 5
     WEIGHTS = 6
     """A step of a live weight update (JSON in the call's text); answered by a report."""
+    REFORM = 7
+    """After a failed step of an expert-parallel group: re-form this engine's TP group
+    (value 1) and the rank's DP group; answered by a report."""
 
 
 @dataclass(frozen=True)
@@ -251,8 +254,10 @@ class FollowerChannel:
         self._progress[self.rank] += 1
 
     def report(self, message: tuple[str, Any]) -> None:
-        """Send the leader a startup report, a weight-update step's outcome or a failure:
-        ("ready", num_blocks), ("weights", {...}) or ("error", text). Any thread."""
+        """Send the leader a startup report, a weight-update step's outcome, a failed
+        step it lived through, a re-forming's outcome or a failure: ("ready", num_blocks),
+        ("weights", {...}), ("step_failed", text), ("reformed", error or "") or
+        ("error", text). Any thread."""
         data = json.dumps(message).encode()
         # No lock before `open` (a failure that early): no other thread reports yet.
         lock = getattr(self, "_reporting", None) or contextlib.nullcontext()

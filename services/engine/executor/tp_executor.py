@@ -26,6 +26,9 @@ is told (`on_failure`, which makes it DEAD with the worker named); rank 0's step
 blocked in a collective the worker will never join, fails too once the workers are
 killed. A worker that hangs stalls rank 0 inside a collective: the engine's watchdog
 fires, and `describe_stall` names the ranks that have not finished the last call.
+In an expert-parallel group a worker lives through a failed step instead (a peer of its
+group died): it drops its TP connections, reports the failure and waits for the REFORM
+call with which rank 0's sentinel re-forms the groups (`reform_group`).
 `close` stops the workers (asked, then killed), and a worker also dies with the
 engine process (PR_SET_PDEATHSIG), so none outlives its engine.
 """
@@ -36,6 +39,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
@@ -61,7 +65,7 @@ from services.engine.executor.tp_worker import (
     run_worker,
 )
 from services.engine.parallel.dp_group import current_dp_group
-from services.engine.parallel.tp_group import forget_tp_group, init_tp_group
+from services.engine.parallel.tp_group import current_tp_group, forget_tp_group, init_tp_group
 from services.engine.scheduler.output import RunnerOutput, SchedulerOutput
 from services.engine.weights.sources import SourceSpec, spec_to_json
 from services.engine.weights.transfer_group import TransferGroupSpec
@@ -77,6 +81,9 @@ STOP_GRACE_S = 2.0
 # How long a failed step waits for the watcher's account of a worker's failure, whose
 # message names the worker (the step's own error is a broken connection).
 FAILURE_ACCOUNT_WAIT_S = 1.0
+# A worker answers a REFORM call within its DP group's timeout; this much more for the
+# answer to come back.
+REFORM_ANSWER_MARGIN_S = 10.0
 
 
 # A stage waits on the trainer's broadcast (or reads a checkpoint): the workers' shards
@@ -86,6 +93,9 @@ STAGE_ANSWER_TIMEOUT_S = 600.0
 
 class WorkerFailure(RuntimeError):
     """A tensor-parallel worker died, raised or hung; the message names it."""
+
+    fatal = True
+    """The engine cannot go on without it: no re-forming helps (the sentinel reads it)."""
 
 
 class TensorParallelExecutor:
@@ -115,6 +125,9 @@ class TensorParallelExecutor:
         self._closed = False
         self._failure: str | None = None
         self._failed = threading.Event()
+        self._step_failed = threading.Event()
+        self._reformed: queue.Queue[str] = queue.Queue()
+        """The workers' answers to a REFORM call: "" or why it failed."""
         device = pick_device(config.device)
         cpus, devices, config = _placement(config, size, device)
         port = free_port()
@@ -228,12 +241,47 @@ class TensorParallelExecutor:
 
     def reform_group(self, state: list[int], shrink: bool = False
                      ) -> tuple[int, list[list[int]]]:
-        if current_dp_group() is not None:
-            # NOTE: every TP rank is in the DP group of its own TP rank; each would have
-            # to re-form it, through a call to the workers: not built yet.
-            raise NotImplementedError("re-forming an expert-parallel group of "
-                                      "tensor-parallel engines is not supported yet")
-        return self._runner.reform_group(state, shrink)
+        """Every TP rank is in the expert-parallel group of its own TP rank: each worker
+        re-forms its own (a REFORM call) while rank 0 re-forms its group here. After a
+        failed step this engine's TP group is re-formed first, since its ranks may have
+        failed at different collectives; a replacement's is whole."""
+        dp = current_dp_group()
+        if dp is None:
+            return self._runner.reform_group(state, shrink)
+        tp = current_tp_group()
+        broken = dp.formed and tp is not None
+        if broken:
+            tp.drop()  # a worker still in a collective of the failed step fails now
+        self._drain_reform_answers()
+        self._channel.send(CallKind.REFORM, value=int(broken))
+        try:
+            if broken:
+                tp.reform()
+            result = self._runner.reform_group(state, shrink)
+        finally:
+            # Each worker answers once its DP group re-formed or timed out (the same
+            # timeout as rank 0's), so the next attempt starts with no answer pending.
+            errors = self._reform_answers(dp.timeout_s + REFORM_ANSWER_MARGIN_S)
+        if errors:
+            raise TimeoutError("; ".join(errors))
+        return result
+
+    def _drain_reform_answers(self) -> None:
+        while not self._reformed.empty():
+            self._reformed.get_nowait()
+
+    def _reform_answers(self, timeout_s: float) -> list[str]:
+        """Why the workers' re-forming failed (none: every one re-formed)."""
+        deadline = time.monotonic() + timeout_s
+        errors = []
+        for rank, process in self._ranks():
+            try:
+                error = self._reformed.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                error = f"no answer within {timeout_s:g} s"
+            if error:
+                errors.append(f"tensor-parallel worker {rank} (pid {process.pid}): {error}")
+        return errors
 
     def start_profile(self, folder: Path, name: str) -> dict[str, Any]:
         return self._runner.start_profile(folder, name)
@@ -356,6 +404,12 @@ class TensorParallelExecutor:
             return f"tensor-parallel worker {rank} (pid {process.pid}) raised {value}"
         if kind == "weights":
             self._weights.on_report(rank, value)
+        elif kind == "step_failed":
+            logger.warning("tensor-parallel worker %d (pid %s): step failed: %s", rank,
+                           process.pid, value)
+            self._step_failed.set()
+        elif kind == "reformed":
+            self._reformed.put(value)
         return ""
 
     @staticmethod
@@ -376,8 +430,13 @@ class TensorParallelExecutor:
 
     def _worker_failure(self, exc: Exception) -> Exception:
         """The step's error, or the worker failure behind it when there is one."""
-        if self._failed.wait(FAILURE_ACCOUNT_WAIT_S) and self._failure:
-            return WorkerFailure(self._failure)
+        deadline = time.monotonic() + FAILURE_ACCOUNT_WAIT_S
+        while time.monotonic() < deadline:
+            if self._failed.wait(0.05) and self._failure:
+                return WorkerFailure(self._failure)
+            if self._step_failed.is_set():
+                break  # a worker lived through it: a fault of the group, not a death
+        self._step_failed.clear()
         return exc
 
 

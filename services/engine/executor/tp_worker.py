@@ -33,6 +33,7 @@ from services.engine.worker.config import RunnerConfig
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_STEP_CALLS = (CallKind.FORWARD, CallKind.LOGITS, CallKind.DUMMY)
 
 
 @dataclass(frozen=True)
@@ -140,16 +141,24 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
     with torch.inference_mode():
         while True:
             call = channel.receive()
-            if call.kind is CallKind.FORWARD:
-                if spec.fault is not None:
-                    _inject(spec.fault, forwards)
-                forwards += 1
-                hidden = runner.forward(StepArrays(**call.arrays))
-            elif call.kind is CallKind.LOGITS:
-                assert hidden is not None, "logits before any forward"
-                runner.logits_at(hidden, call.arrays["rows"].tolist())
-            elif call.kind is CallKind.DUMMY:
-                runner.execute_dummy()
+            if call.kind in _STEP_CALLS:
+                try:
+                    if call.kind is CallKind.FORWARD:
+                        if spec.fault is not None:
+                            _inject(spec.fault, forwards)
+                        forwards += 1
+                        hidden = runner.forward(StepArrays(**call.arrays))
+                    elif call.kind is CallKind.LOGITS:
+                        assert hidden is not None, "logits before any forward"
+                        runner.logits_at(hidden, call.arrays["rows"].tolist())
+                    else:
+                        runner.execute_dummy()
+                except Exception as exc:
+                    if spec.expert_parallel is None:
+                        raise
+                    _step_failed(spec, channel, exc)
+            elif call.kind is CallKind.REFORM:
+                channel.report(("reformed", _reform(bool(call.value))))
             elif call.kind is CallKind.WEIGHTS:
                 weights.handle(call.text)
             elif call.kind is CallKind.NUM_BLOCKS:
@@ -158,6 +167,39 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
                 logger.info("tensor-parallel rank %d stopping", spec.rank)
                 return
             channel.done()
+
+
+def _step_failed(spec: WorkerSpec, channel: FollowerChannel, exc: Exception) -> None:
+    """A step of an expert-parallel group failed here (a peer of the group died, or this
+    rank raised): the engine's sentinel pauses and re-forms the groups, so live on. The
+    engine's ranks may have failed at different collectives: this rank's TP connections
+    are dropped so that none waits out the timeout in one it will not join."""
+    from services.engine.parallel.tp_group import current_tp_group
+
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    logger.warning("tensor-parallel rank %d: step failed (%s); waiting for the group to "
+                   "re-form", spec.rank, text)
+    group = current_tp_group()
+    if group is not None:
+        group.drop()
+    channel.report(("step_failed", text))
+
+
+def _reform(tensor_parallel_too: bool) -> str:
+    """Re-form this engine's TP group (if asked: a replacement's is whole) and then this
+    rank's DP group; "" or why it failed (the leader's sentinel tries again)."""
+    from services.engine.parallel.dp_group import current_dp_group
+    from services.engine.parallel.tp_group import current_tp_group
+
+    tp, dp = current_tp_group(), current_dp_group()
+    try:
+        if tensor_parallel_too and tp is not None:
+            tp.reform()
+        if dp is not None:
+            dp.reform()
+    except Exception as exc:  # LeftOut and timeouts alike: the leader decides
+        return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return ""
 
 
 def _inject(fault: FaultSpec, forwards: int) -> None:

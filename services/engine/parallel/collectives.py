@@ -70,6 +70,8 @@ class Collectives:
         self._nccl = nccl
         self.epoch = epoch
         """How often the group was re-formed (`reform`)."""
+        self._joining = epoch > 0
+        """A replacement not yet taken in: it forms the epoch the others re-form under."""
         self._arrived = 0
         """The latest epoch this rank announced itself for."""
         self._target: int | None = None
@@ -79,7 +81,12 @@ class Collectives:
     @property
     def formed(self) -> bool:
         """False for a rank that replaces a failed one until `reform` took it in."""
-        return self._gloo is not None
+        return not self._joining
+
+    @property
+    def timeout_s(self) -> float:
+        """What bounds each collective and each wait to re-form."""
+        return self._timeout.total_seconds()
 
     @property
     def transport(self) -> str:
@@ -97,6 +104,12 @@ class Collectives:
         del self._gloo
         del self._store
 
+    def drop(self) -> None:
+        """Close this rank's connections of the group now, without a barrier: a peer
+        waiting in one of its collectives fails at once instead of at the timeout (the
+        ranks fell out of step in a failed step). `reform` forms the group anew."""
+        self._gloo = None  # the last reference: gloo closes its pairs
+
     def reform(self, shrink: Callable[[list[int]], str | None] | None = None) -> int:
         """Replace the group's connections by fresh ones under the next epoch; returns
         it. Every live rank must call this (the call returns once all have, or raises
@@ -112,7 +125,7 @@ class Collectives:
             raise NotImplementedError("re-forming a group whose tensors travel over NCCL "
                                       "is not supported yet")
         self._refuse_if_left_out()
-        if self._gloo is None:
+        if self._joining:
             # A replacement: the epoch the others are re-forming under.
             self._target = int(self._store.get(EPOCH_KEY))
         elif self._target is None:
@@ -135,7 +148,7 @@ class Collectives:
                            rank, len(members), self.rank, self.world_size)
             self.rank, self.world_size, self.members = rank, len(members), members
         self._gloo = group
-        self.epoch, self._target = epoch, None
+        self.epoch, self._target, self._joining = epoch, None, False
         logger.info("%s re-formed as rank %d of %d under epoch %d", type(self).__name__,
                     self.rank, self.world_size, epoch)
         return epoch

@@ -92,3 +92,24 @@ def test_without_leave_to_shrink_a_missing_rank_times_the_others_out() -> None:
     with pytest.raises(TimeoutError, match=r"1 of 2 ranks are back for epoch 1 after 2 s"):
         groups[0].reform()
     assert (groups[0].rank, groups[0].world_size) == (0, 2)
+
+
+def test_a_dropped_rank_fails_its_peers_collective_at_once_and_both_re_form() -> None:
+    """A rank whose step failed drops its connections, so that a peer waiting in a
+    collective it will not join fails now rather than at the group's timeout (a
+    tensor-parallel engine's ranks after a failed step of their expert-parallel group)."""
+    port = free_port()
+    timeout_s = 60.0
+    groups = on_threads(*[lambda r=r: connect(Collectives, r, 2, "127.0.0.1", port, None,
+                                              timeout_s) for r in range(2)])
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(lambda: groups[0].all_reduce(torch.ones(4)))
+        time.sleep(0.5)  # rank 0 is in the collective; rank 1 never joins it
+        started = time.monotonic()
+        groups[1].drop()
+        with pytest.raises(RuntimeError):
+            waiting.result(timeout=timeout_s)
+    assert time.monotonic() - started < 10
+    assert groups[1].formed  # dropped, not a replacement: it re-forms as itself
+    assert on_threads(groups[0].reform, groups[1].reform) == [1, 1]
+    assert summed(groups) == [3.0, 3.0]
