@@ -262,6 +262,9 @@ class TensorParallelExecutor:
             # Each worker answers once its DP group re-formed or timed out (the same
             # timeout as rank 0's), so the next attempt starts with no answer pending.
             errors = self._reform_answers(dp.timeout_s + REFORM_ANSWER_MARGIN_S)
+            # A worker reports its failed step before it reads the REFORM call: no such
+            # report is still to come, and an old one must not excuse a later death.
+            self._step_failed.clear()
         if errors:
             raise TimeoutError("; ".join(errors))
         return result
