@@ -396,6 +396,41 @@ def test_a_killed_tensor_parallel_worker_takes_only_its_engine_and_the_peer_resu
         c.stop()
 
 
+def test_tensor_parallel_engines_go_on_as_a_smaller_group(moe_checkpoint: Path) -> None:
+    """As above with restarts off: no replacement comes. Past its recovery timeout rank
+    0's group goes on without rank 1, its worker's group follows that decision, and each
+    of rank 0's TP ranks loads its slice of the experts rank 1 held: rank 0's streams
+    complete with the tokens of the whole model and it serves alone."""
+    tokens = 60
+    prompts = {f"p{i}": [6 + i, 66 - i, 19, 2 * i + 7] for i in range(8)}
+    reference = one_process(moe_checkpoint, prompts, tokens)
+    c = group_of_two(moe_checkpoint, 5, None, "--tensor-parallel-size", "2",
+                     "--max-restarts", "0", "--engine-recovery-timeout-s", "6")
+    try:
+        survivors = (c.engine_pid(0), tensor_parallel_worker_pid(c, 0))
+        with grpc.insecure_channel(c.address) as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            got, errors, resumed = kill_rank_1_under_streams(
+                c, stub, prompts, tokens, lambda: tensor_parallel_worker_pid(c, 1))
+            on_rank0 = [rid for i, rid in enumerate(prompts) if i % 2 == 0]
+            assert {rid: got[rid] for rid in on_rank0} == {rid: reference[rid]
+                                                           for rid in on_rank0}
+            assert set(errors) == set(prompts) - set(on_rank0), errors
+            assert resumed >= 6, "rank 0 went on before its recovery timeout"
+            status = json.loads(admin_grpc.AdminServiceStub(channel).GetFaultStatus(
+                admin_pb.GetFaultStatusRequest(engine_index=0), timeout=20
+            ).results[0].result_json)
+            assert status["state"] == "RUNNING" and status["group_size"] == 1, status
+            assert (c.engine_pid(0), tensor_parallel_worker_pid(c, 0)) == survivors
+            assert generate(stub, prompts["p1"], rank=0, max_tokens=tokens) == reference["p1"]
+        # Both TP ranks of rank 0 re-formed their expert-parallel groups as one rank.
+        assert c.output().count("re-formed without ranks [1]") == 2, c.output()
+        print(f"rank 1's TP worker killed, never replaced: rank 0 serving alone "
+              f"{resumed:.1f} s later")
+    finally:
+        c.stop()
+
+
 def test_a_rank_never_replaced_leaves_its_peer_serving_as_a_smaller_group(
         moe_checkpoint: Path) -> None:
     """SIGKILL rank 1 with restarts off: no replacement comes. Rank 0 pauses, waits

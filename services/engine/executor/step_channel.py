@@ -67,7 +67,8 @@ class CallKind(enum.IntEnum):
     """A step of a live weight update (JSON in the call's text); answered by a report."""
     REFORM = 7
     """After a failed step of an expert-parallel group: re-form this engine's TP group
-    (value 1) and the rank's DP group; answered by a report."""
+    (value 1), or the rank's DP group as the members in the text (JSON: rank 0's group
+    decided them); answered by a report."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ engine process (PR_SET_PDEATHSIG), so none outlives its engine.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import multiprocessing
 import os
@@ -126,6 +127,8 @@ class TensorParallelExecutor:
         self._failure: str | None = None
         self._failed = threading.Event()
         self._step_failed = threading.Event()
+        self._tp_broken = False
+        """A step failed: the TP group's ranks may be out of step (`reform_group`)."""
         self._reformed: queue.Queue[str] = queue.Queue()
         """The workers' answers to a REFORM call: "" or why it failed."""
         device = pick_device(config.device)
@@ -241,33 +244,41 @@ class TensorParallelExecutor:
 
     def reform_group(self, state: list[int], shrink: bool = False
                      ) -> tuple[int, list[list[int]]]:
-        """Every TP rank is in the expert-parallel group of its own TP rank: each worker
-        re-forms its own (a REFORM call) while rank 0 re-forms its group here. After a
+        """Every TP rank is in the expert-parallel group of its own TP rank. After a
         failed step this engine's TP group is re-formed first, since its ranks may have
-        failed at different collectives; a replacement's is whole."""
+        failed at different collectives (a replacement's is whole); then rank 0's group
+        re-forms here, deciding who goes on, and each worker's follows (a REFORM call
+        with the members), loading the experts it owns then if they changed."""
         dp = current_dp_group()
         if dp is None:
             return self._runner.reform_group(state, shrink)
         tp = current_tp_group()
-        broken = dp.formed and tp is not None
-        if broken:
+        if self._tp_broken and tp is not None:
             tp.drop()  # a worker still in a collective of the failed step fails now
+            self._workers_reform(lambda: self._channel.send(CallKind.REFORM, value=1),
+                                 tp.reform, tp.timeout_s)
+            self._tp_broken = False
+        result: list[tuple[int, list[list[int]]]] = []
+        self._workers_reform(lambda: result.append(self._runner.reform_group(state, shrink)),
+                             lambda: self._channel.send(CallKind.REFORM,
+                                                        text=json.dumps(dp.members)),
+                             dp.timeout_s)
+        # A worker reports its failed step before it reads the REFORM call: no such
+        # report is still to come, and an old one must not excuse a later death.
+        self._step_failed.clear()
+        return result[0]
+
+    def _workers_reform(self, first: Callable[[], object], then: Callable[[], object],
+                        timeout_s: float) -> None:
+        """`first`, then `then`, then every worker's answer to the REFORM call one of
+        them sent (within `timeout_s` and a margin); TimeoutError naming those that
+        failed (the sentinel retries)."""
         self._drain_reform_answers()
-        self._channel.send(CallKind.REFORM, value=int(broken))
-        try:
-            if broken:
-                tp.reform()
-            result = self._runner.reform_group(state, shrink)
-        finally:
-            # Each worker answers once its DP group re-formed or timed out (the same
-            # timeout as rank 0's), so the next attempt starts with no answer pending.
-            errors = self._reform_answers(dp.timeout_s + REFORM_ANSWER_MARGIN_S)
-            # A worker reports its failed step before it reads the REFORM call: no such
-            # report is still to come, and an old one must not excuse a later death.
-            self._step_failed.clear()
+        first()
+        then()
+        errors = self._reform_answers(timeout_s + REFORM_ANSWER_MARGIN_S)
         if errors:
             raise TimeoutError("; ".join(errors))
-        return result
 
     def _drain_reform_answers(self) -> None:
         while not self._reformed.empty():
@@ -433,6 +444,7 @@ class TensorParallelExecutor:
 
     def _worker_failure(self, exc: Exception) -> Exception:
         """The step's error, or the worker failure behind it when there is one."""
+        self._tp_broken = True
         deadline = time.monotonic() + FAILURE_ACCOUNT_WAIT_S
         while time.monotonic() < deadline:
             if self._failed.wait(0.05) and self._failure:

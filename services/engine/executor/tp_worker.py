@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -23,12 +24,16 @@ import sys
 import threading
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.common.logs import setup_logging
 from services.common.pooling import Pooler
 from services.engine.executor.fault_injection import FaultSpec
-from services.engine.executor.step_channel import CallKind, FollowerChannel
+from services.engine.executor.step_channel import Call, CallKind, FollowerChannel
 from services.engine.worker.config import RunnerConfig
+
+if TYPE_CHECKING:
+    from services.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +163,7 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
                         raise
                     _step_failed(spec, channel, exc)
             elif call.kind is CallKind.REFORM:
-                channel.report(("reformed", _reform(bool(call.value))))
+                channel.report(("reformed", _reform(runner, call)))
             elif call.kind is CallKind.WEIGHTS:
                 weights.handle(call.text)
             elif call.kind is CallKind.NUM_BLOCKS:
@@ -174,6 +179,7 @@ def _step_failed(spec: WorkerSpec, channel: FollowerChannel, exc: Exception) -> 
     rank raised): the engine's sentinel pauses and re-forms the groups, so live on. The
     engine's ranks may have failed at different collectives: this rank's TP connections
     are dropped so that none waits out the timeout in one it will not join."""
+    from services.engine.parallel.dp_group import current_dp_group
     from services.engine.parallel.tp_group import current_tp_group
 
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -182,21 +188,27 @@ def _step_failed(spec: WorkerSpec, channel: FollowerChannel, exc: Exception) -> 
     group = current_tp_group()
     if group is not None:
         group.drop()
+    # This rank's group re-forms only once rank 0's has decided who goes on, which waits
+    # for rank 1's replacement, whose worker joins this group before that.
+    dp = current_dp_group()
+    if dp is not None:
+        dp.move_epoch_on()
     channel.report(("step_failed", text))
 
 
-def _reform(tensor_parallel_too: bool) -> str:
-    """Re-form this engine's TP group (if asked: a replacement's is whole) and then this
-    rank's DP group; "" or why it failed (the leader's sentinel tries again)."""
-    from services.engine.parallel.dp_group import current_dp_group
+def _reform(runner: ModelRunner, call: Call) -> str:
+    """Re-form this engine's TP group (value 1), or this rank's DP group as the members
+    that rank 0's group went on with (JSON in the text; the experts this rank owns then
+    are loaded if they changed); "" or why it failed (the leader's sentinel retries)."""
     from services.engine.parallel.tp_group import current_tp_group
 
-    tp, dp = current_tp_group(), current_dp_group()
     try:
-        if tensor_parallel_too and tp is not None:
-            tp.reform()
-        if dp is not None:
-            dp.reform()
+        if call.value:
+            tp = current_tp_group()
+            if tp is not None:
+                tp.reform()
+        else:
+            runner.reform_group([0, 0, 0], members=json.loads(call.text))
     except Exception as exc:  # LeftOut and timeouts alike: the leader decides
         return "".join(traceback.format_exception_only(type(exc), exc)).strip()
     return ""

@@ -78,6 +78,7 @@ from services.engine.models.moe import (
     StackedExperts,
 )
 from services.engine.models.registry import MODEL_REGISTRY, supported, unsupported_message
+from services.engine.models.tp_layers import split_evenly
 from services.engine.models.tp_sharding import ShardPlan
 
 if TYPE_CHECKING:
@@ -244,9 +245,6 @@ def load_experts(model: SparseMoeForCausalLM, path: str | Path, dtype: torch.dty
     For a group re-formed without a rank (its ranks numbered afresh): every other weight,
     the KV cache and the requests stay as they are, and only the experts move. The
     checkpoint layout follows, so live weight updates reach the new experts."""
-    if model.tp is not None:
-        raise NotImplementedError("moving experts between ranks of tensor-parallel "
-                                  "engines is not supported yet")
     folder = Path(path)
     hf_config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     cls = type(model)
@@ -259,8 +257,11 @@ def load_experts(model: SparseMoeForCausalLM, path: str | Path, dtype: torch.dty
         ours = _model_tensor_name(name, renames, experts)
         return ours if ours is not None and _EXPERT_TENSOR.match(ours) else None
 
+    # A tensor-parallel rank reads its slice of each expert, as the whole load does.
+    tp = model.tp
+    plan = ShardPlan(model.config, tp.rank, tp.world_size) if tp is not None else None
     specs: dict[str, TensorSpec] = {}
-    state = _read_state(folder, hf_config, dtype, device, expert_name, None, specs)
+    state = _read_state(folder, hf_config, dtype, device, expert_name, plan, specs)
     layout: CheckpointLayout = model.checkpoint_layout
     layout.tensors.update({name: spec for name, spec in specs.items()
                            if _EXPERT_TENSOR.match(name)})
@@ -271,8 +272,10 @@ def load_experts(model: SparseMoeForCausalLM, path: str | Path, dtype: torch.dty
               if isinstance(module, SparseMoeBlock)]
     with torch.device("meta"):
         for _, block in blocks:
-            block.experts = StackedExperts(experts, model.config.hidden_size,
-                                           moe.intermediate_size)
+            block.experts = StackedExperts(
+                experts, model.config.hidden_size,
+                split_evenly(moe.intermediate_size, tp.world_size if tp is not None else 1,
+                             "the experts' intermediate_size"))
     pack_experts(state, getattr(cls, "packed_experts", {}), experts, dtype, layout.placements)
     place_quantized(model, state, dtype)
     result = model.load_state_dict(state, strict=False, assign=True)

@@ -110,7 +110,18 @@ class Collectives:
         ranks fell out of step in a failed step). `reform` forms the group anew."""
         self._gloo = None  # the last reference: gloo closes its pairs
 
-    def reform(self, shrink: Callable[[list[int]], str | None] | None = None) -> int:
+    def move_epoch_on(self) -> None:
+        """Move the group's epoch on now, as `reform` does first, without waiting: a
+        replacement that connects before this rank calls `reform` must find it moved
+        (else it would form the old epoch alone). Once per re-forming."""
+        if self._joining or self._target is not None:
+            return
+        known = str(self.epoch).encode()
+        self._target = int(self._store.compare_set(EPOCH_KEY, known,
+                                                   str(self.epoch + 1).encode()))
+
+    def reform(self, shrink: Callable[[list[int]], str | None] | None = None,
+               members: list[int] | None = None) -> int:
         """Replace the group's connections by fresh ones under the next epoch; returns
         it. Every live rank must call this (the call returns once all have, or raises
         after the group's timeout). The old group is dropped without a barrier: a peer
@@ -120,7 +131,11 @@ class Collectives:
         `shrink` given (the caller waited long enough for the missing ranks): on the
         first rank, re-form at once with the ranks that are back, if `shrink(members)`
         (their first ranks) returns None; a reason refuses it (`TimeoutError` with that
-        reason, after the wait). Every other rank follows a decision it finds."""
+        reason, after the wait). Every other rank follows a decision it finds.
+
+        `members` given (first ranks, a decision taken in another group: the tensor-
+        parallel workers of engines whose rank 0s decided): the first rank decides
+        exactly those, once they are all back."""
         if self._nccl is not None:
             raise NotImplementedError("re-forming a group whose tensors travel over NCCL "
                                       "is not supported yet")
@@ -129,13 +144,11 @@ class Collectives:
             # A replacement: the epoch the others are re-forming under.
             self._target = int(self._store.get(EPOCH_KEY))
         elif self._target is None:
-            known = str(self.epoch).encode()
-            self._target = int(self._store.compare_set(EPOCH_KEY, known,
-                                                       str(self.epoch + 1).encode()))
+            self.move_epoch_on()
         else:
             self._target = max(self._target, int(self._store.get(EPOCH_KEY)))
         epoch = self._target
-        members = self._wait_for_all(epoch, shrink)
+        members = self._wait_for_all(epoch, shrink, members)
         if members == self.members:
             group = _gloo_group(self._store, epoch, self.rank, self.world_size, self._timeout)
         else:
@@ -162,8 +175,8 @@ class Collectives:
                 "back in time (engine_recovery_timeout_s); restart the whole group to "
                 "bring it back")
 
-    def _wait_for_all(self, epoch: int,
-                      shrink: Callable[[list[int]], str | None] | None) -> list[int]:
+    def _wait_for_all(self, epoch: int, shrink: Callable[[list[int]], str | None] | None,
+                      imposed: list[int] | None = None) -> list[int]:
         """Announce this rank for `epoch` (once) and wait, up to the group's timeout,
         until every rank has, or the first rank decided to go on without some: the
         members of the group to form (first ranks). gloo's rendezvous keys are formed
@@ -189,7 +202,11 @@ class Collectives:
             here = self._store.add(key, 0)
             if here >= self.world_size:
                 return self.members
-            if deciding and not refused:
+            if imposed is not None and self.first_rank == self.members[0]:
+                if all(self._store.check([f"{key}-{r}"]) for r in imposed):
+                    self._decide(decided, imposed)
+                    continue
+            elif deciding and not refused:
                 back = [r for r in self.members if self._store.check([f"{key}-{r}"])]
                 refused = (shrink(back) or "") if shrink is not None else ""
                 if not refused:

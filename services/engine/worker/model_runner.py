@@ -316,21 +316,24 @@ class ModelRunner:
             return has_work
         return bool(group.all_reduce(torch.tensor([int(has_work)], dtype=torch.int64)).item())
 
-    def reform_group(self, state: list[int], shrink: bool = False
-                     ) -> tuple[int, list[list[int]]]:
+    def reform_group(self, state: list[int], shrink: bool = False,
+                     members: list[int] | None = None) -> tuple[int, list[list[int]]]:
         """Re-form the DP group after a failed step (every live rank calls this) and
         gather each rank's `state`: (the new epoch, every rank's state in rank order).
         Without a group: (0, [state]).
 
         `shrink`: the missing ranks had their time; the group may go on without them
         (`Collectives.reform`) if the ranks that are back can hold every expert between
-        them, each loading from the checkpoint the experts it owns in the smaller group."""
+        them, each loading from the checkpoint the experts it owns in the smaller group.
+        `members`: the group goes on as these first ranks (decided by the group of this
+        engine's rank 0; this is a tensor-parallel worker's group)."""
         group = current_dp_group()
         if group is None:
             return 0, [state]
-        members = group.members
-        epoch = group.reform(self._can_hold_experts if shrink else None)
-        if group.members != members and isinstance(self.model, SparseMoeForCausalLM):
+        before = group.members
+        imposed = members if members is not None and members != before else None
+        epoch = group.reform(self._can_hold_experts if shrink else None, imposed)
+        if group.members != before and isinstance(self.model, SparseMoeForCausalLM):
             with torch.inference_mode():
                 load_experts(self.model, resolve_model(self.config.model), self._dtype,
                              self._device)
@@ -344,8 +347,6 @@ class ModelRunner:
         moe = getattr(self.model.config, "moe", None)
         if moe is None:
             return None
-        if self.model.tp is not None:
-            return "tensor-parallel engines cannot move experts between them yet"
         return uneven_split(moe.num_experts, len(members))
 
     def start_profile(self, folder: Path, name: str) -> dict[str, Any]:

@@ -179,6 +179,9 @@ def test_abort_rpc_and_duplicate_ids(tokenizer: TextTokenizer, model_info: Model
             rest.append(chunk)
         assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
         assert await call.code() == grpc.StatusCode.OK
+        # The stream ends at once; the abort reaches the engine over its Session
+        # meanwhile (a loaded run that looked at once found it not there yet).
+        await asyncio.wait_for(engine.aborted.wait(), 5)
         assert "r1" in engine.aborts
 
     serve_generate(tokenizer, model_info, engine, body)

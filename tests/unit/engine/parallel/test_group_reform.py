@@ -113,3 +113,20 @@ def test_a_dropped_rank_fails_its_peers_collective_at_once_and_both_re_form() ->
     assert groups[1].formed  # dropped, not a replacement: it re-forms as itself
     assert on_threads(groups[0].reform, groups[1].reform) == [1, 1]
     assert summed(groups) == [3.0, 3.0]
+
+
+def test_a_replacement_that_connects_before_the_survivor_re_forms_joins_the_next_epoch(
+) -> None:
+    """A TP worker's group re-forms only after its rank 0's group decided, which waits
+    for the replacement engine, whose worker connects to this group first: the survivor
+    moved the epoch on when its step failed, so the replacement does not form epoch 0
+    alone."""
+    port = free_port()
+    groups = on_threads(*[lambda r=r: connect(Collectives, r, 2, "127.0.0.1", port, None,
+                                              TIMEOUT_S) for r in range(2)])
+    groups[0].move_epoch_on()
+    groups[0].move_epoch_on()  # once per re-forming
+    replacement = connect(Collectives, 1, 2, "127.0.0.1", port, None, TIMEOUT_S)
+    assert not replacement.formed and replacement.epoch == 1
+    assert on_threads(groups[0].reform, replacement.reform) == [1, 1]
+    assert summed([groups[0], replacement]) == [3.0, 3.0]
