@@ -308,6 +308,37 @@ def kill_rank_1_under_streams(
     return got, errors, time.monotonic() - killed
 
 
+def rank_1_replaced(c: Cluster, prompts: dict[str, list[int]], tokens: int,
+                    reference: dict[str, list[int]], pids: Callable[[], tuple[int, ...]],
+                    victim: Callable[[], int] | None = None) -> tuple[float, float]:
+    """Kill rank 1 (or `victim`) under streams on both ranks and check that rank 0's
+    streams complete with the reference tokens, rank 1's end UNAVAILABLE naming its
+    engine, rank 0's processes (`pids`) are the same, and both ranks serve once the
+    group re-formed with rank 1's replacement: (seconds from the kill until rank 0's
+    streams ended, until both ranks served)."""
+    survivors = pids()
+    with grpc.insecure_channel(c.address) as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        got, errors, resumed = kill_rank_1_under_streams(c, stub, prompts, tokens, victim)
+        killed = time.monotonic() - resumed
+        on_rank0 = [rid for i, rid in enumerate(prompts) if i % 2 == 0]
+        assert {rid: got[rid] for rid in on_rank0} == {rid: reference[rid] for rid in on_rank0}
+        assert sorted(errors) == [rid for rid in prompts if rid not in on_rank0], errors
+        for rank, code, details in errors.values():
+            assert rank == 1 and code == grpc.StatusCode.UNAVAILABLE, details
+            assert "engine" in (details or ""), details
+        assert pids() == survivors
+        deadline = time.monotonic() + 120
+        while (epochs := fault_epochs(channel)) != [1, 1]:
+            assert time.monotonic() < deadline, epochs
+            time.sleep(0.5)
+        serving = time.monotonic() - killed
+        for rank in (0, 1):
+            assert generate(stub, prompts["p0"], rank=rank, max_tokens=tokens) == \
+                reference["p0"]
+    return resumed, serving
+
+
 def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Path) -> None:
     """SIGKILL rank 1 with streams running on both ranks. Rank 0 pauses (its collective
     fails), keeps its requests, and re-forms the group with the replacement serve starts
@@ -319,28 +350,8 @@ def test_a_killed_rank_is_replaced_alone_and_its_peer_resumes(moe_checkpoint: Pa
     reference = one_process(moe_checkpoint, prompts, tokens)
     c = group_of_two(moe_checkpoint, 15)
     try:
-        survivor = c.engine_pid(0)
-        with grpc.insecure_channel(c.address) as channel:
-            stub = pb_grpc.GenerateServiceStub(channel)
-            got, errors, resumed = kill_rank_1_under_streams(c, stub, prompts, tokens)
-            killed = time.monotonic() - resumed
-            on_rank0 = [rid for i, rid in enumerate(prompts) if i % 2 == 0]
-            assert {rid: got[rid] for rid in on_rank0} == {rid: reference[rid]
-                                                           for rid in on_rank0}
-            assert sorted(errors) == [rid for rid in prompts if rid not in on_rank0], errors
-            for rank, code, details in errors.values():
-                assert rank == 1 and code == grpc.StatusCode.UNAVAILABLE, details
-                assert "engine" in (details or ""), details
-            assert c.engine_pid(0) == survivor
-            # The group re-formed with the replacement: both serve again.
-            deadline = time.monotonic() + 120
-            while (epochs := fault_epochs(channel)) != [1, 1]:
-                assert time.monotonic() < deadline, epochs
-                time.sleep(0.5)
-            serving = time.monotonic() - killed
-            for rank in (0, 1):
-                assert generate(stub, prompts["p0"], rank=rank, max_tokens=tokens) == \
-                    reference["p0"]
+        resumed, serving = rank_1_replaced(c, prompts, tokens, reference,
+                                           lambda: (c.engine_pid(0),))
         print(f"rank 1 killed: rank 0's streams completed {resumed:.1f} s later, both ranks "
               f"serving after {serving:.1f} s")
     finally:
@@ -369,27 +380,10 @@ def test_a_killed_tensor_parallel_worker_takes_only_its_engine_and_the_peer_resu
     reference = one_process(moe_checkpoint, prompts, tokens)
     c = group_of_two(moe_checkpoint, 10, None, "--tensor-parallel-size", "2")
     try:
-        survivors = (c.engine_pid(0), tensor_parallel_worker_pid(c, 0))
-        with grpc.insecure_channel(c.address) as channel:
-            stub = pb_grpc.GenerateServiceStub(channel)
-            got, errors, resumed = kill_rank_1_under_streams(
-                c, stub, prompts, tokens, lambda: tensor_parallel_worker_pid(c, 1))
-            killed = time.monotonic() - resumed
-            on_rank0 = [rid for i, rid in enumerate(prompts) if i % 2 == 0]
-            assert {rid: got[rid] for rid in on_rank0} == {rid: reference[rid]
-                                                           for rid in on_rank0}
-            assert sorted(errors) == [rid for rid in prompts if rid not in on_rank0], errors
-            for rank, code, details in errors.values():
-                assert rank == 1 and code == grpc.StatusCode.UNAVAILABLE, details
-            assert (c.engine_pid(0), tensor_parallel_worker_pid(c, 0)) == survivors
-            deadline = time.monotonic() + 120
-            while (epochs := fault_epochs(channel)) != [1, 1]:
-                assert time.monotonic() < deadline, epochs
-                time.sleep(0.5)
-            serving = time.monotonic() - killed
-            for rank in (0, 1):
-                assert generate(stub, prompts["p0"], rank=rank, max_tokens=tokens) == \
-                    reference["p0"]
+        resumed, serving = rank_1_replaced(
+            c, prompts, tokens, reference,
+            lambda: (c.engine_pid(0), tensor_parallel_worker_pid(c, 0)),
+            lambda: tensor_parallel_worker_pid(c, 1))
         print(f"rank 1's TP worker killed: rank 0's streams completed {resumed:.1f} s "
               f"later, both ranks serving after {serving:.1f} s")
     finally:
