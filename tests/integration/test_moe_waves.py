@@ -474,15 +474,19 @@ def test_a_rank_never_replaced_leaves_its_peer_serving_as_a_smaller_group(
         c.stop()
 
 
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_a_frozen_rank_pauses_its_peer_which_resumes_when_it_thaws(
-        moe_checkpoint: Path) -> None:
+        moe_checkpoint: Path, tensor_parallel_size: int) -> None:
     """SIGSTOP rank 1 mid-wave: rank 0 does not hang, its collective times out (5 s) and
     it pauses, saying why; after SIGCONT rank 1's step fails too (the group it was in is
-    gone), both re-form, and rank 0's stream completes with every token."""
+    gone), both re-form, and rank 0's stream completes with every token. With TP engines
+    only rank 1's engine process is frozen: its worker, blocked on it, lives on, and each
+    engine's TP group re-forms as well as the groups of both TP ranks."""
     tokens = 80
     prompt = [9, 8, 7, 6]
     reference = one_process(moe_checkpoint, {"a": prompt}, tokens)["a"]
-    c = group_of_two(moe_checkpoint, 5)
+    c = group_of_two(moe_checkpoint, 5, None, "--tensor-parallel-size",
+                     str(tensor_parallel_size))
     frozen = c.engine_pid(1)
     try:
         with grpc.insecure_channel(c.address) as channel:
