@@ -129,8 +129,8 @@ class TensorParallelExecutor:
         self._step_failed = threading.Event()
         self._tp_broken = False
         """A step failed: the TP group's ranks may be out of step (`reform_group`)."""
-        self._reformed: queue.Queue[str] = queue.Queue()
-        """The workers' answers to a REFORM call: "" or why it failed."""
+        self._reformed: queue.Queue[tuple[int, str]] = queue.Queue()
+        """The workers' answers to a REFORM call: (rank, "" or why it failed)."""
         device = pick_device(config.device)
         cpus, devices, config = _placement(config, size, device)
         port = free_port()
@@ -287,12 +287,16 @@ class TensorParallelExecutor:
     def _reform_answers(self, timeout_s: float) -> list[str]:
         """Why the workers' re-forming failed (none: every one re-formed)."""
         deadline = time.monotonic() + timeout_s
+        pending = dict(self._ranks())
         errors = []
-        for rank, process in self._ranks():
+        while pending:
             try:
-                error = self._reformed.get(timeout=max(0.0, deadline - time.monotonic()))
+                rank, error = self._reformed.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                error = f"no answer within {timeout_s:g} s"
+                errors += [f"tensor-parallel worker {rank} (pid {process.pid}): no answer "
+                           f"within {timeout_s:g} s" for rank, process in pending.items()]
+                break
+            process = pending.pop(rank)
             if error:
                 errors.append(f"tensor-parallel worker {rank} (pid {process.pid}): {error}")
         return errors
@@ -423,7 +427,7 @@ class TensorParallelExecutor:
                            process.pid, value)
             self._step_failed.set()
         elif kind == "reformed":
-            self._reformed.put(value)
+            self._reformed.put((rank, value))
         return ""
 
     @staticmethod
