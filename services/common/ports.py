@@ -36,8 +36,10 @@ _HELD_S = 120.0  # how long a port handed out stays promised to whoever asked fo
 _issued_lock = threading.Lock()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now, for a process started next to listen on.
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port free on `host` now, for a process started next to listen on (with
+    `count`, the first of that many consecutive ones, all free and all promised: a group
+    whose rank r listens on port + r).
 
     It is drawn below the kernel's ephemeral range where that leaves room: a port the
     kernel hands out for a bind to port 0 (gloo's pair sockets, a client's connection,
@@ -52,9 +54,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     rng = random.SystemRandom()
     with _issued_lock, _Ledger() as promised:
         for _ in range(64):
-            port = rng.randrange(_LOWEST, low)
-            if port not in promised and _bindable(host, port):
-                promised[port] = time.time()
+            port = rng.randrange(_LOWEST, low - count + 1)
+            block = range(port, port + count)
+            if all(p not in promised and _bindable(host, p) for p in block):
+                promised.update(dict.fromkeys(block, time.time()))
                 return port
     return _kernel_port(host)
 

@@ -199,8 +199,9 @@ def plan(
     # MoE models split their experts over the ranks (dense ones ignore these flags).
     dp = to_argv(from_args(DataParallelConfig, args, exclude=SERVE_OWNED))
     if serve.engines > 1:
+        # Tensor-parallel rank r of each engine meets its group on port + r.
         dp += ["--data-parallel-size", str(serve.engines),
-               DP_MASTER_FLAG, f"{HOST}:{free_port()}"]
+               DP_MASTER_FLAG, f"{HOST}:{free_port(count=runner.tensor_parallel_size)}"]
     for index, placed in enumerate(place_engines(runner, serve.engines)):
         children.append(Child(f"engine-{index}", [
             "engine", *to_argv(engine), *to_argv(placed), *dp, *pooling, *kv_events,
@@ -241,13 +242,14 @@ def splits_experts(config: dict[str, Any]) -> bool:
     return max(config.get("num_local_experts", 0), config.get("num_experts", 0)) > 1
 
 
-def parts(children: list[Child], moe_group: bool) -> list[Part]:
+def parts(children: list[Child], moe_group: bool, ports_per_group: int = 1) -> list[Part]:
     """What restarts as one: each process, except the ranks of an MoE group, which
-    can only rendezvous together, on a fresh port (the old one may still be held)."""
+    can only rendezvous together, on fresh ports (the old ones may still be held; each
+    engine's TP rank r meets on port + r, `ports_per_group` in all)."""
     coordinator, *engines, frontend = children
 
     def new_group() -> None:
-        address = f"{HOST}:{free_port()}"
+        address = f"{HOST}:{free_port(count=ports_per_group)}"
         for engine in engines:
             engine.argv[engine.argv.index(DP_MASTER_FLAG) + 1] = address
         # NOTE: the coordinator's wave relay replays the last wave start it relayed to
@@ -384,7 +386,9 @@ def _run(args: argparse.Namespace, model: str, config: dict[str, Any], state_dir
     coordinator, *engines, frontend = children
     registry, metrics_server = serve_metrics_registry(serve, children)
     policy = RestartPolicy(serve.max_restarts, serve.restart_window_s, serve.restart_backoff_max_s)
-    supervision = Supervision(parts(children, serve.engines > 1 and splits_experts(config)),
+    tensor_parallel_size = from_args(RunnerConfig, args, exclude=SERVE_OWNED).tensor_parallel_size
+    supervision = Supervision(parts(children, serve.engines > 1 and splits_experts(config),
+                                    tensor_parallel_size),
                               policy, status_file, registry)
     coordinator_part, *engine_parts, frontend_part = supervision.parts
     deadline = time.monotonic() + serve.startup_timeout_s

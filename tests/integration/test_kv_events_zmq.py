@@ -32,7 +32,7 @@ from corestream.generate.v1 import generate_service_pb2 as pb
 from corestream.generate.v1 import generate_service_pb2_grpc as pb_grpc
 
 from services.common.block_hash import hash_block
-from services.common.ports import port_in_use
+from services.common.ports import free_port
 from services.engine.kv_publisher.wire import END_SEQ
 from tests.integration.cluster import REPO, Cluster
 
@@ -43,17 +43,6 @@ BLOCK_SIZE = 16
 PROMPT_BLOCKS = 4
 TOPIC = b"kv@127.0.0.1@tiny"
 VLLM_PYTHON = REPO / "benchmarks" / ".cache" / "vllm-venv" / "bin" / "python"
-
-
-def _consecutive_free_ports(context: zmq.Context) -> int:
-    """A port P with P + 1 free as well (engine N binds or dials port + N)."""
-    for _ in range(100):
-        probe = context.socket(zmq.ROUTER)
-        port = probe.bind_to_random_port("tcp://127.0.0.1", 20000, 60000)
-        probe.close(0)
-        if all(port_in_use("127.0.0.1", port + i) is None for i in range(ENGINES)):
-            return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 class Subscriber:
@@ -86,9 +75,11 @@ class Subscriber:
 class Setup:
     def __init__(self) -> None:
         context = zmq.Context.instance()
-        port = _consecutive_free_ports(context)
+        # Engine N binds or dials port + N. Below the kernel's ephemeral range, and
+        # promised: a port probed free there was once taken before an engine bound it.
+        port = free_port(count=ENGINES)
         self.subs = [Subscriber(port + rank) for rank in range(ENGINES)]
-        replay_port = _consecutive_free_ports(context)
+        replay_port = free_port(count=ENGINES)
         self.cluster = Cluster([
             "--engines", str(ENGINES), "--kv-cache-memory", "1MiB",
             "--block-size", str(BLOCK_SIZE),

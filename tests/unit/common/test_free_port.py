@@ -56,3 +56,18 @@ def test_a_torn_or_unwritable_ledger_still_gives_a_bindable_port(ledger_dir: Pat
         assert ports._bindable("127.0.0.1", ports.free_port())
     finally:
         ledger_dir.chmod(0o700)
+
+
+def test_a_block_of_consecutive_ports_is_free_and_promised_whole(ledger_dir: Path) -> None:
+    # A group whose rank r listens on port + r (expert-parallel TP ranks, KV event
+    # publishers): every port of the block must be free and kept from other draws.
+    low, _ = ports._ephemeral_range()
+    if low - ports._LOWEST < 4096:
+        pytest.skip(f"ephemeral range starts at {low}: no room below it")
+    first = ports.free_port(count=4)
+    block = set(range(first, first + 4))
+    assert all(ports._bindable("127.0.0.1", p) for p in block)
+    assert first + 3 < low
+    ledger = json.loads((ledger_dir / f"corestream-ports-{os.getuid()}.json").read_text())
+    assert block <= {int(p) for p in ledger}
+    assert not block & {ports.free_port() for _ in range(200)}
