@@ -101,7 +101,7 @@ def run_worker(spec: WorkerSpec, channel: FollowerChannel) -> None:
         logger.warning("tensor-parallel rank %d: the engine is gone; exiting", spec.rank)
         os._exit(1)
     except BaseException as exc:
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        text = _one_line(exc)
         logger.critical("tensor-parallel rank %d failed: %s\n%s", spec.rank, text,
                         traceback.format_exc())
         channel.report(("error", text))
@@ -182,7 +182,7 @@ def _step_failed(spec: WorkerSpec, channel: FollowerChannel, exc: Exception) -> 
     from services.engine.parallel.dp_group import current_dp_group
     from services.engine.parallel.tp_group import current_tp_group
 
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    text = _one_line(exc)
     logger.warning("tensor-parallel rank %d: step failed (%s); waiting for the group to "
                    "re-form", spec.rank, text)
     group = current_tp_group()
@@ -210,8 +210,13 @@ def _reform(runner: ModelRunner, call: Call) -> str:
         else:
             runner.reform_group([0, 0, 0], members=json.loads(call.text))
     except Exception as exc:  # LeftOut and timeouts alike: the leader decides
-        return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        return _one_line(exc)
     return ""
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception as the leader reports it: its type and message."""
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
 def _inject(fault: FaultSpec, forwards: int) -> None:
