@@ -113,6 +113,10 @@ def test_openai_json_schema_answer_validates(cluster: tuple[Cluster, int]) -> No
 
 
 def test_openai_tool_call_with_a_hermes_template(cluster: tuple[Cluster, int]) -> None:
+    if not HERMES_TEMPLATE.is_file():
+        # The published templates are test data beside the repository (../shared), which a
+        # bare clone lacks; the other tests that read them skip the same way.
+        pytest.skip(f"shared chat template not found at {HERMES_TEMPLATE}")
     parameters = {"type": "object", "properties": {"city": {"type": "string"}},
                   "required": ["city"], "additionalProperties": False}
     tool = {"type": "function", "function": {
