@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = (
-    "paged_attention_cpu.cpp", "layers_cpu.cpp", "decoder_cpu.cpp", "linear_cpu.cpp",
+    "paged_attention_cpu.cpp", "paged_prefill_cpu.cpp", "layers_cpu.cpp", "decoder_cpu.cpp",
+    "linear_cpu.cpp",
     "quant_cpu.cpp",
 )
 

@@ -1,10 +1,11 @@
-"""The C++ decode-attention kernel for CPU (`csrc/paged_attention_cpu.cpp`).
+"""The C++ attention kernels for CPU: decodes (`csrc/paged_attention_cpu.cpp`) and
+prefills (`csrc/paged_prefill_cpu.cpp`).
 
-The torch decode path gathers every sequence's K and V blocks into dense tensors and then
-runs SDPA over them, so it reads the context twice and writes it once; the kernel reads
-each cached token once, in place. It is part of the CPU extension that
-`corestream_kernels.cpu_extension` builds on first use; where that build fails the caller gets None
-and uses torch.
+The torch path gathers every sequence's K and V blocks into dense tensors and then runs
+SDPA over them, so it reads the context twice and writes it once, and runs prompts one
+per call; the kernels read each cached token in place, the whole batch in one parallel
+region. They are part of the CPU extension that `corestream_kernels.cpu_extension` builds
+on first use; where that build fails the caller gets None and uses torch.
 """
 
 from __future__ import annotations
@@ -61,6 +62,41 @@ def cpu_decode_kernel(query: torch.Tensor, key_cache: torch.Tensor) -> DecodeFn 
         return None
     ops = cpu_ops(query)
     return None if ops is None else ops.paged_decode
+
+
+# paged_prefill(out, query, key_cache, value_cache, block_tables, seq_lens,
+# query_start_loc, scale, window): writes the rows of every sequence with two or more
+# query rows, and leaves the others' rows as they are.
+PrefillFn = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        float,
+        int,
+    ],
+    None,
+]
+
+
+def cpu_prefill_kernel(query: torch.Tensor, key_cache: torch.Tensor) -> PrefillFn | None:
+    """The kernel's `paged_prefill` if it applies to these tensors and builds, else None."""
+    supported = (
+        query.dtype in DTYPES
+        and query.shape[2] <= _MAX_HEAD_DIM
+        and query.shape[1] % key_cache.shape[2] == 0
+        and key_cache.dtype == query.dtype
+        and key_cache.is_contiguous()
+        and query.stride(-1) == 1
+    )
+    if not supported:
+        return None
+    ops = cpu_ops(query)
+    return None if ops is None else ops.paged_prefill
 
 
 def warm_up() -> DecodeFn | None:

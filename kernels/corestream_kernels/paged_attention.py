@@ -13,13 +13,13 @@ blocks would save memory on long contexts, and is left to a later change.
 
 On CUDA with triton installed this runs one Triton kernel for the whole batch
 (`corestream_kernels.triton_paged_attention`). On CPU, decodes (the common case, and bound by memory
-traffic) go to a C++ kernel that reads the cache in place
-(`corestream_kernels.cpu_paged_attention`),
-when it builds. Everything else runs the torch code below, which is also the reference:
+traffic) go to a C++ kernel that reads the cache in place, and prompts and chunks to
+another that runs every one of them in one call (`corestream_kernels.cpu_paged_attention`),
+when they build. Everything else runs the torch code below, which is also the reference:
 it gathers each sequence's blocks into a dense tensor and hands it to
 `scaled_dot_product_attention`, decodes in batched calls over chunks of sequences, prompts
-and chunks one per call (compute-bound, so SDPA's matmuls suit them). Loop bounds come
-from host lists, so no step here waits on the device.
+and chunks one per call. Loop bounds come from host lists, so no step here waits on the
+device.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from corestream_kernels.backend import use_triton
-from corestream_kernels.cpu_paged_attention import cpu_decode_kernel
+from corestream_kernels.cpu_paged_attention import cpu_decode_kernel, cpu_prefill_kernel
 
 # NOTE: the bytes of keys and values one decode chunk gathers. Gathers much larger than
 # this land in freshly mapped pages on every call, and on CPU those page faults cost
@@ -88,12 +88,13 @@ def paged_attention(
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
+    prefill_kernel = cpu_prefill_kernel(query, key_cache)
     decodes: list[int] = []
     for i in range(num_seqs):
         start, end = query_start_loc_host[i], query_start_loc_host[i + 1]
         if end - start == 1:
             decodes.append(i)
-        elif end > start:
+        elif end > start and prefill_kernel is None:
             out[start:end] = _prefill(
                 query[start:end],
                 key_cache,
@@ -103,6 +104,18 @@ def paged_attention(
                 scale,
                 sliding_window,
             )
+    if prefill_kernel is not None and len(decodes) < num_seqs:
+        prefill_kernel(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables.to(torch.int32).contiguous(),
+            seq_lens.to(torch.int32).contiguous(),
+            query_start_loc.to(torch.int32).contiguous(),
+            scale,
+            sliding_window or 0,
+        )
     if len(decodes) == num_seqs:
         # Every row is a decode and rows are in sequence order: no gather, no scatter.
         _decode(

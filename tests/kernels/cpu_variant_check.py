@@ -1,4 +1,5 @@
-"""Builds `paged_decode` with extra compiler flags and checks it against the dense reference.
+"""Builds `paged_decode` and `paged_prefill` with extra compiler flags and checks them
+against the dense reference.
 
     python -m tests.kernels.cpu_variant_check -march=x86-64-v3
 
@@ -23,6 +24,7 @@ from tests.kernels.paged_batch import make_batch
 
 CSRC = Path(__file__).resolve().parents[2] / "kernels" / "corestream_kernels" / "csrc"
 LENGTHS = [15, 16, 17, 1, 31, 33, 50, 7, 100, 47]
+PREFILLS = [(0, 15), (0, 33), (20, 17), (3, 70), (0, 2)]
 
 
 def main(flags: list[str]) -> None:
@@ -31,7 +33,7 @@ def main(flags: list[str]) -> None:
         digest.update(path.read_bytes())
     cpp_extension.load(
         name=f"corestream_decode_variant_{digest.hexdigest()[:12]}",
-        sources=[str(CSRC / "paged_attention_cpu.cpp")],
+        sources=[str(CSRC / "paged_attention_cpu.cpp"), str(CSRC / "paged_prefill_cpu.cpp")],
         extra_cflags=["-O3", "-march=native", "-fopenmp", *flags],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
@@ -48,6 +50,20 @@ def main(flags: list[str]) -> None:
         out = torch.empty_like(b.query)
         kernel(out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.scale,
                window)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.float(), b.reference, atol=tol, rtol=tol)
+    prefill = torch.ops.corestream_cpu.paged_prefill
+    cases = itertools.product(
+        [torch.float32, torch.bfloat16], [24, 64, 128], [8, 2, 1], [1, 16], [0, 9]
+    )
+    for dtype, head_dim, kv_heads, block_size, window in cases:
+        # Whole prompts and chunks after a prefix, across the kernel's key tiles.
+        b = make_batch(PREFILLS, heads=8, kv_heads=kv_heads, head_dim=head_dim,
+                       block_size=block_size, dtype=dtype, fill=float("nan"),
+                       sliding_window=window or None)
+        out = torch.empty_like(b.query)
+        prefill(out, b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                b.query_start_loc, b.scale, window)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out.float(), b.reference, atol=tol, rtol=tol)
 

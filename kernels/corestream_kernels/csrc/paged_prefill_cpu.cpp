@@ -1,0 +1,397 @@
+// Prefill attention read straight from the block-paged KV cache, on CPU: every sequence of
+// a batch with two or more query rows (whole prompts, and chunks after a cached prefix) in
+// one call.
+//
+// Why not torch: the torch path gathers each sequence's blocks into a dense tensor and runs
+// SDPA one sequence per call. At the shapes pooling and short prompts have (tens to a few
+// hundred tokens, head size 64) a call's fixed costs and the gather dominate, and SDPA's
+// two threads share one short sequence; measured ~60 GFLOP/s (benchmarks/pooling.py notes).
+// Here the batch is one parallel region of independent items, each read from the cache in
+// place.
+//
+// The plan is flash attention's, for a CPU:
+// - An item is one sequence, one kv head and a tile of consecutive query positions: the
+//   rows of the item are those positions times the kv head's group of query heads, so
+//   every key and value row it loads serves the whole group.
+// - Keys go in tiles of kKeys, from the first any row of the item may see to the last.
+//   A tile's keys are widened to fp32 and laid out transposed (d-major), its values
+//   row-major; both stay in L1 for all the item's rows.
+// - Scores: kScoreRows rows against the tile's keys at once, their kKeys sums each in
+//   registers (the compiler's vectors over the key axis), the query values broadcast.
+// - Causal mask and sliding window per row as a range of the tile's keys; online softmax
+//   per row (running max and sum, the accumulator rescaled when the max grows).
+// - Values: kValueRows rows' accumulators for a chunk of the head in registers while the
+//   tile's probabilities weight the tile's value rows.
+// The arithmetic is fp32 whatever the cache's dtype (bf16 widened on load, the output
+// rounded once): the same numbers on AVX2 and AVX-512 machines up to summation order.
+//
+// Items are handed out by run_items, longest first, so a long prompt's last tiles do not
+// start at the end of the region. Registered as corestream_cpu::paged_prefill.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "cpu_math.h"
+#include "paged_attention_cpu.h"
+#include "work_items.h"
+
+namespace {
+
+using corestream_cpu::exp_approx;
+using corestream_cpu::from_float;
+using corestream_cpu::to_float;
+
+// Vector registers set the blocking: sixteen 512-bit ones, or sixteen 256-bit ones.
+#if defined(__AVX512F__)
+constexpr int kKeys = 32;       // keys per tile: two vectors of scores per row
+constexpr int kScoreRows = 6;   // 12 accumulators
+constexpr int kValueChunk = 64; // floats of a row's accumulator per pass: four vectors
+constexpr int kValueRows = 3;   // 12 accumulators
+#else
+constexpr int kKeys = 16;
+constexpr int kScoreRows = 5;   // 10 accumulators of 8 floats
+constexpr int kValueChunk = 32;
+constexpr int kValueRows = 2;   // 8 accumulators
+#endif
+// Query rows an item aims at (positions times the group), so each key tile's load and
+// transposition is shared by that many rows.
+constexpr int64_t kItemRows = 64;
+constexpr int64_t kMaxHeadDim = 256;
+
+struct PrefillShape {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+  int64_t q_tok_stride, q_head_stride, o_tok_stride, o_head_stride;
+  int64_t window;  // sliding window in tokens; 0 = none
+  float scale;
+};
+
+// One item: sequence seq, kv head kv, query rows [first, last) of its chunk.
+struct Tile {
+  int64_t seq, kv, first, last, cost;
+};
+
+// scores[r][j] = q[r] . kt[:, j] for kR rows; q rows dim apart, kt d-major with kKeys keys.
+template <int kR, int kD>
+inline void score_rows(const float* __restrict q, const float* __restrict kt,
+                       float* __restrict scores, int64_t dim) {
+  const int64_t d_end = kD > 0 ? kD : dim;
+  float acc[kR][kKeys] = {};
+  for (int64_t d = 0; d < d_end; ++d) {
+    const float* __restrict k = kt + d * kKeys;
+    for (int i = 0; i < kR; ++i) {
+      const float qv = q[i * d_end + d];
+#pragma omp simd
+      for (int j = 0; j < kKeys; ++j) acc[i][j] += qv * k[j];
+    }
+  }
+  for (int i = 0; i < kR; ++i) {
+#pragma omp simd
+    for (int j = 0; j < kKeys; ++j) scores[i * kKeys + j] = acc[i][j];
+  }
+}
+
+// acc[r][c0:c0+kC] += sum over j < n of p[r][j] * v[j][c0:c0+kC], for kR rows.
+template <int kR, int kC>
+inline void weigh_rows(const float* __restrict p, const float* __restrict v,
+                       float* __restrict acc, int64_t n, int64_t dim, int64_t c0) {
+  float a[kR][kC];
+  for (int i = 0; i < kR; ++i) {
+#pragma omp simd
+    for (int c = 0; c < kC; ++c) a[i][c] = acc[i * dim + c0 + c];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* __restrict vj = v + j * dim + c0;
+    for (int i = 0; i < kR; ++i) {
+      const float pj = p[i * kKeys + j];
+#pragma omp simd
+      for (int c = 0; c < kC; ++c) a[i][c] += pj * vj[c];
+    }
+  }
+  for (int i = 0; i < kR; ++i) {
+#pragma omp simd
+    for (int c = 0; c < kC; ++c) acc[i * dim + c0 + c] = a[i][c];
+  }
+}
+
+// The value pass for kR rows over the whole head: in chunks of kValueChunk where the head
+// size is known and a multiple of it, else of 16 with the rest one float at a time.
+template <int kR, int kD>
+inline void weigh_head(const float* p, const float* v, float* acc, int64_t n, int64_t dim) {
+  if constexpr (kD > 0 && kD % kValueChunk == 0) {
+    for (int64_t c0 = 0; c0 < kD; c0 += kValueChunk) {
+      weigh_rows<kR, kValueChunk>(p, v, acc, n, kD, c0);
+    }
+  } else if constexpr (kD > 0 && kD < kValueChunk) {
+    weigh_rows<kR, kD>(p, v, acc, n, kD, 0);
+  } else {
+    int64_t c0 = 0;
+    for (; c0 + 16 <= dim; c0 += 16) weigh_rows<kR, 16>(p, v, acc, n, dim, c0);
+    for (; c0 < dim; ++c0) weigh_rows<kR, 1>(p, v, acc, n, dim, c0);
+  }
+}
+
+// One item's attention. q, out: the sequence's first query token, at the item's first
+// kv head's first query head. scratch: see `scratch_floats`.
+template <typename T, int kD>
+void attend_tile(const PrefillShape& s, const Tile& tile, const T* q, T* out,
+                 const T* __restrict key_cache, const T* __restrict value_cache,
+                 const int32_t* table, int64_t seq_len, int64_t q_len, float* scratch) {
+  const int64_t dim = kD > 0 ? kD : s.head_dim;
+  const int64_t group = s.group;
+  const int64_t positions = tile.last - tile.first;
+  const int64_t rows = positions * group;
+  const int64_t prefix = seq_len - q_len;
+  float* __restrict qf = scratch;                  // [rows, dim], scaled
+  float* __restrict acc = qf + rows * dim;         // [rows, dim], unnormalized output
+  float* __restrict probs = acc + rows * dim;      // [rows, kKeys]
+  float* __restrict kt = probs + rows * kKeys;     // [dim, kKeys]
+  float* __restrict vt = kt + dim * kKeys;         // [kKeys, dim]
+  float* __restrict row_max = vt + kKeys * dim;    // [rows]
+  float* __restrict row_sum = row_max + rows;      // [rows]
+
+  // Row r is position tile.first + r / group, head r % group of the kv head's group.
+  for (int64_t i = 0; i < positions; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      const T* qh = q + (tile.first + i) * s.q_tok_stride + g * s.q_head_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(qh[d]) * s.scale;
+      std::fill(acc + r * dim, acc + (r + 1) * dim, 0.0f);
+      row_max[r] = -std::numeric_limits<float>::infinity();
+      row_sum[r] = 0.0f;
+    }
+  }
+
+  const int64_t token_stride = s.num_kv_heads * dim;
+  const int64_t first_pos = prefix + tile.first;  // of the item's first row
+  const int64_t key_end = prefix + tile.last;     // one past the last row's position
+  const int64_t key_begin = s.window > 0 ? std::max<int64_t>(0, first_pos - s.window + 1) : 0;
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeys) {
+    const int64_t n = std::min<int64_t>(kKeys, key_end - k0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = k0 + j;
+      const int64_t row =
+          (static_cast<int64_t>(table[pos / s.block_size]) * s.block_size + pos % s.block_size) *
+              token_stride + tile.kv * dim;
+      const T* __restrict kj = key_cache + row;
+      const T* __restrict vj = value_cache + row;
+      for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + j] = to_float(kj[d]);
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) vt[j * dim + d] = to_float(vj[d]);
+    }
+    // Slots past the tile's end: zeros, so their scores are finite (and masked below).
+    for (int64_t d = 0; d < dim && n < kKeys; ++d) {
+      std::fill(kt + d * kKeys + n, kt + (d + 1) * kKeys, 0.0f);
+    }
+
+    // Rows whose position comes before this tile see none of it: start past them.
+    const int64_t first_row = std::max<int64_t>(0, k0 - first_pos) * group;
+    int64_t r = first_row;
+    for (; r + kScoreRows <= rows; r += kScoreRows) {
+      score_rows<kScoreRows, kD>(qf + r * dim, kt, probs + r * kKeys, dim);
+    }
+    for (; r < rows; ++r) score_rows<1, kD>(qf + r * dim, kt, probs + r * kKeys, dim);
+
+    for (r = first_row; r < rows; ++r) {
+      // This row sees keys [lo, hi) of the tile: up to its own position, and with a window
+      // only the last `window` of those.
+      const int64_t pos = first_pos + r / group;
+      const int64_t lo =
+          s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1 - k0) : 0;
+      const int64_t hi = std::min<int64_t>(n, pos + 1 - k0);
+      float* __restrict p = probs + r * kKeys;
+      float tile_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = lo; j < hi; ++j) tile_max = std::max(tile_max, p[j]);
+      if (hi <= lo) {
+        std::fill(p, p + kKeys, 0.0f);
+        continue;
+      }
+      const float new_max = std::max(row_max[r], tile_max);
+      float tile_sum = 0.0f;
+#pragma omp simd reduction(+ : tile_sum)
+      for (int64_t j = 0; j < kKeys; ++j) {
+        const float e = exp_approx(p[j] - new_max);
+        p[j] = (j >= lo && j < hi) ? e : 0.0f;
+        tile_sum += p[j];
+      }
+      if (new_max > row_max[r]) {
+        const float shrink = std::exp(row_max[r] - new_max);
+        row_sum[r] *= shrink;
+        float* __restrict ar = acc + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) ar[d] *= shrink;
+        row_max[r] = new_max;
+      }
+      row_sum[r] += tile_sum;
+    }
+
+    r = first_row;
+    for (; r + kValueRows <= rows; r += kValueRows) {
+      weigh_head<kValueRows, kD>(probs + r * kKeys, vt, acc + r * dim, n, dim);
+    }
+    for (; r < rows; ++r) weigh_head<1, kD>(probs + r * kKeys, vt, acc + r * dim, n, dim);
+  }
+
+  for (int64_t i = 0; i < positions; ++i) {
+    T* oi = out + (tile.first + i) * s.o_tok_stride;
+    corestream_cpu::write_normalized(oi, s.o_head_stride, acc + i * group * dim, dim,
+                                     row_sum + i * group, group, dim);
+  }
+}
+
+int64_t scratch_floats(int64_t rows, int64_t dim) {
+  return 2 * rows * dim + rows * kKeys + 2 * dim * kKeys + 2 * rows;
+}
+
+template <typename T, int kD>
+void run_tiles(const PrefillShape& s, const std::vector<Tile>& tiles, const T* query, T* out,
+               const T* key_cache, const T* value_cache, const int32_t* tables,
+               const int32_t* seq_lens, const int32_t* starts, int64_t max_rows) {
+  const int64_t floats = scratch_floats(max_rows, s.head_dim);
+  corestream_cpu::run_items(static_cast<int64_t>(tiles.size()), [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < floats) scratch.resize(floats);
+    const Tile& tile = tiles[i];
+    const int64_t start = starts[tile.seq];
+    const int64_t head = tile.kv * s.group;
+    attend_tile<T, kD>(s, tile, query + start * s.q_tok_stride + head * s.q_head_stride,
+                       out + start * s.o_tok_stride + head * s.o_head_stride, key_cache,
+                       value_cache, tables + tile.seq * s.max_blocks, seq_lens[tile.seq],
+                       starts[tile.seq + 1] - start, scratch.data());
+  });
+}
+
+template <typename T>
+void dispatch(const PrefillShape& s, const std::vector<Tile>& tiles, const at::Tensor& out,
+              const at::Tensor& query, const at::Tensor& key_cache,
+              const at::Tensor& value_cache, const int32_t* tables, const int32_t* lens,
+              const int32_t* starts, int64_t max_rows) {
+  const T* q = query.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  const T* k = key_cache.const_data_ptr<T>();
+  const T* v = value_cache.const_data_ptr<T>();
+  switch (s.head_dim) {
+    case 64:
+      return run_tiles<T, 64>(s, tiles, q, o, k, v, tables, lens, starts, max_rows);
+    case 128:
+      return run_tiles<T, 128>(s, tiles, q, o, k, v, tables, lens, starts, max_rows);
+    default:
+      return run_tiles<T, 0>(s, tiles, q, o, k, v, tables, lens, starts, max_rows);
+  }
+}
+
+// out, query: [T, H, D] (any row strides, unit stride over D).
+// key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous.
+// block_tables: [B, max_blocks] int32; seq_lens: [B] int32, cached tokens per sequence
+// after this step; query_start_loc: [B + 1] int32, each sequence's query rows.
+// window: attend only to the last `window` positions up to each row's own; 0 = all.
+// Writes the rows of every sequence with two or more query rows; others are left as
+// they are (decodes: paged_decode's).
+void paged_prefill(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                   double scale, int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D], cache 4-D");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must match query");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "cache must be contiguous");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ");
+  const int64_t num_seqs = seq_lens.size(0);
+  corestream_cpu::check_block_tables(block_tables, seq_lens, num_seqs);
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+                  query_start_loc.dim() == 1 && query_start_loc.size(0) == num_seqs + 1,
+              "query_start_loc must be [B + 1] int32, contiguous");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  out.scalar_type() == key_cache.scalar_type(),
+              "query, out and caches must share a dtype");
+
+  PrefillShape s{};
+  s.num_heads = query.size(1);
+  s.head_dim = query.size(2);
+  s.block_size = key_cache.size(1);
+  s.num_kv_heads = key_cache.size(2);
+  s.max_blocks = block_tables.size(1);
+  s.q_tok_stride = query.stride(0);
+  s.q_head_stride = query.stride(1);
+  s.o_tok_stride = out.stride(0);
+  s.o_head_stride = out.stride(1);
+  s.scale = static_cast<float>(scale);
+  s.window = window;
+  TORCH_CHECK(key_cache.size(3) == s.head_dim, "cache head_dim differs from query's");
+  TORCH_CHECK(s.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  TORCH_CHECK(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0,
+              "heads must be a multiple of kv heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window), got ", window);
+  s.group = s.num_heads / s.num_kv_heads;
+
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.const_data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == query.size(0),
+              "query_start_loc must run from 0 to the query's rows");
+  const int64_t num_cache_blocks = key_cache.size(0);
+  const int64_t positions = std::max<int64_t>(1, (kItemRows + s.group - 1) / s.group);
+  std::vector<Tile> tiles;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t q_len = starts[seq + 1] - starts[seq];
+    const int64_t seq_len = lens[seq];
+    TORCH_CHECK(q_len >= 0, "query_start_loc must not decrease");
+    if (q_len < 2) continue;
+    TORCH_CHECK(seq_len >= q_len, "seq_lens[", seq, "] = ", seq_len, " is shorter than its ",
+                q_len, " query rows");
+    const int64_t used_blocks = (seq_len + s.block_size - 1) / s.block_size;
+    TORCH_CHECK(used_blocks <= s.max_blocks, "seq_lens[", seq, "] = ", seq_len,
+                " exceeds its block table");
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      const int32_t block = tables[seq * s.max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_cache_blocks, "block id ", block,
+                  " out of range for ", num_cache_blocks, " blocks");
+    }
+    const int64_t prefix = seq_len - q_len;
+    for (int64_t first = 0; first < q_len; first += positions) {
+      const int64_t last = std::min(q_len, first + positions);
+      const int64_t keys_seen = s.window > 0 ? std::min<int64_t>(prefix + last, s.window +
+                                                                     last - first)
+                                             : prefix + last;
+      for (int64_t kv = 0; kv < s.num_kv_heads; ++kv) {
+        tiles.push_back({seq, kv, first, last, keys_seen * (last - first)});
+      }
+    }
+  }
+  if (tiles.empty()) return;
+  // Longest first: the region ends when its last item does.
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
+  const int64_t max_rows = positions * s.group;
+  if (query.scalar_type() == at::kFloat) {
+    return dispatch<float>(s, tiles, out, query, key_cache, value_cache, tables, lens, starts,
+                           max_rows);
+  }
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16,
+              "paged_prefill supports float32 and bfloat16, not ", query.scalar_type());
+  dispatch<c10::BFloat16>(s, tiles, out, query, key_cache, value_cache, tables, lens, starts,
+                          max_rows);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
+  m.def(
+      "paged_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+      "int window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(corestream_cpu, CPU, m) {
+  m.impl("paged_prefill", &paged_prefill);
+}
