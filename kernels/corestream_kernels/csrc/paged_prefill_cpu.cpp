@@ -35,10 +35,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "avx512_math.h"
 #include "cpu_math.h"
 #include "paged_attention_cpu.h"
 #include "work_items.h"
@@ -138,32 +141,237 @@ inline void weigh_head(const float* p, const float* v, float* acc, int64_t n, in
   }
 }
 
-// One item's attention. q, out: the sequence's first query token, at the item's first
-// kv head's first query head. scratch: see `scratch_floats`.
+// The arithmetic of an item in fp32, on any CPU: query rows widened and scaled once, each
+// tile's keys widened and transposed (d-major), its values widened.
 template <typename T, int kD>
+class FloatDots {
+ public:
+  static int64_t scratch_floats(int64_t rows, int64_t dim) {
+    return rows * dim + 2 * dim * kKeys;
+  }
+
+  FloatDots(float* scratch, int64_t rows, int64_t dim)
+      : dim_(kD > 0 ? kD : dim), qf_(scratch), kt_(qf_ + rows * dim_), vt_(kt_ + dim_ * kKeys) {}
+
+  void load_query(int64_t r, const T* q, float scale) {
+    float* __restrict qr = qf_ + r * dim_;
+#pragma omp simd
+    for (int64_t d = 0; d < dim_; ++d) qr[d] = to_float(q[d]) * scale;
+  }
+
+  void load_key(int64_t j, const T* __restrict k, const T* __restrict v) {
+    for (int64_t d = 0; d < dim_; ++d) kt_[d * kKeys + j] = to_float(k[d]);
+    float* __restrict vj = vt_ + j * dim_;
+#pragma omp simd
+    for (int64_t d = 0; d < dim_; ++d) vj[d] = to_float(v[d]);
+  }
+
+  // Key slots from n on: zeros, so their scores are finite (and masked).
+  void end_tile(int64_t n) {
+    for (int64_t d = 0; d < dim_ && n < kKeys; ++d) {
+      std::fill(kt_ + d * kKeys + n, kt_ + (d + 1) * kKeys, 0.0f);
+    }
+  }
+
+  // scores[r][:kKeys] for rows [first, rows).
+  void scores(int64_t first, int64_t rows, float* scores) const {
+    int64_t r = first;
+    for (; r + kScoreRows <= rows; r += kScoreRows) {
+      score_rows<kScoreRows, kD>(qf_ + r * dim_, kt_, scores + r * kKeys, dim_);
+    }
+    for (; r < rows; ++r) score_rows<1, kD>(qf_ + r * dim_, kt_, scores + r * kKeys, dim_);
+  }
+
+  // acc[r] += probs[r] . values for rows [first, rows), over the tile's first n keys.
+  void weigh(int64_t first, int64_t rows, const float* probs, float* acc, int64_t n) const {
+    int64_t r = first;
+    for (; r + kValueRows <= rows; r += kValueRows) {
+      weigh_head<kValueRows, kD>(probs + r * kKeys, vt_, acc + r * dim_, n, dim_);
+    }
+    for (; r < rows; ++r) weigh_head<1, kD>(probs + r * kKeys, vt_, acc + r * dim_, n, dim_);
+  }
+
+ private:
+  int64_t dim_;
+  float* __restrict qf_;  // [rows, dim]
+  float* __restrict kt_;  // [dim, kKeys]
+  float* __restrict vt_;  // [kKeys, dim]
+};
+
+#ifdef CORESTREAM_AVX512_BF16
+namespace vec = corestream_cpu::avx512;
+
+// The arithmetic of an item for bf16 on CPUs with bf16 dot products (AVX512-BF16): pairs of
+// bf16 multiplied and summed into fp32 lanes, twice the fp32 rate. Query rows stay bf16 as
+// stored (the scale goes on the fp32 scores); a tile's keys are copied as pairs of head
+// elements, key-minor, and its values as pairs of keys, head-minor; the probabilities are
+// rounded to bf16 for the values' products, as bf16 flash attention does. Head sizes that
+// are multiples of 16 (kKeys is 32 here).
+class Bf16Dots {
+ public:
+  static int64_t scratch_floats(int64_t rows, int64_t dim) {
+    // Words: query pairs rows * dim / 2, key pairs dim / 2 * kKeys, staged values
+    // kKeys * dim / 2, value pairs kKeys / 2 * dim, probability pairs rows * kKeys / 2.
+    return rows * dim / 2 + dim / 2 * kKeys + kKeys * dim / 2 + kKeys / 2 * dim +
+           rows * kKeys / 2;
+  }
+
+  Bf16Dots(float* scratch, int64_t rows, int64_t dim)
+      : dim_(dim), half_(dim / 2),
+        qp_(reinterpret_cast<uint32_t*>(scratch)),
+        kp_(qp_ + rows * half_),
+        staged_(kp_ + half_ * kKeys),
+        vp_(staged_ + kKeys * half_),
+        pp_(vp_ + kKeys / 2 * dim) {}
+
+  void load_query(int64_t r, const c10::BFloat16* q, float scale) {
+    scale_ = scale;
+    std::memcpy(qp_ + r * half_, q, dim_ * sizeof(c10::BFloat16));
+  }
+
+  void load_key(int64_t j, const c10::BFloat16* k, const c10::BFloat16* v) {
+    uint32_t words[kMaxHeadDim / 2];
+    std::memcpy(words, k, dim_ * sizeof(c10::BFloat16));
+    for (int64_t p = 0; p < half_; ++p) kp_[p * kKeys + j] = words[p];
+    std::memcpy(staged_ + j * half_, v, dim_ * sizeof(c10::BFloat16));
+  }
+
+  // Slots from n on are zeros (the cache past a sequence's end may hold anything, NaN
+  // included, and 0 * NaN is NaN); then the values' key pairs, interleaved.
+  void end_tile(int64_t n) {
+    for (int64_t p = 0; p < half_ && n < kKeys; ++p) {
+      std::fill(kp_ + p * kKeys + n, kp_ + (p + 1) * kKeys, 0u);
+    }
+    std::fill(staged_ + n * half_, staged_ + kKeys * half_, 0u);
+    // Lane 2i of the result: element i of a's 16, lane 2i + 1: element i of b's.
+    static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                          8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46,
+                                          15, 47};
+    const __m512i low = _mm512_loadu_si512(kLow);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    const int64_t pairs = (n + 1) / 2;
+    for (int64_t t = 0; t < pairs; ++t) {
+      const uint32_t* a = staged_ + 2 * t * half_;
+      const uint32_t* b = a + half_;
+      uint32_t* out = vp_ + t * dim_;
+      for (int64_t d = 0; d < dim_; d += 32) {
+        const __mmask32 mask = vec::first_lanes32(std::min<int64_t>(32, dim_ - d));
+        const __m512i va = _mm512_maskz_loadu_epi16(mask, a + d / 2);
+        const __m512i vb = _mm512_maskz_loadu_epi16(mask, b + d / 2);
+        _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(va, low, vb));
+        if (d + 16 < dim_) {
+          _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(va, high, vb));
+        }
+      }
+    }
+  }
+
+  void scores(int64_t first, int64_t rows, float* scores) const {
+    int64_t r = first;
+    for (; r + kScoreRows <= rows; r += kScoreRows) score_block<kScoreRows>(r, scores);
+    for (; r < rows; ++r) score_block<1>(r, scores);
+  }
+
+  void weigh(int64_t first, int64_t rows, const float* probs, float* acc, int64_t n) const {
+    for (int64_t r = first; r < rows; ++r) {
+      const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(probs + r * kKeys + 16),
+                                                 _mm512_loadu_ps(probs + r * kKeys));
+      _mm512_storeu_si512(pp_ + r * kKeys / 2, (__m512i)pairs);
+    }
+    const int64_t pairs = (n + 1) / 2;
+    int64_t r = first;
+    for (; r + kValueRows <= rows; r += kValueRows) weigh_rows<kValueRows>(r, acc, pairs);
+    for (; r < rows; ++r) weigh_rows<1>(r, acc, pairs);
+  }
+
+ private:
+  template <int kR>
+  void score_block(int64_t r, float* scores) const {
+    __m512 sum[kR][2];
+    for (int i = 0; i < kR; ++i) sum[i][0] = sum[i][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < half_; ++p) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp_ + p * kKeys);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp_ + p * kKeys + 16);
+      for (int i = 0; i < kR; ++i) {
+        const __m512bh q = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp_[(r + i) * half_ + p]));
+        sum[i][0] = _mm512_dpbf16_ps(sum[i][0], q, k0);
+        sum[i][1] = _mm512_dpbf16_ps(sum[i][1], q, k1);
+      }
+    }
+    const __m512 scale = _mm512_set1_ps(scale_);
+    for (int i = 0; i < kR; ++i) {
+      _mm512_storeu_ps(scores + (r + i) * kKeys, _mm512_mul_ps(sum[i][0], scale));
+      _mm512_storeu_ps(scores + (r + i) * kKeys + 16, _mm512_mul_ps(sum[i][1], scale));
+    }
+  }
+
+  // acc rows [r, r + kR) += their bf16 probabilities . the values, four vectors of the
+  // head at a time (then what is left: 1-3 vectors).
+  template <int kR>
+  void weigh_rows(int64_t r, float* acc, int64_t pairs) const {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= dim_; c0 += 64) weigh_chunk<kR, 4>(r, acc, pairs, c0);
+    switch ((dim_ - c0) / 16) {
+      case 1: return weigh_chunk<kR, 1>(r, acc, pairs, c0);
+      case 2: return weigh_chunk<kR, 2>(r, acc, pairs, c0);
+      case 3: return weigh_chunk<kR, 3>(r, acc, pairs, c0);
+      default: return;
+    }
+  }
+
+  // Accumulators of kR rows times kC vectors of 16 from c0, in registers over the tile.
+  template <int kR, int kC>
+  void weigh_chunk(int64_t r, float* acc, int64_t pairs, int64_t c0) const {
+    __m512 a[kR][kC];
+    for (int i = 0; i < kR; ++i) {
+      for (int c = 0; c < kC; ++c) a[i][c] = _mm512_loadu_ps(acc + (r + i) * dim_ + c0 + 16 * c);
+    }
+    for (int64_t t = 0; t < pairs; ++t) {
+      __m512bh v[kC];
+      for (int c = 0; c < kC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp_ + t * dim_ + c0 + 16 * c);
+      for (int i = 0; i < kR; ++i) {
+        const __m512bh p =
+            (__m512bh)_mm512_set1_epi32(static_cast<int>(pp_[(r + i) * kKeys / 2 + t]));
+        for (int c = 0; c < kC; ++c) a[i][c] = _mm512_dpbf16_ps(a[i][c], p, v[c]);
+      }
+    }
+    for (int i = 0; i < kR; ++i) {
+      for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc + (r + i) * dim_ + c0 + 16 * c, a[i][c]);
+    }
+  }
+
+  int64_t dim_, half_;
+  float scale_ = 1.0f;
+  uint32_t* __restrict qp_;      // [rows, dim / 2]: query rows as pairs
+  uint32_t* __restrict kp_;      // [dim / 2, kKeys]: the tile's keys as pairs of elements
+  uint32_t* __restrict staged_;  // [kKeys, dim / 2]: the tile's value rows as stored
+  uint32_t* __restrict vp_;      // [kKeys / 2, dim]: the values as pairs of keys
+  uint32_t* __restrict pp_;      // [rows, kKeys / 2]: probabilities as pairs of keys
+};
+#endif  // CORESTREAM_AVX512_BF16
+
+// One item's attention. q, out: the sequence's first query token, at the item's first
+// kv head's first query head. scratch: the row state, then Dots' own.
+template <typename T, typename Dots>
 void attend_tile(const PrefillShape& s, const Tile& tile, const T* q, T* out,
                  const T* __restrict key_cache, const T* __restrict value_cache,
                  const int32_t* table, int64_t seq_len, int64_t q_len, float* scratch) {
-  const int64_t dim = kD > 0 ? kD : s.head_dim;
+  const int64_t dim = s.head_dim;
   const int64_t group = s.group;
   const int64_t positions = tile.last - tile.first;
   const int64_t rows = positions * group;
   const int64_t prefix = seq_len - q_len;
-  float* __restrict qf = scratch;                  // [rows, dim], scaled
-  float* __restrict acc = qf + rows * dim;         // [rows, dim], unnormalized output
-  float* __restrict probs = acc + rows * dim;      // [rows, kKeys]
-  float* __restrict kt = probs + rows * kKeys;     // [dim, kKeys]
-  float* __restrict vt = kt + dim * kKeys;         // [kKeys, dim]
-  float* __restrict row_max = vt + kKeys * dim;    // [rows]
-  float* __restrict row_sum = row_max + rows;      // [rows]
+  float* __restrict acc = scratch;                   // [rows, dim], unnormalized output
+  float* __restrict probs = acc + rows * dim;        // [rows, kKeys]
+  float* __restrict row_max = probs + rows * kKeys;  // [rows]
+  float* __restrict row_sum = row_max + rows;        // [rows]
+  Dots dots(row_sum + rows, rows, dim);
 
   // Row r is position tile.first + r / group, head r % group of the kv head's group.
   for (int64_t i = 0; i < positions; ++i) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = i * group + g;
-      const T* qh = q + (tile.first + i) * s.q_tok_stride + g * s.q_head_stride;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) qf[r * dim + d] = to_float(qh[d]) * s.scale;
+      dots.load_query(r, q + (tile.first + i) * s.q_tok_stride + g * s.q_head_stride, s.scale);
       std::fill(acc + r * dim, acc + (r + 1) * dim, 0.0f);
       row_max[r] = -std::numeric_limits<float>::infinity();
       row_sum[r] = 0.0f;
@@ -181,26 +389,15 @@ void attend_tile(const PrefillShape& s, const Tile& tile, const T* q, T* out,
       const int64_t row =
           (static_cast<int64_t>(table[pos / s.block_size]) * s.block_size + pos % s.block_size) *
               token_stride + tile.kv * dim;
-      const T* __restrict kj = key_cache + row;
-      const T* __restrict vj = value_cache + row;
-      for (int64_t d = 0; d < dim; ++d) kt[d * kKeys + j] = to_float(kj[d]);
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) vt[j * dim + d] = to_float(vj[d]);
+      dots.load_key(j, key_cache + row, value_cache + row);
     }
-    // Slots past the tile's end: zeros, so their scores are finite (and masked below).
-    for (int64_t d = 0; d < dim && n < kKeys; ++d) {
-      std::fill(kt + d * kKeys + n, kt + (d + 1) * kKeys, 0.0f);
-    }
+    dots.end_tile(n);
 
     // Rows whose position comes before this tile see none of it: start past them.
     const int64_t first_row = std::max<int64_t>(0, k0 - first_pos) * group;
-    int64_t r = first_row;
-    for (; r + kScoreRows <= rows; r += kScoreRows) {
-      score_rows<kScoreRows, kD>(qf + r * dim, kt, probs + r * kKeys, dim);
-    }
-    for (; r < rows; ++r) score_rows<1, kD>(qf + r * dim, kt, probs + r * kKeys, dim);
+    dots.scores(first_row, rows, probs);
 
-    for (r = first_row; r < rows; ++r) {
+    for (int64_t r = first_row; r < rows; ++r) {
       // This row sees keys [lo, hi) of the tile: up to its own position, and with a window
       // only the last `window` of those.
       const int64_t pos = first_pos + r / group;
@@ -233,11 +430,7 @@ void attend_tile(const PrefillShape& s, const Tile& tile, const T* q, T* out,
       row_sum[r] += tile_sum;
     }
 
-    r = first_row;
-    for (; r + kValueRows <= rows; r += kValueRows) {
-      weigh_head<kValueRows, kD>(probs + r * kKeys, vt, acc + r * dim, n, dim);
-    }
-    for (; r < rows; ++r) weigh_head<1, kD>(probs + r * kKeys, vt, acc + r * dim, n, dim);
+    dots.weigh(first_row, rows, probs, acc, n);
   }
 
   for (int64_t i = 0; i < positions; ++i) {
@@ -247,25 +440,23 @@ void attend_tile(const PrefillShape& s, const Tile& tile, const T* q, T* out,
   }
 }
 
-int64_t scratch_floats(int64_t rows, int64_t dim) {
-  return 2 * rows * dim + rows * kKeys + 2 * dim * kKeys + 2 * rows;
-}
-
-template <typename T, int kD>
+template <typename T, typename Dots>
 void run_tiles(const PrefillShape& s, const std::vector<Tile>& tiles, const T* query, T* out,
                const T* key_cache, const T* value_cache, const int32_t* tables,
                const int32_t* seq_lens, const int32_t* starts, int64_t max_rows) {
-  const int64_t floats = scratch_floats(max_rows, s.head_dim);
+  // The row state (accumulators, probabilities, max and sum), then the arithmetic's own.
+  const int64_t floats =
+      max_rows * (s.head_dim + kKeys + 2) + Dots::scratch_floats(max_rows, s.head_dim);
   corestream_cpu::run_items(static_cast<int64_t>(tiles.size()), [&](int64_t i) {
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < floats) scratch.resize(floats);
     const Tile& tile = tiles[i];
     const int64_t start = starts[tile.seq];
     const int64_t head = tile.kv * s.group;
-    attend_tile<T, kD>(s, tile, query + start * s.q_tok_stride + head * s.q_head_stride,
-                       out + start * s.o_tok_stride + head * s.o_head_stride, key_cache,
-                       value_cache, tables + tile.seq * s.max_blocks, seq_lens[tile.seq],
-                       starts[tile.seq + 1] - start, scratch.data());
+    attend_tile<T, Dots>(s, tile, query + start * s.q_tok_stride + head * s.q_head_stride,
+                         out + start * s.o_tok_stride + head * s.o_head_stride, key_cache,
+                         value_cache, tables + tile.seq * s.max_blocks, seq_lens[tile.seq],
+                         starts[tile.seq + 1] - start, scratch.data());
   });
 }
 
@@ -278,13 +469,23 @@ void dispatch(const PrefillShape& s, const std::vector<Tile>& tiles, const at::T
   T* o = out.mutable_data_ptr<T>();
   const T* k = key_cache.const_data_ptr<T>();
   const T* v = value_cache.const_data_ptr<T>();
+#ifdef CORESTREAM_AVX512_BF16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (s.head_dim % 16 == 0) {
+      return run_tiles<T, Bf16Dots>(s, tiles, q, o, k, v, tables, lens, starts, max_rows);
+    }
+  }
+#endif
   switch (s.head_dim) {
     case 64:
-      return run_tiles<T, 64>(s, tiles, q, o, k, v, tables, lens, starts, max_rows);
+      return run_tiles<T, FloatDots<T, 64>>(s, tiles, q, o, k, v, tables, lens, starts,
+                                            max_rows);
     case 128:
-      return run_tiles<T, 128>(s, tiles, q, o, k, v, tables, lens, starts, max_rows);
+      return run_tiles<T, FloatDots<T, 128>>(s, tiles, q, o, k, v, tables, lens, starts,
+                                             max_rows);
     default:
-      return run_tiles<T, 0>(s, tiles, q, o, k, v, tables, lens, starts, max_rows);
+      return run_tiles<T, FloatDots<T, 0>>(s, tiles, q, o, k, v, tables, lens, starts,
+                                           max_rows);
   }
 }
 
