@@ -51,6 +51,9 @@ namespace {
 using corestream_cpu::exp_approx;
 using corestream_cpu::from_float;
 using corestream_cpu::to_float;
+#ifdef CORESTREAM_AVX512
+namespace vec = corestream_cpu::avx512;
+#endif
 
 // Vector registers set the blocking: sixteen 512-bit ones, or sixteen 256-bit ones.
 #if defined(__AVX512F__)
@@ -64,9 +67,12 @@ constexpr int kScoreRows = 5;   // 10 accumulators of 8 floats
 constexpr int kValueChunk = 32;
 constexpr int kValueRows = 2;   // 8 accumulators
 #endif
-// Query rows an item aims at (positions times the group), so each key tile's load and
-// transposition is shared by that many rows.
-constexpr int64_t kItemRows = 64;
+// Query rows of an item (positions times the group): enough that each key tile's load
+// serves many rows, and few enough that the diagonal (where a tile's first rows see fewer
+// keys than its last) stays a small part of the item's work: an eighth of the keys its
+// sequence's last row sees, within these bounds.
+constexpr int64_t kMinItemRows = 64;
+constexpr int64_t kMaxItemRows = 256;
 constexpr int64_t kMaxHeadDim = 256;
 
 struct PrefillShape {
@@ -199,7 +205,6 @@ class FloatDots {
 };
 
 #ifdef CORESTREAM_AVX512_BF16
-namespace vec = corestream_cpu::avx512;
 
 // The arithmetic of an item for bf16 on CPUs with bf16 dot products (AVX512-BF16): pairs of
 // bf16 multiplied and summed into fp32 lanes, twice the fp32 rate. Query rows stay bf16 as
@@ -350,6 +355,45 @@ class Bf16Dots {
 };
 #endif  // CORESTREAM_AVX512_BF16
 
+// A row's scores p[0:kKeys] become its weights relative to new_max, the larger of
+// row_max and its largest score in [lo, hi) (lo < hi); weights outside [lo, hi) are zero,
+// and tile_sum is their sum.
+inline void weights(float* __restrict p, int64_t lo, int64_t hi, float row_max,
+                    float& new_max, float& tile_sum) {
+#ifdef CORESTREAM_AVX512
+  // kKeys is two vectors here; the masked max and sum in registers, where the portable
+  // loops below compile to a scalar max and a scalar sum (about a quarter of the item's
+  // time at head size 64).
+  static_assert(kKeys == 2 * vec::kLanes);
+  const uint32_t upto = hi >= 32 ? ~uint32_t{0} : (uint32_t{1} << hi) - 1;
+  const uint32_t seen = upto & ~((uint32_t{1} << lo) - 1);
+  const __mmask16 m0 = static_cast<__mmask16>(seen), m1 = static_cast<__mmask16>(seen >> 16);
+  const __m512 s0 = _mm512_loadu_ps(p), s1 = _mm512_loadu_ps(p + vec::kLanes);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 top = _mm512_max_ps(_mm512_mask_mov_ps(neg_inf, m0, s0),
+                                   _mm512_mask_mov_ps(neg_inf, m1, s1));
+  new_max = std::max(row_max, _mm512_reduce_max_ps(top));
+  const __m512 shift = _mm512_set1_ps(new_max);
+  const __m512 e0 = _mm512_maskz_mov_ps(m0, vec::exp(_mm512_sub_ps(s0, shift)));
+  const __m512 e1 = _mm512_maskz_mov_ps(m1, vec::exp(_mm512_sub_ps(s1, shift)));
+  _mm512_storeu_ps(p, e0);
+  _mm512_storeu_ps(p + vec::kLanes, e1);
+  tile_sum = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+#else
+  float tile_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j < hi; ++j) tile_max = std::max(tile_max, p[j]);
+  new_max = std::max(row_max, tile_max);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const float e = exp_approx(p[j] - new_max);
+    p[j] = (j >= lo && j < hi) ? e : 0.0f;
+    sum += p[j];
+  }
+  tile_sum = sum;
+#endif
+}
+
 // One item's attention. q, out: the sequence's first query token, at the item's first
 // kv head's first query head. scratch: the row state, then Dots' own.
 template <typename T, typename Dots>
@@ -405,20 +449,12 @@ void attend_tile(const PrefillShape& s, const Tile& tile, const T* q, T* out,
           s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1 - k0) : 0;
       const int64_t hi = std::min<int64_t>(n, pos + 1 - k0);
       float* __restrict p = probs + r * kKeys;
-      float tile_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = lo; j < hi; ++j) tile_max = std::max(tile_max, p[j]);
       if (hi <= lo) {
         std::fill(p, p + kKeys, 0.0f);
         continue;
       }
-      const float new_max = std::max(row_max[r], tile_max);
-      float tile_sum = 0.0f;
-#pragma omp simd reduction(+ : tile_sum)
-      for (int64_t j = 0; j < kKeys; ++j) {
-        const float e = exp_approx(p[j] - new_max);
-        p[j] = (j >= lo && j < hi) ? e : 0.0f;
-        tile_sum += p[j];
-      }
+      float new_max, tile_sum;
+      weights(p, lo, hi, row_max[r], new_max, tile_sum);
       if (new_max > row_max[r]) {
         const float shrink = std::exp(row_max[r] - new_max);
         row_sum[r] *= shrink;
@@ -541,8 +577,8 @@ void paged_prefill(const at::Tensor& out, const at::Tensor& query, const at::Ten
   TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == query.size(0),
               "query_start_loc must run from 0 to the query's rows");
   const int64_t num_cache_blocks = key_cache.size(0);
-  const int64_t positions = std::max<int64_t>(1, (kItemRows + s.group - 1) / s.group);
   std::vector<Tile> tiles;
+  int64_t max_rows = 0;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t q_len = starts[seq + 1] - starts[seq];
     const int64_t seq_len = lens[seq];
@@ -559,6 +595,11 @@ void paged_prefill(const at::Tensor& out, const at::Tensor& query, const at::Ten
                   " out of range for ", num_cache_blocks, " blocks");
     }
     const int64_t prefix = seq_len - q_len;
+    const int64_t last_keys = s.window > 0 ? std::min(seq_len, s.window) : seq_len;
+    const int64_t item_rows =
+        std::clamp<int64_t>(last_keys * s.group / 8, kMinItemRows, kMaxItemRows);
+    const int64_t positions = std::max<int64_t>(1, (item_rows + s.group - 1) / s.group);
+    max_rows = std::max(max_rows, std::min(positions, q_len) * s.group);
     for (int64_t first = 0; first < q_len; first += positions) {
       const int64_t last = std::min(q_len, first + positions);
       const int64_t keys_seen = s.window > 0 ? std::min<int64_t>(prefix + last, s.window +
@@ -573,7 +614,6 @@ void paged_prefill(const at::Tensor& out, const at::Tensor& query, const at::Ten
   // Longest first: the region ends when its last item does.
   std::stable_sort(tiles.begin(), tiles.end(),
                    [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
-  const int64_t max_rows = positions * s.group;
   if (query.scalar_type() == at::kFloat) {
     return dispatch<float>(s, tiles, out, query, key_cache, value_cache, tables, lens, starts,
                            max_rows);
