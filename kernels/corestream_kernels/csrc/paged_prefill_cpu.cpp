@@ -12,18 +12,23 @@
 // The plan is flash attention's, for a CPU:
 // - An item is one sequence, one kv head and a tile of consecutive query positions: the
 //   rows of the item are those positions times the kv head's group of query heads, so
-//   every key and value row it loads serves the whole group.
-// - Keys go in tiles of kKeys, from the first any row of the item may see to the last.
-//   A tile's keys are widened to fp32 and laid out transposed (d-major), its values
-//   row-major; both stay in L1 for all the item's rows.
+//   every key and value row it loads serves the whole group. Items hold 64 to 256 rows,
+//   more where the sequence's rows see more keys (kMinItemRows).
+// - Keys go in tiles of kKeys, from the first any row of the item may see to the last;
+//   a tile's keys and values are laid out for the arithmetic (below) once per item and
+//   stay in L1 for all its rows.
 // - Scores: kScoreRows rows against the tile's keys at once, their kKeys sums each in
-//   registers (the compiler's vectors over the key axis), the query values broadcast.
+//   registers (vectors over the key axis), the query values broadcast.
 // - Causal mask and sliding window per row as a range of the tile's keys; online softmax
-//   per row (running max and sum, the accumulator rescaled when the max grows).
+//   per row (running max and sum, the accumulator rescaled when the max grows), the
+//   row's kKeys scores in two vector registers (`weights`).
 // - Values: kValueRows rows' accumulators for a chunk of the head in registers while the
 //   tile's probabilities weight the tile's value rows.
-// The arithmetic is fp32 whatever the cache's dtype (bf16 widened on load, the output
-// rounded once): the same numbers on AVX2 and AVX-512 machines up to summation order.
+// Two arithmetics: FloatDots (fp32 whatever the cache's dtype: bf16 widened on load, the
+// keys transposed per tile; the compiler's vectors, on any CPU) and, for bf16 caches on
+// CPUs with AVX512-BF16, Bf16Dots (the CPU's bf16 pair dot products on the stored values,
+// probabilities rounded to bf16 for the value products: twice the fp32 rate). Outputs are
+// rounded to the cache's dtype once.
 //
 // Items are handed out by run_items, longest first, so a long prompt's last tiles do not
 // start at the end of the region. Registered as corestream_cpu::paged_prefill.
@@ -41,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "avx2_math.h"
 #include "avx512_math.h"
 #include "cpu_math.h"
 #include "paged_attention_cpu.h"
@@ -53,6 +59,8 @@ using corestream_cpu::from_float;
 using corestream_cpu::to_float;
 #ifdef CORESTREAM_AVX512
 namespace vec = corestream_cpu::avx512;
+#elif defined(CORESTREAM_AVX2)
+namespace avx2 = corestream_cpu::avx2;
 #endif
 
 // Vector registers set the blocking: sixteen 512-bit ones, or sixteen 256-bit ones.
@@ -379,6 +387,29 @@ inline void weights(float* __restrict p, int64_t lo, int64_t hi, float row_max,
   _mm512_storeu_ps(p, e0);
   _mm512_storeu_ps(p + vec::kLanes, e1);
   tile_sum = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+#elif defined(CORESTREAM_AVX2)
+  // The same in two 8-lane vectors (kKeys is 16 here), the masks by comparing lane
+  // numbers with [lo, hi).
+  static_assert(kKeys == 2 * avx2::kLanes);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i first = _mm256_set1_epi32(static_cast<int>(lo) - 1);
+  const __m256i end = _mm256_set1_epi32(static_cast<int>(hi));
+  const __m256i lane1 = _mm256_add_epi32(lane, _mm256_set1_epi32(avx2::kLanes));
+  const __m256 m0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lane, first),
+                                                         _mm256_cmpgt_epi32(end, lane)));
+  const __m256 m1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lane1, first),
+                                                         _mm256_cmpgt_epi32(end, lane1)));
+  const __m256 s0 = _mm256_loadu_ps(p), s1 = _mm256_loadu_ps(p + avx2::kLanes);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 top = _mm256_max_ps(_mm256_blendv_ps(neg_inf, s0, m0),
+                                   _mm256_blendv_ps(neg_inf, s1, m1));
+  new_max = std::max(row_max, avx2::reduce_max(top));
+  const __m256 shift = _mm256_set1_ps(new_max);
+  const __m256 e0 = _mm256_and_ps(m0, avx2::exp(_mm256_sub_ps(s0, shift)));
+  const __m256 e1 = _mm256_and_ps(m1, avx2::exp(_mm256_sub_ps(s1, shift)));
+  _mm256_storeu_ps(p, e0);
+  _mm256_storeu_ps(p + avx2::kLanes, e1);
+  tile_sum = avx2::reduce_add(_mm256_add_ps(e0, e1));
 #else
   float tile_max = -std::numeric_limits<float>::infinity();
   for (int64_t j = lo; j < hi; ++j) tile_max = std::max(tile_max, p[j]);
