@@ -11,6 +11,7 @@ on first use; where that build fails the caller gets None and uses torch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,16 +25,16 @@ _MAX_HEADS = 256
 # paged_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, window):
 # window is the sliding window in tokens, 0 for none.
 DecodeFn = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        float,
-        int,
-    ],
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+     float, int],
+    None,
+]
+# paged_prefill(out, query, key_cache, value_cache, block_tables, seq_lens,
+# query_start_loc, scale, window): writes the rows of every sequence with two or more
+# query rows, and leaves the others' rows as they are.
+PrefillFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+     torch.Tensor, float, int],
     None,
 ]
 
@@ -42,61 +43,36 @@ def decode_shape_supported(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> bool:
     """Whether `paged_decode` takes attention of this dtype and head layout."""
-    return (
-        dtype in DTYPES
-        and head_dim <= _MAX_HEAD_DIM
-        and num_heads % num_kv_heads == 0
-        and num_heads <= _MAX_HEADS
-    )
+    return _layout_supported(dtype, num_heads, num_kv_heads, head_dim) and num_heads <= _MAX_HEADS
 
 
 def cpu_decode_kernel(query: torch.Tensor, key_cache: torch.Tensor) -> DecodeFn | None:
     """The kernel's `paged_decode` if it applies to these tensors and builds, else None."""
-    supported = (
-        decode_shape_supported(query.dtype, query.shape[1], key_cache.shape[2], query.shape[2])
-        and key_cache.dtype == query.dtype
-        and key_cache.is_contiguous()
-        and query.stride(-1) == 1
-    )
-    if not supported:
-        return None
-    ops = cpu_ops(query)
+    ops = _ops_for(query, key_cache) if query.shape[1] <= _MAX_HEADS else None
     return None if ops is None else ops.paged_decode
-
-
-# paged_prefill(out, query, key_cache, value_cache, block_tables, seq_lens,
-# query_start_loc, scale, window): writes the rows of every sequence with two or more
-# query rows, and leaves the others' rows as they are.
-PrefillFn = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        float,
-        int,
-    ],
-    None,
-]
 
 
 def cpu_prefill_kernel(query: torch.Tensor, key_cache: torch.Tensor) -> PrefillFn | None:
     """The kernel's `paged_prefill` if it applies to these tensors and builds, else None."""
+    ops = _ops_for(query, key_cache)
+    return None if ops is None else ops.paged_prefill
+
+
+def _layout_supported(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> bool:
+    return dtype in DTYPES and head_dim <= _MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+
+
+def _ops_for(query: torch.Tensor, key_cache: torch.Tensor) -> Any:
+    """The extension's ops where both kernels' common limits allow these tensors and it
+    builds; else None."""
     supported = (
-        query.dtype in DTYPES
-        and query.shape[2] <= _MAX_HEAD_DIM
-        and query.shape[1] % key_cache.shape[2] == 0
+        _layout_supported(query.dtype, query.shape[1], key_cache.shape[2], query.shape[2])
         and key_cache.dtype == query.dtype
         and key_cache.is_contiguous()
         and query.stride(-1) == 1
     )
-    if not supported:
-        return None
-    ops = cpu_ops(query)
-    return None if ops is None else ops.paged_prefill
+    return cpu_ops(query) if supported else None
 
 
 def warm_up() -> DecodeFn | None:

@@ -339,6 +339,21 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
               "one block table row and one length per sequence");
 }
 
+void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
+                         const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [rows, H, D], cache 4-D");
+  TORCH_CHECK(out.sizes() == query.sizes(), "out must match query");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "cache must be contiguous");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type() &&
+                  out.scalar_type() == key_cache.scalar_type(),
+              "query, out and caches must share a dtype");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_dim differs from query's");
+}
+
 std::pair<int64_t, Item> paged_decode_items(
     const at::Tensor& out,
     const at::Tensor& query,
@@ -348,16 +363,8 @@ std::pair<int64_t, Item> paged_decode_items(
     const at::Tensor& seq_lens,
     double scale,
     int64_t window) {
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [B, H, D], cache 4-D");
-  TORCH_CHECK(out.sizes() == query.sizes(), "out must match query");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ");
+  check_paged_tensors(out, query, key_cache, value_cache);
   check_block_tables(block_tables, seq_lens, query.size(0));
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type() &&
-                  out.scalar_type() == key_cache.scalar_type(),
-              "query, out and caches must share a dtype");
 
   DecodeShape s{};
   s.num_seqs = query.size(0);
@@ -371,7 +378,6 @@ std::pair<int64_t, Item> paged_decode_items(
   s.o_seq_stride = out.stride(0);
   s.o_head_stride = out.stride(1);
   s.scale = static_cast<float>(scale);
-  TORCH_CHECK(key_cache.size(3) == s.head_dim, "cache head_dim differs from query's");
   TORCH_CHECK(s.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(s.num_heads <= kMaxHeads, "more than ", kMaxHeads, " query heads");

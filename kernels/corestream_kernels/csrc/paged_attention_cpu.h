@@ -35,6 +35,12 @@ inline void write_normalized(T* out, int64_t o_head_stride, const float* acc,
   }
 }
 
+// out and query [rows, H, D] alike (unit stride over D), the caches [num_blocks,
+// block_size, Hkv, D] contiguous and alike, all of one dtype: what both attention ops
+// (paged_decode, paged_prefill) read.
+void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
+                         const at::Tensor& key_cache, const at::Tensor& value_cache);
+
 // block_tables [num_seqs, max_blocks] and seq_lens [num_seqs]: int32, contiguous, a row and
 // a length per sequence, as paged_decode reads them.
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,

@@ -567,21 +567,12 @@ void paged_prefill(const at::Tensor& out, const at::Tensor& query, const at::Ten
                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                    double scale, int64_t window) {
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D], cache 4-D");
-  TORCH_CHECK(out.sizes() == query.sizes(), "out must match query");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "cache must be contiguous");
-  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ");
+  corestream_cpu::check_paged_tensors(out, query, key_cache, value_cache);
   const int64_t num_seqs = seq_lens.size(0);
   corestream_cpu::check_block_tables(block_tables, seq_lens, num_seqs);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
                   query_start_loc.dim() == 1 && query_start_loc.size(0) == num_seqs + 1,
               "query_start_loc must be [B + 1] int32, contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type() &&
-                  out.scalar_type() == key_cache.scalar_type(),
-              "query, out and caches must share a dtype");
 
   PrefillShape s{};
   s.num_heads = query.size(1);
@@ -595,7 +586,6 @@ void paged_prefill(const at::Tensor& out, const at::Tensor& query, const at::Ten
   s.o_head_stride = out.stride(1);
   s.scale = static_cast<float>(scale);
   s.window = window;
-  TORCH_CHECK(key_cache.size(3) == s.head_dim, "cache head_dim differs from query's");
   TORCH_CHECK(s.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   TORCH_CHECK(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0,
               "heads must be a multiple of kv heads");
