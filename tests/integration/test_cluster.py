@@ -191,13 +191,27 @@ def running_in_engines(cluster: Cluster) -> int:
     return engine_load(cluster)[0]
 
 
+def engines_listed(cluster: Cluster) -> str:
+    """Every engine the coordinator lists, with its address and load, and the cluster's
+    latest log lines: for a failure's message (a stale or foreign entry reads differently
+    from a request left running; a once-seen CI-like failure of the two tests below kept
+    neither)."""
+    with grpc.insecure_channel(cluster.coordinator) as channel:  # type: ignore[attr-defined]
+        reply = coord_grpc.CoordinatorServiceStub(channel).ListEngines(
+            coord_pb.ListEnginesRequest(), timeout=5)
+    listed = "; ".join(f"{e.engine_id} at {e.address}: running {e.num_running}, waiting "
+                       f"{e.num_waiting}, kv {e.kv_cache_usage:.2g}, state {e.state}, "
+                       f"steps {e.step_counter}" for e in reply.engines)
+    return f"{listed}\ncluster log, last lines:\n{cluster.output()[-4000:]}"
+
+
 def assert_aborted_and_freed(cluster: Cluster, ended_at: float, what: str) -> None:
     """The engine drops the request and frees its blocks (that the abort applies
     within one step is tested on the engine core itself)."""
     deadline = time.monotonic() + 20
     while (load := engine_load(cluster)) != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert load == (0, 0), load
+    assert load == (0, 0), f"{load}: {engines_listed(cluster)}"
     print(f"\n{what}: aborted and KV blocks freed, seen by the coordinator "
           f"{time.monotonic() - ended_at:.2f} s later")
 
@@ -216,7 +230,7 @@ def test_client_cancel_aborts_in_engine(
         while running_in_engines(cluster) == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         requests, kv_usage = engine_load(cluster)
-        assert requests == 1 and kv_usage > 0
+        assert requests == 1 and kv_usage > 0, engines_listed(cluster)
         stream.cancel()
         assert_aborted_and_freed(cluster, time.monotonic(), "client cancel")
 
