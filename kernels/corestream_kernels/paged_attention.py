@@ -88,34 +88,36 @@ def paged_attention(
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    prefill_kernel = cpu_prefill_kernel(query, key_cache)
-    decodes: list[int] = []
-    for i in range(num_seqs):
-        start, end = query_start_loc_host[i], query_start_loc_host[i + 1]
-        if end - start == 1:
-            decodes.append(i)
-        elif end > start and prefill_kernel is None:
-            out[start:end] = _prefill(
-                query[start:end],
+    lengths = [end - start for start, end in pairwise(query_start_loc_host)]
+    decodes = [i for i, n in enumerate(lengths) if n == 1]
+    prefills = [i for i, n in enumerate(lengths) if n > 1]
+    if prefills:
+        # Looked up only here: an all-decode step (most steps) never asks for it.
+        prefill_kernel = cpu_prefill_kernel(query, key_cache)
+        if prefill_kernel is not None:
+            prefill_kernel(
+                out,
+                query,
                 key_cache,
                 value_cache,
-                block_tables[i],
-                seq_lens_host[i],
+                block_tables.to(torch.int32).contiguous(),
+                seq_lens.to(torch.int32).contiguous(),
+                query_start_loc.to(torch.int32).contiguous(),
                 scale,
-                sliding_window,
+                sliding_window or 0,
             )
-    if prefill_kernel is not None and len(decodes) < num_seqs:
-        prefill_kernel(
-            out,
-            query,
-            key_cache,
-            value_cache,
-            block_tables.to(torch.int32).contiguous(),
-            seq_lens.to(torch.int32).contiguous(),
-            query_start_loc.to(torch.int32).contiguous(),
-            scale,
-            sliding_window or 0,
-        )
+        else:
+            for i in prefills:
+                start, end = query_start_loc_host[i], query_start_loc_host[i + 1]
+                out[start:end] = _prefill(
+                    query[start:end],
+                    key_cache,
+                    value_cache,
+                    block_tables[i],
+                    seq_lens_host[i],
+                    scale,
+                    sliding_window,
+                )
     if len(decodes) == num_seqs:
         # Every row is a decode and rows are in sequence order: no gather, no scatter.
         _decode(

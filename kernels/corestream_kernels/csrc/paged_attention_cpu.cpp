@@ -52,7 +52,6 @@
 
 namespace {
 
-constexpr int64_t kMaxHeadDim = 256;
 // Partial sums per dot product: two AVX-512 registers' worth, four AVX2 ones.
 constexpr int64_t kLanes = 32;
 
@@ -340,7 +339,8 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
 }
 
 void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
-                         const at::Tensor& key_cache, const at::Tensor& value_cache) {
+                         const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         int64_t window) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [rows, H, D], cache 4-D");
   TORCH_CHECK(out.sizes() == query.sizes(), "out must match query");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim must be contiguous");
@@ -352,6 +352,10 @@ void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
                   out.scalar_type() == key_cache.scalar_type(),
               "query, out and caches must share a dtype");
   TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_dim differs from query's");
+  TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  TORCH_CHECK(key_cache.size(2) > 0 && query.size(1) % key_cache.size(2) == 0,
+              "heads must be a multiple of kv heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window), got ", window);
 }
 
 std::pair<int64_t, Item> paged_decode_items(
@@ -363,7 +367,7 @@ std::pair<int64_t, Item> paged_decode_items(
     const at::Tensor& seq_lens,
     double scale,
     int64_t window) {
-  check_paged_tensors(out, query, key_cache, value_cache);
+  check_paged_tensors(out, query, key_cache, value_cache, window);
   check_block_tables(block_tables, seq_lens, query.size(0));
 
   DecodeShape s{};
@@ -378,10 +382,7 @@ std::pair<int64_t, Item> paged_decode_items(
   s.o_seq_stride = out.stride(0);
   s.o_head_stride = out.stride(1);
   s.scale = static_cast<float>(scale);
-  TORCH_CHECK(s.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
-  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(s.num_heads <= kMaxHeads, "more than ", kMaxHeads, " query heads");
-  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window), got ", window);
   s.window = window;
   if (s.num_seqs == 0) {
     return {0, [](int64_t) {}};

@@ -13,6 +13,8 @@ namespace corestream_cpu {
 
 // Query heads; sizes the per-head softmax state kept on the stack.
 constexpr int64_t kMaxHeads = 256;
+// Head size; sizes the kernels' per-row scratch on the stack.
+constexpr int64_t kMaxHeadDim = 256;
 
 struct DecodeShape {
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
@@ -35,11 +37,13 @@ inline void write_normalized(T* out, int64_t o_head_stride, const float* acc,
   }
 }
 
-// out and query [rows, H, D] alike (unit stride over D), the caches [num_blocks,
-// block_size, Hkv, D] contiguous and alike, all of one dtype: what both attention ops
-// (paged_decode, paged_prefill) read.
+// out and query [rows, H, D] alike (unit stride over D, D <= kMaxHeadDim, H a multiple
+// of Hkv), the caches [num_blocks, block_size, Hkv, D] contiguous and alike, all of one
+// dtype, and a window >= 0 (0 = none): what both attention ops (paged_decode,
+// paged_prefill) take.
 void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
-                         const at::Tensor& key_cache, const at::Tensor& value_cache);
+                         const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         int64_t window);
 
 // block_tables [num_seqs, max_blocks] and seq_lens [num_seqs]: int32, contiguous, a row and
 // a length per sequence, as paged_decode reads them.

@@ -55,6 +55,7 @@
 namespace {
 
 using corestream_cpu::exp_approx;
+using corestream_cpu::kMaxHeadDim;
 using corestream_cpu::from_float;
 using corestream_cpu::to_float;
 #ifdef CORESTREAM_AVX512
@@ -81,7 +82,6 @@ constexpr int kValueRows = 2;   // 8 accumulators
 // sequence's last row sees, within these bounds.
 constexpr int64_t kMinItemRows = 64;
 constexpr int64_t kMaxItemRows = 256;
-constexpr int64_t kMaxHeadDim = 256;
 
 struct PrefillShape {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
@@ -164,13 +164,14 @@ class FloatDots {
     return rows * dim + 2 * dim * kKeys;
   }
 
-  FloatDots(float* scratch, int64_t rows, int64_t dim)
-      : dim_(kD > 0 ? kD : dim), qf_(scratch), kt_(qf_ + rows * dim_), vt_(kt_ + dim_ * kKeys) {}
+  FloatDots(float* scratch, int64_t rows, int64_t dim, float scale)
+      : dim_(kD > 0 ? kD : dim), scale_(scale), qf_(scratch), kt_(qf_ + rows * dim_),
+        vt_(kt_ + dim_ * kKeys) {}
 
-  void load_query(int64_t r, const T* q, float scale) {
+  void load_query(int64_t r, const T* q) {
     float* __restrict qr = qf_ + r * dim_;
 #pragma omp simd
-    for (int64_t d = 0; d < dim_; ++d) qr[d] = to_float(q[d]) * scale;
+    for (int64_t d = 0; d < dim_; ++d) qr[d] = to_float(q[d]) * scale_;
   }
 
   void load_key(int64_t j, const T* __restrict k, const T* __restrict v) {
@@ -207,6 +208,7 @@ class FloatDots {
 
  private:
   int64_t dim_;
+  float scale_;
   float* __restrict qf_;  // [rows, dim]
   float* __restrict kt_;  // [dim, kKeys]
   float* __restrict vt_;  // [kKeys, dim]
@@ -229,16 +231,15 @@ class Bf16Dots {
            rows * kKeys / 2;
   }
 
-  Bf16Dots(float* scratch, int64_t rows, int64_t dim)
-      : dim_(dim), half_(dim / 2),
+  Bf16Dots(float* scratch, int64_t rows, int64_t dim, float scale)
+      : dim_(dim), half_(dim / 2), scale_(scale),
         qp_(reinterpret_cast<uint32_t*>(scratch)),
         kp_(qp_ + rows * half_),
         staged_(kp_ + half_ * kKeys),
         vp_(staged_ + kKeys * half_),
         pp_(vp_ + kKeys / 2 * dim) {}
 
-  void load_query(int64_t r, const c10::BFloat16* q, float scale) {
-    scale_ = scale;
+  void load_query(int64_t r, const c10::BFloat16* q) {
     std::memcpy(qp_ + r * half_, q, dim_ * sizeof(c10::BFloat16));
   }
 
@@ -354,7 +355,7 @@ class Bf16Dots {
   }
 
   int64_t dim_, half_;
-  float scale_ = 1.0f;
+  float scale_;
   uint32_t* __restrict qp_;      // [rows, dim / 2]: query rows as pairs
   uint32_t* __restrict kp_;      // [dim / 2, kKeys]: the tile's keys as pairs of elements
   uint32_t* __restrict staged_;  // [kKeys, dim / 2]: the tile's value rows as stored
@@ -440,13 +441,13 @@ void attend_tile(const PrefillShape& s, const Tile& tile, const T* q, T* out,
   float* __restrict probs = acc + rows * dim;        // [rows, kKeys]
   float* __restrict row_max = probs + rows * kKeys;  // [rows]
   float* __restrict row_sum = row_max + rows;        // [rows]
-  Dots dots(row_sum + rows, rows, dim);
+  Dots dots(row_sum + rows, rows, dim, s.scale);
 
   // Row r is position tile.first + r / group, head r % group of the kv head's group.
   for (int64_t i = 0; i < positions; ++i) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = i * group + g;
-      dots.load_query(r, q + (tile.first + i) * s.q_tok_stride + g * s.q_head_stride, s.scale);
+      dots.load_query(r, q + (tile.first + i) * s.q_tok_stride + g * s.q_head_stride);
       std::fill(acc + r * dim, acc + (r + 1) * dim, 0.0f);
       row_max[r] = -std::numeric_limits<float>::infinity();
       row_sum[r] = 0.0f;
@@ -567,7 +568,7 @@ void paged_prefill(const at::Tensor& out, const at::Tensor& query, const at::Ten
                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                    double scale, int64_t window) {
-  corestream_cpu::check_paged_tensors(out, query, key_cache, value_cache);
+  corestream_cpu::check_paged_tensors(out, query, key_cache, value_cache, window);
   const int64_t num_seqs = seq_lens.size(0);
   corestream_cpu::check_block_tables(block_tables, seq_lens, num_seqs);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
@@ -586,10 +587,6 @@ void paged_prefill(const at::Tensor& out, const at::Tensor& query, const at::Ten
   s.o_head_stride = out.stride(1);
   s.scale = static_cast<float>(scale);
   s.window = window;
-  TORCH_CHECK(s.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
-  TORCH_CHECK(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0,
-              "heads must be a multiple of kv heads");
-  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window), got ", window);
   s.group = s.num_heads / s.num_kv_heads;
 
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
