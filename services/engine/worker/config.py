@@ -44,6 +44,11 @@ class RunnerConfig:
     max_model_len: int = doc(
         "Longest sequence (prompt + output) in tokens; 0 takes the checkpoint's.", default=0
     )
+    max_num_seqs: int = doc(
+        "Most requests running in one step (the engine's flag of the same name, read here "
+        "too: a pooling model's auto KV cache holds at most that many max_model_len "
+        "prompts).", default=128
+    )
     seed: int = doc("Seed of the generator that requests without their own seed use.", default=0)
     num_threads: int = doc(
         "Threads of the model's CPU operators (torch's intra-op pool); 0 = one per CPU this "
@@ -93,6 +98,8 @@ class RunnerConfig:
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size must be in [1, 64], got "
                              f"{self.tensor_parallel_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 0:
             raise ValueError(
                 f"max_model_len must be >= 0 (0 = the checkpoint's), got {self.max_model_len}"

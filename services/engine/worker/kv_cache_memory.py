@@ -64,6 +64,10 @@ class KVCacheMemory:
             raise ValueError(f"must be >= 1 byte, got {value!r}")
         return cls(num_bytes=num_bytes)
 
+    @property
+    def is_auto(self) -> bool:
+        return self.num_bytes is None and self.fraction is None
+
     def resolve(self, free_memory: Callable[[], int]) -> int:
         """Bytes for the KV cache; `free_memory` is only probed for a fraction."""
         if self.num_bytes is not None:

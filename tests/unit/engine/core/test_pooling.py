@@ -196,6 +196,28 @@ def test_sentence_transformers_folders_of_other_families(
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_an_auto_kv_cache_holds_max_num_seqs_prompts_for_a_pooling_model(
+        tmp_path: Path) -> None:
+    # Pooled requests free their blocks at once: more than max_num_seqs whole prompts would
+    # only hold prefix entries, and each block first written on CPU costs page faults.
+    folder = tmp_path / "emb"
+    make_embedder(folder, "qwen3", "LAST", normalize=True)
+    pooler = resolve_pooler(folder)
+    per_prompt = -(-CONTEXT // 16)
+    sized = {}
+    # The built-in tiny model generates: its auto cache is not capped.
+    for model, memory, pooled in ((folder, "auto", pooler), ("", "auto", None),
+                                  (folder, "16MiB", pooler)):
+        runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=memory,
+                                          max_model_len=CONTEXT, max_num_seqs=3),
+                             pooler=pooled)
+        sized[memory, pooled is not None] = runner.num_blocks
+    assert sized["auto", True] == 3 * per_prompt
+    # A generating engine's auto and an explicit size are the user's to keep.
+    assert sized["auto", False] > 3 * per_prompt
+    assert sized["16MiB", True] > 3 * per_prompt
+
+
 @pytest.mark.parametrize(("family", "num_labels"), [("qwen3", 3), ("llama", 1), ("qwen2", 2)])
 def test_classifiers_equal_transformers(tmp_path: Path, family: str, num_labels: int) -> None:
     hf = make_classifier(tmp_path / "cls", family, num_labels)
