@@ -18,15 +18,15 @@ import math
 import os
 from pathlib import Path
 
-from services.engine.worker.cgroup import CGROUP_ROOT, cgroup_cpu_quota
+from services.engine.worker.cgroup import CGROUP_ROOT, MEMBERSHIP, cgroup_cpu_quota
 
 logger = logging.getLogger(__name__)
 
 
-def usable_cpus(cgroup_root: Path = CGROUP_ROOT) -> int:
+def usable_cpus(cgroup_root: Path = CGROUP_ROOT, membership: Path = MEMBERSHIP) -> int:
     """CPUs this process may run on (its affinity), capped by its cgroup's CPU quota."""
     cpus = len(os.sched_getaffinity(0))
-    quota = cgroup_cpu_quota(cgroup_root)
+    quota = cgroup_cpu_quota(cgroup_root, membership)
     if quota is not None:
         cpus = min(cpus, max(1, math.floor(quota)))
     return cpus

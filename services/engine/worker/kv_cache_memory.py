@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.engine.worker.cgroup import CGROUP_ROOT, cgroup_memory_room
+from services.engine.worker.cgroup import CGROUP_ROOT, MEMBERSHIP, cgroup_memory_room
 
 _UNITS = {
     "": 1, "b": 1,
@@ -78,7 +78,8 @@ class KVCacheMemory:
 
 
 def available_host_memory(
-    meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path = CGROUP_ROOT
+    meminfo: Path = Path("/proc/meminfo"), cgroup_root: Path = CGROUP_ROOT,
+    membership: Path = MEMBERSHIP,
 ) -> int:
     """Bytes this process can still allocate: the host's MemAvailable, capped by the room
     left under its memory cgroup's limit.
@@ -91,7 +92,7 @@ def available_host_memory(
     if kib is None:
         raise RuntimeError(f"no MemAvailable in {meminfo}")
     available = int(kib) * 1024  # the kernel reports kB (KiB)
-    room = cgroup_memory_room(cgroup_root)
+    room = cgroup_memory_room(cgroup_root, membership)
     return available if room is None else min(available, room)
 
 

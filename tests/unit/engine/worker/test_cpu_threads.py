@@ -202,3 +202,30 @@ def test_serve_gives_each_engine_cpus_or_devices_of_its_own(
                        "--device") == ["cuda:0", "cuda:2"]
     assert engine_flag(["--engines", "2", "--device", "cuda:1"], "--device") == [
         "cuda:1", "cuda:2"]
+
+
+def test_quota_of_a_nested_cgroup_and_its_ancestors(tmp_path: Path) -> None:
+    # On a host (a systemd service, a container in the host's cgroup namespace) the
+    # process's cgroup is a path under the mount, and its pod's limit sits above it.
+    membership = tmp_path / "proc-self-cgroup"
+    membership.write_text("0::/kubepods/pod1/ctr\n")
+    v2 = tmp_path / "v2"
+    (v2 / "kubepods" / "pod1" / "ctr").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
+    cgroup_v2(v2 / "kubepods" / "pod1", "300000 100000")
+    cgroup_v2(v2 / "kubepods" / "pod1" / "ctr", "max 100000")
+    assert cgroup_cpu_quota(v2, membership) == 3.0
+    cgroup_v2(v2 / "kubepods" / "pod1" / "ctr", "150000 100000")  # the tighter one wins
+    assert cgroup_cpu_quota(v2, membership) == 1.5
+    # cgroup v1: the cpu controller's line names the path (here in a joint hierarchy).
+    membership.write_text("4:memory:/other\n3:cpu,cpuacct:/system.slice/corestream\n")
+    cgroup_v1(tmp_path / "v1", -1)
+    (tmp_path / "v1" / "cpu" / "system.slice" / "corestream").mkdir(parents=True)
+    for name, value in (("cpu.cfs_quota_us", 200000), ("cpu.cfs_period_us", 100000)):
+        (tmp_path / "v1" / "cpu" / "system.slice" / "corestream" / name).write_text(
+            f"{value}\n")
+    assert cgroup_cpu_quota(tmp_path / "v1", membership) == 2.0
+    # A path the mount does not hold (the process's own subtree mounted as the root, as
+    # Docker does without a cgroup namespace) falls back to the mount's root.
+    membership.write_text("0::/docker/abc\n")
+    assert cgroup_cpu_quota(cgroup_v2(tmp_path / "own", "50000 100000"), membership) == 0.5

@@ -107,3 +107,25 @@ def test_host_memory_is_capped_by_the_cgroup_v1_limit(tmp_path: Path) -> None:
     assert available_host_memory(meminfo, tmp_path / "cgroup") == 16 << 30
     # No cgroup files at all (not Linux cgroups): MemAvailable alone.
     assert available_host_memory(meminfo, tmp_path / "none") == 16 << 30
+
+
+def test_host_memory_is_capped_by_the_limit_of_a_nested_cgroup(tmp_path: Path) -> None:
+    # This sandbox's own layout: cgroup v1 on the host's tree, the process in
+    # memory:/process_api/<id>; the limit may sit on it or on an ancestor.
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:  16777216 kB\n")
+    membership = tmp_path / "proc-self-cgroup"
+    membership.write_text("5:cpu:/\n4:memory:/process_api/84251\n0::/\n")
+    root = tmp_path / "cgroup"
+    levels = (root / "memory", root / "memory" / "process_api",
+              root / "memory" / "process_api" / "84251")
+    levels[-1].mkdir(parents=True)
+    for level in levels:
+        (level / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+        (level / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+        (level / "memory.stat").write_text("total_inactive_file 0\n")
+    assert available_host_memory(meminfo, root, membership) == 16 << 30
+    (levels[1] / "memory.limit_in_bytes").write_text(f"{8 << 30}\n")
+    assert available_host_memory(meminfo, root, membership) == 7 << 30
+    (levels[2] / "memory.limit_in_bytes").write_text(f"{3 << 30}\n")
+    assert available_host_memory(meminfo, root, membership) == 2 << 30
