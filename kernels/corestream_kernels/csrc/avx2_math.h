@@ -8,7 +8,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(CORESTREAM_AVX512)
 #define CORESTREAM_AVX2 1
 
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
+
+#include <type_traits>
 
 namespace corestream_cpu::avx2 {
 
@@ -20,6 +23,43 @@ inline __m256 low_halves(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli
 
 inline __m256 high_halves(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+// 8 elements as floats (bf16 is the top half of an fp32).
+inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// avx512::bf16_bits at 8 lanes.
+inline __m256i bf16_bits(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(
+      _mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+}
+
+template <typename T>
+inline __m256 round_to(__m256 x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16));
+  } else {
+    return x;
+  }
+}
+
+inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = bf16_bits(v);  // each < 2^16: the unsigned pack is exact
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
 inline float reduce_max(__m256 v) {
