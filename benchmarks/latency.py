@@ -160,9 +160,15 @@ def main() -> None:
     parser.add_argument("--vs-bfloat16", action="store_true",
                         help="with --gguf: also time the decode step on the same weights "
                         "dequantized to bfloat16 (CORESTREAM_GGUF_DEQUANTIZE=1)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the benchmark checkpoint's weights for both systems: "
+                        "bfloat16 serves it with --dtype bfloat16 and gives llama.cpp a "
+                        "BF16 GGUF of it")
     parser.add_argument("--corestream-args", default="",
                         help="extra flags for corestream serve, e.g. '--event-loop asyncio'")
     args = parser.parse_args()
+    if args.gguf and args.dtype != "float32":
+        parser.error("--dtype is the benchmark checkpoint's; a GGUF file has its own types")
     if args.vs_bfloat16 and not args.gguf:
         parser.error("--vs-bfloat16 compares a GGUF file's quantized layers: pass --gguf")
     if args.llama_cpp and not llama_cpp.is_built():
@@ -174,14 +180,16 @@ def main() -> None:
 
     from tests.integration.cluster import Cluster
 
+    suffix = {"float32": "f32", "bfloat16": "bf16"}[args.dtype]  # llama.cpp's names
     if args.gguf:
         model = gguf = gguf_file(args.gguf)
         vocab = json.loads((resolve_model(str(model)) / "config.json").read_text())["vocab_size"]
     else:
         model = bench_checkpoint() if args.shapes == "bench" else smollm2_shaped_checkpoint()
-        gguf = llama_cpp.GGUF if args.shapes == "bench" else model / "model-f32.gguf"
+        gguf = (llama_cpp.GGUF.with_name(llama_cpp.GGUF.name.replace("-f32", f"-{suffix}"))
+                if args.shapes == "bench" else model / f"model-{suffix}.gguf")
         if with_llama_cpp and not gguf.exists():
-            llama_cpp.convert(model, gguf)
+            llama_cpp.convert(model, gguf, args.dtype)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_tokens)]
@@ -195,7 +203,8 @@ def main() -> None:
     gaps: list[list[float]] = []
     async_ttfts: list[float] = []
     async_gaps: list[list[float]] = []
-    cluster = Cluster(["--model", str(model), "--log-level", "warning",
+    dtype_args = ["--dtype", "bfloat16"] if args.dtype == "bfloat16" else []
+    cluster = Cluster(["--model", str(model), "--log-level", "warning", *dtype_args,
                        *args.corestream_args.split()])
     async_streams = AsyncStreams(cluster.address)
     try:
@@ -217,7 +226,8 @@ def main() -> None:
     finally:
         async_streams.close()
         cluster.stop()
-    step_ms = engine_step_ms(model, prompts[0], args.output_tokens)
+    step_ms = engine_step_ms(model, prompts[0], args.output_tokens,
+                             "bfloat16" if args.dtype == "bfloat16" else "auto")
     bf16_step_ms = None
     if args.vs_bfloat16:
         os.environ[DEQUANTIZE_ENV] = "1"
@@ -240,7 +250,7 @@ def main() -> None:
     if reference:
         steps = [step for r in reference for step in r]
         median_step = statistics.median(steps)
-        weights = gguf.name if args.gguf else "f32"
+        weights = gguf.name if args.gguf else suffix
         print(f"llama.cpp {llama_cpp.VERSION} ({weights}, 2 threads, same prompts, this run): "
               f"decode median {median_step:.2f} ms/token, p90 {percentile(steps, 0.9):.2f} ms "
               f"(rounds {min(map(statistics.median, reference)):.2f}-"

@@ -218,9 +218,11 @@ def permute_rope(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(rows, -1)
 
 
-def convert(checkpoint: Path, out: Path = GGUF) -> None:
+def convert(checkpoint: Path, out: Path = GGUF, dtype: str = "float32") -> None:
     """The checkpoint as an f32 GGUF, written tensor by tensor (the vendored converter
-    does not know a word-level tokenizer)."""
+    does not know a word-level tokenizer); with `dtype` bfloat16 its matrices in BF16
+    (rounded to nearest even, as torch rounds them), the norms in f32 as llama.cpp's own
+    converter writes them."""
     sys.path.insert(0, str(LLAMA_CPP / "gguf-py"))
     import gguf
     from safetensors.numpy import load_file
@@ -232,7 +234,8 @@ def convert(checkpoint: Path, out: Path = GGUF) -> None:
     tmp = out.with_suffix(".tmp")
     writer = gguf.GGUFWriter(str(tmp), "llama")
     writer.add_name(f"corestream {checkpoint.name}")
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    bf16 = {"float32": False, "bfloat16": True}[dtype]
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if bf16 else gguf.LlamaFileType.ALL_F32)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -269,7 +272,12 @@ def convert(checkpoint: Path, out: Path = GGUF) -> None:
                 tensor = permute_rope(tensor, kv_heads)
             tensors[f"blk.{layer}.{ours}.weight"] = tensor
     for name, tensor in tensors.items():
-        writer.add_tensor(name, np.ascontiguousarray(tensor, dtype=np.float32))
+        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
+        if bf16 and tensor.ndim == 2:
+            qtype = gguf.GGMLQuantizationType.BF16
+            writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
