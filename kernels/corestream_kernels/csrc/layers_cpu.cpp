@@ -34,14 +34,37 @@ template <typename T>
 __attribute__((noinline)) void normalize_row(T* out, const T* x, const T* weight, int64_t n,
                                              float eps) {
   float sum = 0.0f;
+#if defined(CORESTREAM_AVX512)
+  // 16 partial sums, then theirs: another order of additions than the loop below (and
+  // than torch's), a difference within float32 rounding.
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += avx512::kLanes) {
+    const __m512 v =
+        avx512::load(x + d, avx512::first_lanes(std::min<int64_t>(avx512::kLanes, n - d)));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  sum = _mm512_reduce_add_ps(squares);
+#else
 #pragma omp simd reduction(+ : sum)
   for (int64_t d = 0; d < n; ++d) {
     const float v = to_float(x[d]);
     sum += v * v;
   }
+#endif
   const float inv_rms = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  int64_t start = 0;
+#if defined(CORESTREAM_AVX512)
+  // The roundings in vectors, bf16_bits' (as silu_mul_row's).
+  const __m512 scale = _mm512_set1_ps(inv_rms);
+  for (int64_t d = 0; d < n; d += avx512::kLanes) {
+    const __mmask16 mask = avx512::first_lanes(std::min<int64_t>(avx512::kLanes, n - d));
+    const __m512 normalized = avx512::round_to<T>(_mm512_mul_ps(avx512::load(x + d, mask), scale));
+    avx512::store(out + d, _mm512_mul_ps(avx512::load(weight + d, mask), normalized), mask);
+  }
+  start = n;
+#endif
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) {
+  for (int64_t d = start; d < n; ++d) {
     out[d] = from_float<T>(to_float(weight[d]) * round_to<T>(to_float(x[d]) * inv_rms));
   }
 }
@@ -49,8 +72,19 @@ __attribute__((noinline)) void normalize_row(T* out, const T* x, const T* weight
 // sum = T(residual + x).
 template <typename T>
 __attribute__((noinline)) void add_row(T* sum, const T* residual, const T* x, int64_t n) {
+  int64_t start = 0;
+#if defined(CORESTREAM_AVX512)
+  for (int64_t d = 0; d < n; d += avx512::kLanes) {
+    const __mmask16 mask = avx512::first_lanes(std::min<int64_t>(avx512::kLanes, n - d));
+    avx512::store(sum + d, _mm512_add_ps(avx512::load(residual + d, mask),
+                                         avx512::load(x + d, mask)), mask);
+  }
+  start = n;
+#endif
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) sum[d] = from_float<T>(to_float(residual[d]) + to_float(x[d]));
+  for (int64_t d = start; d < n; ++d) {
+    sum[d] = from_float<T>(to_float(residual[d]) + to_float(x[d]));
+  }
 }
 
 // out[d] = silu(gate[d]) * up[d], silu's output rounded to T as torch stores it. The
@@ -94,8 +128,29 @@ template <typename T>
 __attribute__((noinline)) void rotate_head(T* out, T* also_out, const T* x, const float* c,
                                            const float* s, int64_t dim) {
   const int64_t half = dim / 2;
+  int64_t start = 0;
+#if defined(CORESTREAM_AVX512)
+  // The portable loop's arithmetic, with bf16_bits' rounding (as silu_mul_row's).
+  for (int64_t d = 0; d < half; d += avx512::kLanes) {
+    const __mmask16 mask = avx512::first_lanes(std::min<int64_t>(avx512::kLanes, half - d));
+    const __m512 first = avx512::load(x + d, mask);
+    const __m512 second = avx512::load(x + d + half, mask);
+    const __m512 new_first = _mm512_fmadd_ps(first, avx512::load(c + d, mask),
+                                             _mm512_mul_ps(second, avx512::load(s + d, mask)));
+    const __m512 new_second =
+        _mm512_fmadd_ps(second, avx512::load(c + d + half, mask),
+                        _mm512_mul_ps(first, avx512::load(s + d + half, mask)));
+    avx512::store(out + d, new_first, mask);
+    avx512::store(out + d + half, new_second, mask);
+    if (also_out != nullptr) {
+      avx512::store(also_out + d, new_first, mask);
+      avx512::store(also_out + d + half, new_second, mask);
+    }
+  }
+  start = half;
+#endif
 #pragma omp simd
-  for (int64_t d = 0; d < half; ++d) {
+  for (int64_t d = start; d < half; ++d) {
     const float first = to_float(x[d]);
     const float second = to_float(x[d + half]);
     const T new_first = from_float<T>(first * c[d] + second * s[d]);
