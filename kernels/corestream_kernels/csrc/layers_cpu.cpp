@@ -148,6 +148,22 @@ __attribute__((noinline)) void rotate_head(T* out, T* also_out, const T* x, cons
     }
   }
   start = half;
+#elif defined(CORESTREAM_AVX2)
+  for (; start + avx2::kLanes <= half; start += avx2::kLanes) {
+    const int64_t d = start;
+    const __m256 first = avx2::load(x + d);
+    const __m256 second = avx2::load(x + d + half);
+    const __m256 new_first = _mm256_fmadd_ps(first, avx2::load(c + d),
+                                             _mm256_mul_ps(second, avx2::load(s + d)));
+    const __m256 new_second = _mm256_fmadd_ps(second, avx2::load(c + d + half),
+                                              _mm256_mul_ps(first, avx2::load(s + d + half)));
+    avx2::store(out + d, new_first);
+    avx2::store(out + d + half, new_second);
+    if (also_out != nullptr) {
+      avx2::store(also_out + d, new_first);
+      avx2::store(also_out + d + half, new_second);
+    }
+  }
 #endif
 #pragma omp simd
   for (int64_t d = start; d < half; ++d) {
