@@ -76,9 +76,9 @@ constexpr int kVectors = kPanelWidth / 16;
 constexpr int kRowsPerPass = 4;
 
 // out[r, j] = bias[j] + acc[r][j] for the panel's first `width` columns.
-template <int R, typename T, typename Store>
+template <int R, typename T>
 inline void finish(const __m512 (&acc)[R][kVectors], const T* bias, int64_t width, T* out,
-                   int64_t out_stride, Store store) {
+                   int64_t out_stride) {
   for (int v = 0; v < kVectors; ++v) {
     const int64_t lanes = std::clamp<int64_t>(width - 16 * v, 0, 16);
     if (lanes == 0) {
@@ -88,7 +88,8 @@ inline void finish(const __m512 (&acc)[R][kVectors], const T* bias, int64_t widt
     const __m512 b = bias != nullptr ? corestream_cpu::avx512::load(bias + 16 * v, mask)
                                      : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
-      store(out + r * out_stride + 16 * v, _mm512_add_ps(acc[r][v], b), mask);
+      corestream_cpu::avx512::store(out + r * out_stride + 16 * v,
+                                    _mm512_add_ps(acc[r][v], b), mask);
     }
   }
 }
@@ -103,8 +104,6 @@ inline void clear(__m512 (&acc)[R][kVectors]) {
     }
   }
 }
-
-inline void store_f32(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
 
 // R rows of x [R, K] (row stride x_stride) times one float32 panel [Kp, 64].
 template <int R>
@@ -128,15 +127,10 @@ void panel_rows(const float* x, int64_t x_stride, const float* panel, int64_t k_
       }
     }
   }
-  finish<R>(acc, bias, width, out, out_stride, store_f32);
+  finish<R>(acc, bias, width, out, out_stride);
 }
 
 #ifdef CORESTREAM_AVX512_BF16
-
-inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 mask) {
-  // Round to nearest even, as oneDNN and torch round a float32 result to bfloat16.
-  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
-}
 
 // x[k] and x[k + 1] as one 32-bit lane, x[k] in the low half as the panels pair them.
 inline __m512bh pair(const c10::BFloat16* row, int64_t k) {
@@ -177,7 +171,7 @@ void panel_rows(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* p
       }
     }
   }
-  finish<R>(acc, bias, width, out, out_stride, store_bf16);
+  finish<R>(acc, bias, width, out, out_stride);
 }
 
 #else  // AVX-512 without the bf16 dot products (Skylake-SP, Cascade Lake)

@@ -119,12 +119,16 @@ class KVCacheLayout:
         """One layer's cache: `[2, num_blocks, block_size, kv_heads, head_dim]`."""
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    def sequence_blocks(self, tokens: int) -> int:
+        """The blocks one sequence of `tokens` tokens takes."""
+        return -(-tokens // self.block_size)
+
     def num_blocks(self, kv_bytes: int, max_model_len: int, memory: str | int) -> int:
         """The blocks that `kv_bytes` hold; ValueError when one max_model_len sequence
         does not fit (`memory`: the --kv-cache-memory that gave the bytes, for the
         message)."""
         num_blocks = kv_bytes // self.block_bytes
-        needed = -(-max_model_len // self.block_size)
+        needed = self.sequence_blocks(max_model_len)
         if num_blocks < needed:
             raise ValueError(
                 f"kv_cache_memory {memory!r} ({kv_bytes} bytes) holds "
