@@ -34,6 +34,7 @@ from benchmarks.sequences import Sequences  # noqa: E402
 from benchmarks.workload import VOCAB, bench_checkpoint  # noqa: E402
 from services.common.tiny_checkpoint import resolve_model  # noqa: E402
 from services.engine.worker.config import RunnerConfig  # noqa: E402
+from services.engine.worker.heap import keep_freed_memory  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402
 
 BACKENDS = ("cpp", "torch")
@@ -96,6 +97,7 @@ def main() -> None:
         set_backend(backend)
         runner.warmup()
         runner.settle()
+    keep_freed_memory()  # as the engine process does once warm
     for r in range(args.rounds):
         for w in chosen:
             for backend in backends:

@@ -126,11 +126,13 @@ def engine_step_ms(model: Path, prompt: list[int], max_tokens: int, dtype: str =
     from services.engine.core.engine_core import EngineCore
     from services.engine.request import Request
     from services.engine.worker.config import RunnerConfig
+    from services.engine.worker.heap import keep_freed_memory
     from services.engine.worker.model_runner import ModelRunner
 
     runner = ModelRunner(RunnerConfig(model=str(model), dtype=dtype))
     runner.warmup()
     runner.settle()
+    keep_freed_memory()  # as the engine process does once warm
     core = EngineCore(EngineConfig(), runner)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     core.scheduler.add_request(Request("lat", list(prompt), sampling, eos_token_ids=(2,)))

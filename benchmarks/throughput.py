@@ -64,12 +64,14 @@ def run_engine(model: Path, workload: list[BenchRequest], args: argparse.Namespa
     from services.engine.messages import SessionOutputs
     from services.engine.request import Request
     from services.engine.worker.config import RunnerConfig
+    from services.engine.worker.heap import keep_freed_memory
     from services.engine.worker.model_runner import ModelRunner
 
     runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=args.kv_cache_memory,
                                       device=args.device))
     runner.warmup()
     runner.settle()
+    keep_freed_memory()  # as the engine process does once warm
     core = EngineCore(EngineConfig(max_num_seqs=args.max_num_seqs,
                                    max_num_batched_tokens=args.max_num_batched_tokens), runner)
     outputs = core.sessions.open("bench")

@@ -44,6 +44,7 @@ from services.engine.server import EngineServer
 from services.engine.waves.config import DataParallelConfig
 from services.engine.waves.relay import WaveRelay
 from services.engine.worker.config import RunnerConfig
+from services.engine.worker.heap import keep_freed_memory
 
 if TYPE_CHECKING:
     from services.engine.executor.tp_executor import TensorParallelExecutor
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         # (A replacement's warm-up would need the others at its collectives: its first
         # steps pay for the lazy setup instead.)
         runner.warmup(onednn_rows(config))
+    keep_freed_memory()
     core = EngineCore(config, maybe_inject(runner, os.environ.get(FAULT_INJECT_ENV),
                                            config.engine_index))
     if hasattr(runner, "on_failure"):

@@ -120,6 +120,7 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
     from services.engine.executor.tp_weights import FollowerWeights
     from services.engine.parallel.tp_group import init_tp_group
     from services.engine.worker.batch import StepArrays
+    from services.engine.worker.heap import keep_freed_memory
     from services.engine.worker.model_runner import ModelRunner
 
     if spec.cpus is not None:
@@ -139,6 +140,7 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
         config = dataclasses.replace(config, device=f"cuda:{spec.device_index}")
     runner = ModelRunner(config, pooler=spec.pooler)
     runner.warm_onednn(spec.onednn_rows)
+    keep_freed_memory()
     channel.report(("ready", runner.num_blocks))
     weights = FollowerWeights(runner, channel.report)
     forwards = 0

@@ -67,6 +67,7 @@ from services.engine.worker.config import RunnerConfig
 from services.engine.worker.cpu_threads import release_openmp_pool, resolve_num_threads
 from services.engine.worker.draft_model import DraftModel, resolve_draft
 from services.engine.worker.dummy_batch import dummy_forward
+from services.engine.worker.heap import release_free_memory
 from services.engine.worker.huge_pages import HugePageReport, collapse_in_background
 from services.engine.worker.kv_cache_memory import KVCacheLayout, available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
@@ -277,8 +278,11 @@ class ModelRunner:
             freed["weights_bytes"] = drop_weights(self.model)
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
-        # On CPU the cache came from calloc as whole pages (kv_cache_memory budgets make
-        # it large): freeing it unmaps them, and the process's RSS drops at once.
+        else:
+            # A large cache was mapped on its own and is unmapped as it is freed; a small
+            # one (or the weights) went back to the heap, which keeps what steps free
+            # (heap.py): trimmed here, so the process's RSS drops at once either way.
+            release_free_memory()
         return freed
 
     def wake_kv_cache(self) -> dict[str, int]:
