@@ -100,42 +100,53 @@ def pooling_from_proto(p: pb.PoolingParams) -> PoolingParams:
     )
 
 
-def logprobs_to_proto(lp: PositionLogprobs) -> common_pb2.PositionLogprobs:
-    return common_pb2.PositionLogprobs(
-        token_id=lp.token_id,
-        logprob=lp.logprob,
-        rank=lp.rank,
-        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-    )
+# The conversions below build sub-messages from dicts inside their parent message, never
+# as messages of their own: each message made on its own is an arena of protobuf's (upb),
+# and protobuf calls malloc_trim(0) every 10,000 arena blocks it frees, which hands the
+# model's freed activations back to the kernel between steps (heap.py). A step's prefix-
+# cache events alone were a few hundred such messages: ~2,300 arenas a second in the
+# Session's thread during benchmarks/pooling.py, a trim every ~2 s.
+
+
+def logprobs_fields(lp: PositionLogprobs) -> dict[str, Any]:
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank,
+            "top": [{"token_id": t, "logprob": v} for t, v in lp.top]}
+
+
+def output_fields(u: RequestUpdate, weight_version: str = "") -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "request_id": session_request_id(u.session_id, u.request_id),
+        "new_token_ids": u.new_token_ids,
+        "finish_reason": int(u.finish_reason) if u.finish_reason is not None else 0,
+        "num_cached_tokens": u.num_cached_tokens,
+        "error_code": u.error_code,
+        "error_message": u.error_message,
+        "weight_version": weight_version,
+    }
+    if u.new_logprobs:
+        fields["new_logprobs"] = [logprobs_fields(lp) for lp in u.new_logprobs]
+    if u.prompt_logprobs:
+        fields["prompt_logprobs"] = [logprobs_fields(lp) for lp in u.prompt_logprobs]
+    if u.stop_token_id is not None:
+        fields["stop_token_id"] = u.stop_token_id
+    if u.pooled_shape:
+        fields["pooled"] = u.pooled
+        fields["pooled_shape"] = u.pooled_shape
+    return fields
 
 
 def output_to_proto(u: RequestUpdate, weight_version: str = "") -> pb.RequestOutput:
-    out = pb.RequestOutput(
-        request_id=session_request_id(u.session_id, u.request_id),
-        new_token_ids=list(u.new_token_ids),
-        finish_reason=int(u.finish_reason) if u.finish_reason is not None else 0,
-        num_cached_tokens=u.num_cached_tokens,
-        error_code=u.error_code,
-        error_message=u.error_message,
-        new_logprobs=[logprobs_to_proto(lp) for lp in u.new_logprobs],
-        prompt_logprobs=[logprobs_to_proto(lp) for lp in u.prompt_logprobs],
-        weight_version=weight_version,
-    )
-    if u.stop_token_id is not None:
-        out.stop_token_id = u.stop_token_id
-    if u.pooled_shape:
-        out.pooled = u.pooled
-        out.pooled_shape.extend(u.pooled_shape)
-    return out
+    return pb.RequestOutput(**output_fields(u, weight_version))
 
 
-def kv_event_to_proto(e: KvEvent) -> pb.KvCacheEvent:
+def kv_event_fields(e: KvEvent) -> dict[str, Any]:
     if isinstance(e, BlockStored):
-        return pb.KvCacheEvent(seq=e.seq, stored=pb.BlockStored(
-            block_hash=e.block_hash, parent_hash=e.parent_hash, token_ids=e.token_ids))
+        return {"seq": e.seq, "stored": {"block_hash": e.block_hash,
+                                         "parent_hash": e.parent_hash,
+                                         "token_ids": e.token_ids}}
     if isinstance(e, BlockRemoved):
-        return pb.KvCacheEvent(seq=e.seq, removed=pb.BlockRemoved(block_hash=e.block_hash))
-    return pb.KvCacheEvent(seq=e.seq, cleared=pb.CacheCleared())
+        return {"seq": e.seq, "removed": {"block_hash": e.block_hash}}
+    return {"seq": e.seq, "cleared": {}}
 
 
 def snapshot_to_proto(snap: KvSnapshot, engine_index: int,
@@ -143,9 +154,8 @@ def snapshot_to_proto(snap: KvSnapshot, engine_index: int,
     return pb.SessionResponse(
         engine_index=engine_index,
         engine_state=common_pb2.EngineState.ValueType(int(state)),
-        kv_cache_snapshot=pb.KvCacheSnapshot(
-            epoch=snap.epoch, seq=snap.seq, block_size=snap.block_size,
-            block_hashes=snap.block_hashes),
+        kv_cache_snapshot={"epoch": snap.epoch, "seq": snap.seq,
+                           "block_size": snap.block_size, "block_hashes": snap.block_hashes},
     )
 
 
@@ -154,7 +164,7 @@ def details_to_proto(d: IterationDetails, engine_index: int,
     return pb.SessionResponse(
         engine_index=engine_index,
         engine_state=common_pb2.EngineState.ValueType(int(state)),
-        iteration_details=pb.IterationDetails(
+        iteration_details=dict(
             step=d.step, started_at=d.started_at, num_requests=d.num_requests,
             num_tokens=d.num_tokens, num_prefill_requests=d.num_prefill_requests,
             num_prefill_tokens=d.num_prefill_tokens,
@@ -168,15 +178,16 @@ def response_to_proto(msg: SessionOutputs, engine_index: int) -> pb.SessionRespo
     s = msg.stats
     return pb.SessionResponse(
         engine_index=engine_index,
-        outputs=[output_to_proto(u, msg.weight_version) for u in msg.updates],
-        scheduler_stats=pb.SchedulerStats(
-            num_running=s.num_running, num_waiting=s.num_waiting,
-            kv_cache_usage=s.kv_cache_usage, step_counter=s.step_counter,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-        ),
+        outputs=[output_fields(u, msg.weight_version) for u in msg.updates],
+        scheduler_stats={
+            "num_running": s.num_running, "num_waiting": s.num_waiting,
+            "kv_cache_usage": s.kv_cache_usage, "step_counter": s.step_counter,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+        },
         timestamp=msg.timestamp,
         engine_state=common_pb2.EngineState.ValueType(int(msg.state)),
-        kv_cache_events=[kv_event_to_proto(e) for e in msg.kv_events],
+        kv_cache_events=[kv_event_fields(e) for e in msg.kv_events],
         weight_version=msg.weight_version,
     )
 
