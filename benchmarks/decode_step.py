@@ -6,7 +6,8 @@ On the benchmark checkpoint (or `--model`: any checkpoint `corestream serve --mo
 takes, e.g. a GGUF file), through `ModelRunner.execute` (no scheduler, no gRPC):
 - decode, batch 1: one sequence after a 128-token prompt, one token per step (latency);
 - decode, batch 128: 128 sequences after 64-token prompts, one token each per step;
-- prefill: one chunk of 2048 prompt tokens.
+- prefill: one chunk of 2048 prompt tokens;
+- or any others by `--workloads`: decode<N> (N sequences), prefill<N> (N tokens).
 Each round runs every workload on both backends (`corestream_kernels.backend`: "cpp", then
 "torch") back to back, so that a loaded machine slows both alike; the script prints
 each side's median step and the ratio cpp/torch (`--backends cpp` times the C++ side
@@ -70,13 +71,27 @@ def prefill_times(runner: ModelRunner, tokens: int, tag: str) -> list[float]:
     return [elapsed]
 
 
+def workload(runner: ModelRunner, name: str, steps: int) -> Callable[[str], list[float]]:
+    """decode<N>: N sequences (after 128-token prompts for one, 64 for more), one token
+    each per step; prefill<N>: one chunk of N prompt tokens."""
+    kind = name.rstrip("0123456789")
+    count = int(name[len(kind):] or 0)
+    if kind == "decode" and count > 0:
+        prompt = 128 if count == 1 else 64
+        return lambda tag: decode_times(runner, count, prompt, steps, tag)
+    if kind == "prefill" and count > 0:
+        return lambda tag: prefill_times(runner, count, tag)
+    raise SystemExit(f"unknown workload {name!r}: decode<N> or prefill<N>")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=32, help="decode steps per round")
     parser.add_argument("--threads", type=int, default=0,
                         help="the runner's num_threads (0: one per usable CPU)")
-    parser.add_argument("--workloads", default="decode1,decode128,prefill2048")
+    parser.add_argument("--workloads", default="decode1,decode128,prefill2048",
+                        help="decode<N> (N sequences), prefill<N> (N tokens), comma-separated")
     parser.add_argument("--model", default="",
                         help="a checkpoint folder or GGUF file (default: the benchmark's)")
     parser.add_argument("--backends", default=",".join(BACKENDS),
@@ -86,12 +101,8 @@ def main() -> None:
     backends = args.backends.split(",")
     runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=1 << 30,
                                       max_model_len=2048, num_threads=args.threads))
-    workloads: dict[str, Callable[[str], list[float]]] = {
-        "decode1": lambda tag: decode_times(runner, 1, 128, args.steps, tag),
-        "decode128": lambda tag: decode_times(runner, 128, 64, args.steps, tag),
-        "prefill2048": lambda tag: prefill_times(runner, 2048, tag),
-    }
     chosen = args.workloads.split(",")
+    workloads = {w: workload(runner, w, args.steps) for w in chosen}
     samples = {(w, b): [] for w in chosen for b in backends}
     for backend in backends:  # builds the kernels and warms both paths up
         set_backend(backend)
