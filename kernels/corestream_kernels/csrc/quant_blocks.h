@@ -345,9 +345,72 @@ struct Q8KBlock {
   int8_t q[kQK];
 };
 
+// The vector code below fuses x - d q as the compiler fuses the loop's (-ffp-contract=fast,
+// GCC's default for C++), so that both give the same bits.
+#if defined(__AVX2__) && defined(__FMA__)
+#define CORESTREAM_QUANTIZE_AVX2 1
+namespace vector_quantize {
+
+// max(|x[i]|) over 32 values, NaNs skipped as std::max(amax, |x|) skips them.
+inline float amax32(const float* x) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    // max_ps returns its second operand when either is NaN.
+    m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + 8 * i), magnitude), m);
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// The low byte of each int32 lane, sign-extended: what a cast to int8 keeps.
+inline __m256i low_byte(__m256i v) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24); }
+
+// Four vectors of int32 in [-128, 127] as 32 int8, in order.
+inline void store_bytes(int8_t* out, const __m256i (&v)[4]) {
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
+                                            _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// q[i] = int8(lrint(x[i] * inverse)) for 32 values: cvtps rounds to nearest even as lrint
+// does; into `rounded` as int32 too.
+inline void round32(const float* x, float inverse, int8_t* q, __m256i (&rounded)[4]) {
+  const __m256 scale = _mm256_set1_ps(inverse);
+  for (int i = 0; i < 4; ++i) {
+    rounded[i] = low_byte(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), scale)));
+  }
+  store_bytes(q, rounded);
+}
+
+inline int32_t sum_lanes(__m256i v) {
+  __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  return _mm_cvtsi128_si32(h);
+}
+
+}  // namespace vector_quantize
+#endif
+
 // q = round(x / d) with d = max|x| / 127, so |q| <= 127 (the dot products' sign trick
-// needs q != -128). n values; out's q has n slots.
+// needs q != -128). n values; out's q has n slots. A NaN is skipped by the max and gives
+// q = 0 (the low byte of lrint's result), in the vector code as in the loop.
 inline float quantize_values(const float* x, int64_t n, int8_t* q) {
+#ifdef CORESTREAM_QUANTIZE_AVX2
+  if (n % 32 == 0) {  // the loops below in vectors, the same bits
+    namespace vq = vector_quantize;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i += 32) amax = std::max(amax, vq::amax32(x + i));
+    const float d = amax / 127.0f;
+    __m256i rounded[4];
+    for (int64_t i = 0; i < n; i += 32) vq::round32(x + i, d > 0.0f ? 1.0f / d : 0.0f, q + i, rounded);
+    return d;
+  }
+#endif
   float amax = 0.0f;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float d = amax / 127.0f;
@@ -358,24 +421,45 @@ inline float quantize_values(const float* x, int64_t n, int8_t* q) {
   return d;
 }
 
+// d / 256 is exact; a residual of exactly half a step (256 / 2 = 128 of them) would not
+// fit an int8 and is clamped to 127, an error of d / 256.
 inline void quantize_row(const float* x, int64_t k, Q8Block* out) {
   for (int64_t b = 0; b < k / 32; ++b) {
     Q8Block& block = out[b];
     const float* xb = x + 32 * b;
+#ifdef CORESTREAM_QUANTIZE_AVX2
+    // The loop below in vectors, the same bits.
+    namespace vq = vector_quantize;
+    const float d = vq::amax32(xb) / 127.0f;
+    __m256i q[4], lo[4];
+    vq::round32(xb, d > 0.0f ? 1.0f / d : 0.0f, block.q, q);
+    const __m256 step = _mm256_set1_ps(d);
+    const __m256 scale = _mm256_set1_ps(d > 0.0f ? 256.0f / d : 0.0f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256 residual = _mm256_fnmadd_ps(step, _mm256_cvtepi32_ps(q[i]),
+                                               _mm256_loadu_ps(xb + 8 * i));
+      lo[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(residual, scale)),
+                                                _mm256_set1_epi32(-127)),
+                               _mm256_set1_epi32(127));
+      sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_slli_epi32(q[i], 8), lo[i]));
+    }
+    vq::store_bytes(block.lo, lo);
+    const int32_t total = vq::sum_lanes(sum);
+#else
     const float d = quantize_values(xb, 32, block.q);
-    // d / 256 is exact; a residual of exactly half a step (256 / 2 = 128 of them) would
-    // not fit an int8 and is clamped to 127, an error of d / 256.
     const float inverse = d > 0.0f ? 256.0f / d : 0.0f;
-    int32_t sum = 0;
+    int32_t total = 0;
     for (int l = 0; l < 32; ++l) {
       const float residual = xb[l] - d * static_cast<float>(block.q[l]);
       const long lo = std::clamp(std::lrint(residual * inverse), -127L, 127L);
       block.lo[l] = static_cast<int8_t>(lo);
-      sum += 256 * block.q[l] + block.lo[l];
+      total += 256 * block.q[l] + block.lo[l];
     }
+#endif
     block.d = d;
-    block.sum = sum;
-    block.d_sum = d / 256.0f * static_cast<float>(sum);
+    block.sum = total;
+    block.d_sum = d / 256.0f * static_cast<float>(total);
   }
 }
 
