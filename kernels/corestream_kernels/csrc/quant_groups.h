@@ -692,11 +692,14 @@ inline void grouped_gemv_rows(const QuantMatrix& w, const QuantActivations& x,
   }
 }
 
-// Output features per GEMV item for `threads` threads: enough items for them to share out
-// (a preempted thread's share goes to the others), each long enough that taking it costs
-// nothing beside it; whole groups of a grouped weight.
+// Output features per GEMV item for `threads` threads: about four items each, enough for
+// them to share out (a preempted thread's share goes to the others), each long enough
+// that taking it costs little beside it; whole groups of a grouped weight. Eight items a
+// thread, at most 64 rows each, made SmolLM2 Q4_1's batch-1 step ~10% slower on 2 cores
+// (benchmarks/decode_step.py, alternated): each item pays the atomic that hands it out,
+// the done flag the other thread polls, and a cold start of its weight stream.
 inline int64_t gemv_item_rows(const QuantMatrix& w, int64_t threads) {
-  const int64_t rows = std::clamp<int64_t>(w.rows / (8 * std::max<int64_t>(1, threads)), 4, 64);
+  const int64_t rows = std::clamp<int64_t>(w.rows / (4 * std::max<int64_t>(1, threads)), 4, 1024);
   return w.grouped ? (rows + kGroupRows - 1) / kGroupRows * kGroupRows : rows;
 }
 
