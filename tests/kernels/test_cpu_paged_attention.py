@@ -218,6 +218,35 @@ def test_many_heads_per_item_match_dense_reference(
     torch.testing.assert_close(run_kernel(cpu_kernel, b).float(), b.reference, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 9, 100])
+@pytest.mark.parametrize(("lengths", "kv_heads"),
+                         [([1], 1), ([300], 1), ([17, 1000], 1), ([15, 16, 129], 1),
+                          ([515], 3), ([40, 250], 3)])
+@pytest.mark.parametrize("num_threads", [2, 3, 8])
+def test_token_chunks_match_torch_path(
+    cpu_kernel: DecodeFn, threads: None, kernels_backend: None, num_threads: int,
+    lengths: list[int], kv_heads: int, window: int, dtype: torch.dtype,
+) -> None:
+    # Fewer (sequence, kv head) items than the threads can share evenly: each kv head's
+    # tokens go to 2 to 16 items whose partial results are merged (one sequence with three
+    # kv heads on two threads: two chunks; one with one kv head on eight: sixteen), some of
+    # them empty (a 1-token sequence), some cut mid-block or at the window's start.
+    torch.set_num_threads(num_threads)
+    tol = TOLERANCE[dtype]
+    shape = {"heads": 3 * kv_heads, "kv_heads": kv_heads, "head_dim": 64, "block_size": 16,
+             "dtype": dtype, "sliding_window": window or None}
+    # Unread slots NaN: no chunk reads past its tokens.
+    b = decode_batch(lengths, fill=float("nan"), **shape)
+    torch.testing.assert_close(run_kernel(cpu_kernel, b).float(), b.reference, atol=tol, rtol=tol)
+    # Peaked scores, so that the chunks' running maxima differ (the torch path as reference).
+    b = decode_batch(lengths, **shape)
+    b.query.mul_(4.0)
+    set_backend("torch")
+    expected = call(b).float()
+    torch.testing.assert_close(run_kernel(cpu_kernel, b).float(), expected, atol=tol, rtol=tol)
+
+
 def test_peaked_scores_match_torch_path(cpu_kernel: DecodeFn, kernels_backend: None) -> None:
     # Queries 30x larger: scores spread over hundreds, so the running max jumps between
     # tiles and most weights underflow to zero.

@@ -420,9 +420,11 @@ void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
     });
 
     const at::Tensor attn = buffer({tokens, num_heads, dim});
-    auto [attn_items, attn_item] = corestream_cpu::paged_decode_items(
-        attn, query, key_cache, value_cache, step.tables, step.lens, scale, windows[layer]);
-    plan.add(attn_items, std::move(attn_item));
+    for (auto& [attn_items, attn_item] : corestream_cpu::paged_decode_items(
+             attn, query, key_cache, value_cache, step.tables, step.lens, scale,
+             windows[layer])) {
+      plan.add(attn_items, std::move(attn_item));
+    }
 
     const at::Tensor projected = buffer({tokens, size});
     plan_linear<T>(step, attn.view({tokens, num_heads * dim}), w[kOWeight], w[kOPanels],

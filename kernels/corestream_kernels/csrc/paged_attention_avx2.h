@@ -114,7 +114,7 @@ void attend_one_avx2(
     const T* __restrict key_cache,
     const T* __restrict value_cache,
     const int32_t* block_table,
-    int64_t seq_len,
+    const TokenSpan& span,
     int64_t kv_begin,
     int64_t kv_end,
     float* __restrict scratch) {
@@ -138,7 +138,7 @@ void attend_one_avx2(
 
   const __m256 scale = _mm256_set1_ps(s.scale);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const int64_t first_token = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
+  const int64_t first_token = span.begin, seq_len = span.end;
   TileWalk<kTile> walk(block_table, s.block_size, s.num_kv_heads, kv_begin, kDim, first_token);
   int64_t rows_buffer[2][kTile];
   int64_t* rows = rows_buffer[0];
@@ -174,7 +174,8 @@ void attend_one_avx2(
     n = upcoming_n;
   }
 
-  write_normalized(out, s.o_head_stride, acc, kDim, running_sum, heads, kDim);
+  finish_item(out, s.o_head_stride, acc, kDim, running_max, running_sum, heads, kDim,
+              span.partial);
 }
 
 }  // namespace corestream_cpu::paged_avx2

@@ -209,7 +209,7 @@ void attend_one_avx512(
     const T* __restrict key_cache,
     const T* __restrict value_cache,
     const int32_t* block_table,
-    int64_t seq_len,
+    const TokenSpan& span,
     int64_t kv_begin,
     int64_t kv_end,
     float* __restrict scratch) {
@@ -248,7 +248,7 @@ void attend_one_avx512(
   }
 
   const __m512 scale = _mm512_set1_ps(s.scale);
-  const int64_t first_token = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
+  const int64_t first_token = span.begin, seq_len = span.end;
   TileWalk walk(block_table, s.block_size, s.num_kv_heads, kv_begin, dim, first_token);
   int64_t rows_buffer[2][vec::kLanes];
   int64_t* rows = rows_buffer[0];
@@ -277,7 +277,8 @@ void attend_one_avx512(
     n = upcoming_n;
   }
 
-  write_normalized(out, s.o_head_stride, acc, kPadded, running_sum, heads, dim);
+  finish_item(out, s.o_head_stride, acc, kPadded, running_max, running_sum, heads, dim,
+              span.partial);
 }
 
 }  // namespace corestream_cpu::paged_avx512

@@ -15,9 +15,11 @@
 //   build machine, common head sizes compile-time constants so those loops unroll fully.
 //   It serves other machines, and head sizes the AVX-512 code has no instance for.
 //
-// One work item is one sequence (or, in small batches, one (sequence, kv head)): each
-// GQA group of query heads shares every K and V row it loads, so each cached token is
-// read from memory exactly once, and in address order within a block. Within an item
+// One work item is one sequence (or, in small batches, one (sequence, kv head), and with
+// too few of those to share out evenly, a chunk of a (sequence, kv head)'s tokens, whose
+// unnormalized results a second stage merges): each GQA group of query heads shares every
+// K and V row it loads, so each cached token is read from memory exactly once, and in
+// address order within a block. Within an item
 // the softmax is streamed block by block or tile by tile (running max, running sum,
 // rescaled accumulator), so nothing is gathered and the scratch space does not grow with
 // the context. Sequences differ in length, so items are handed out dynamically to
@@ -40,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -59,6 +62,7 @@ using corestream_cpu::DecodeShape;
 using corestream_cpu::exp_approx;
 using corestream_cpu::kMaxHeads;
 using corestream_cpu::to_float;
+using corestream_cpu::TokenSpan;
 #ifdef CORESTREAM_AVX512
 using corestream_cpu::paged_avx512::attend_one_avx512;
 namespace vec = corestream_cpu::avx512;
@@ -127,7 +131,7 @@ void attend_one(
     const T* __restrict key_cache,
     const T* __restrict value_cache,
     const int32_t* block_table,
-    int64_t seq_len,
+    const TokenSpan& span,
     int64_t kv_begin,
     int64_t kv_end,
     float* __restrict scratch) {
@@ -152,8 +156,8 @@ void attend_one(
 
   // A block is [block_size, num_kv_heads, head_dim]; this item reads its kv heads' rows.
   const int64_t token_stride = s.num_kv_heads * dim;
+  const int64_t first_token = span.begin, seq_len = span.end;
   const int64_t num_blocks = (seq_len + bs - 1) / bs;
-  const int64_t first_token = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
   for (int64_t b = first_token / bs; b < num_blocks; ++b) {
     const int64_t block = block_table[b];
     // This block's visible tokens are [skip, skip + n) of its rows.
@@ -206,14 +210,35 @@ void attend_one(
     }
   }
 
-  corestream_cpu::write_normalized(out, s.o_head_stride, acc, dim, running_sum, heads, dim);
+  corestream_cpu::finish_item(out, s.o_head_stride, acc, dim, running_max, running_sum, heads,
+                              dim, span.partial);
 }
 
 
-// kAttend is attend_one or attend_one_avx512, instantiated for T; each item gets
-// scratch_per_head floats per query head of the item. Returns (number of items, item).
+using Stages = std::vector<std::pair<int64_t, corestream_cpu::Item>>;
+
+// Token chunks per (sequence, kv head) item: one where the items alone keep the threads
+// busy; else enough for the items to split evenly over the threads, two or more each, so
+// that no thread waits long for another's last item (one sequence with three kv heads on
+// two threads: two chunks, six items).
+int64_t token_chunks(int64_t items, int64_t threads) {
+  if (threads <= 1 || items >= 4 * threads) {
+    return 1;
+  }
+  constexpr int64_t kMaxChunks = 16;
+  for (int64_t chunks = 1; chunks < kMaxChunks; ++chunks) {
+    if (items * chunks >= 2 * threads && items * chunks % threads == 0) {
+      return chunks;
+    }
+  }
+  return kMaxChunks;
+}
+
+// kAttend is attend_one, attend_one_avx512 or attend_one_avx2, instantiated for T; each
+// item gets scratch_per_head floats per query head of the item. Returns the stages: the
+// items, then, where a sequence's tokens are split over items, the merge per sequence.
 template <typename T, auto kAttend>
-std::pair<int64_t, corestream_cpu::Item> decode_items_of(
+Stages decode_items_of(
     const DecodeShape& s,
     const T* query,
     T* out,
@@ -226,17 +251,26 @@ std::pair<int64_t, corestream_cpu::Item> decode_items_of(
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t threads = at::get_num_threads();
   // Whole sequences read each block front to back; with too few sequences to keep every
-  // thread busy, each kv head becomes its own item instead.
+  // thread busy, each kv head becomes its own item instead, and with too few of those,
+  // each chunk of a kv head's tokens (flash-decoding's split).
   const int64_t kv_per_item = s.num_seqs >= 4 * threads ? s.num_kv_heads : 1;
-  const int64_t items_per_seq = s.num_kv_heads / kv_per_item;
+  const int64_t kv_items = s.num_kv_heads / kv_per_item;
+  const int64_t chunks = kv_per_item == 1 ? token_chunks(s.num_seqs * kv_items, threads) : 1;
+  const int64_t items_per_seq = kv_items * chunks;
   const int64_t scratch_floats = kv_per_item * group * scratch_per_head;
+  const int64_t stride = corestream_cpu::partial_stride(s.head_dim);
+  const int64_t seq_partials = chunks * s.num_heads * stride;
+  // Kept by the items for as long as a plan keeps them.
+  const auto partials = std::make_shared<std::vector<float>>(
+      chunks > 1 ? static_cast<size_t>(s.num_seqs * seq_partials) : 0);
   auto item = [=](int64_t item) {
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < scratch_floats) {
       scratch.resize(scratch_floats);
     }
     const int64_t seq = item / items_per_seq;
-    const int64_t kv_begin = (item % items_per_seq) * kv_per_item;
+    const int64_t kv_begin = item % items_per_seq / chunks * kv_per_item;
+    const int64_t chunk = item % chunks;
     const int64_t seq_len = seq_lens[seq];
     const int32_t* table = block_tables + seq * s.max_blocks;
     const int64_t used_blocks = (seq_len + s.block_size - 1) / s.block_size;
@@ -247,6 +281,16 @@ std::pair<int64_t, corestream_cpu::Item> decode_items_of(
                   "block id ", table[b], " out of range for ", num_cache_blocks, " blocks");
     }
     const int64_t head = kv_begin * group;
+    // With a sliding window W the query (at position seq_len - 1) sees the last W tokens.
+    const int64_t first = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
+    TokenSpan span{first, seq_len, nullptr};
+    if (chunks > 1) {
+      // Chunk boundaries on whole tiles of 16 tokens (the vector items' walk).
+      const int64_t visible = seq_len - first;
+      span.begin = first + visible * chunk / chunks / 16 * 16;
+      span.end = chunk + 1 == chunks ? seq_len : first + visible * (chunk + 1) / chunks / 16 * 16;
+      span.partial = partials->data() + seq * seq_partials + (chunk * s.num_heads + head) * stride;
+    }
     kAttend(
         s,
         query + seq * s.q_seq_stride + head * s.q_head_stride,
@@ -254,16 +298,24 @@ std::pair<int64_t, corestream_cpu::Item> decode_items_of(
         key_cache,
         value_cache,
         table,
-        seq_len,
+        span,
         kv_begin,
         kv_begin + kv_per_item,
         scratch.data());
   };
-  return {s.num_seqs * items_per_seq, item};
+  Stages stages{{s.num_seqs * items_per_seq, item}};
+  if (chunks > 1) {
+    stages.emplace_back(s.num_seqs, [=](int64_t seq) {
+      corestream_cpu::merge_chunks(out + seq * s.o_seq_stride, s.o_head_stride,
+                                   partials->data() + seq * seq_partials, chunks, s.num_heads,
+                                   s.head_dim);
+    });
+  }
+  return stages;
 }
 
 template <typename T>
-std::pair<int64_t, corestream_cpu::Item> decode_dispatch(
+Stages decode_dispatch(
     const DecodeShape& s, const at::Tensor& out, const at::Tensor& query,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const int32_t* tables,
     const int32_t* lens) {
@@ -358,7 +410,7 @@ void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
   TORCH_CHECK(window >= 0, "window must be >= 0 (0 = no window), got ", window);
 }
 
-std::pair<int64_t, Item> paged_decode_items(
+std::vector<std::pair<int64_t, Item>> paged_decode_items(
     const at::Tensor& out,
     const at::Tensor& query,
     const at::Tensor& key_cache,
@@ -385,7 +437,7 @@ std::pair<int64_t, Item> paged_decode_items(
   TORCH_CHECK(s.num_heads <= kMaxHeads, "more than ", kMaxHeads, " query heads");
   s.window = window;
   if (s.num_seqs == 0) {
-    return {0, [](int64_t) {}};
+    return {};
   }
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
@@ -408,11 +460,12 @@ namespace {
 void paged_decode(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, double scale, int64_t window) {
-  const auto [num_items, item] = corestream_cpu::paged_decode_items(
-      out, query, key_cache, value_cache, block_tables, seq_lens, scale, window);
   // Threads pull items until none are left, so a thread that drew short sequences keeps
   // working instead of waiting at the barrier.
-  corestream_cpu::run_items(num_items, item);
+  for (const auto& [num_items, item] : corestream_cpu::paged_decode_items(
+           out, query, key_cache, value_cache, block_tables, seq_lens, scale, window)) {
+    corestream_cpu::run_items(num_items, item);
+  }
 }
 
 }  // namespace

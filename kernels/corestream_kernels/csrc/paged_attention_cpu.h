@@ -4,8 +4,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <utility>
+#include <vector>
 
 #include "work_items.h"
 
@@ -41,6 +45,60 @@ inline void write_normalized(T* out, int64_t o_head_stride, const float* acc,
 // of Hkv), the caches [num_blocks, block_size, Hkv, D] contiguous and alike, all of one
 // dtype, and a window >= 0 (0 = none): what both attention ops (paged_decode,
 // paged_prefill) take.
+// A decode work item's share of one sequence: the cached tokens [begin, end) (the window
+// already applied), and, where the sequence's tokens are split over several items, where
+// the item's unnormalized result goes for merge_chunks (null: the item has all of them and
+// writes the output itself). `partial` holds, per query head of the item, dim + 2 floats
+// partial_stride(dim) apart: the accumulator, then the running max and sum.
+struct TokenSpan {
+  int64_t begin, end;
+  float* partial;
+};
+
+inline int64_t partial_stride(int64_t dim) { return dim + 2; }
+
+// The end of a work item: its heads' output, or its partial result (see TokenSpan).
+template <typename T>
+inline void finish_item(T* out, int64_t o_head_stride, const float* acc, int64_t acc_stride,
+                        const float* running_max, const float* running_sum, int64_t heads,
+                        int64_t dim, float* partial) {
+  if (partial == nullptr) {
+    write_normalized(out, o_head_stride, acc, acc_stride, running_sum, heads, dim);
+    return;
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* p = partial + h * partial_stride(dim);
+    std::copy(acc + h * acc_stride, acc + h * acc_stride + dim, p);
+    p[dim] = running_max[h];
+    p[dim + 1] = running_sum[h];
+  }
+}
+
+// One sequence's output from its `chunks` partial results (chunk c's for head h at
+// partials + (c heads + h) partial_stride(dim)): each rescaled to the largest running max,
+// as the online softmax rescales its accumulator from tile to tile.
+template <typename T>
+inline void merge_chunks(T* out, int64_t o_head_stride, const float* partials, int64_t chunks,
+                         int64_t heads, int64_t dim) {
+  const int64_t stride = partial_stride(dim);
+  for (int64_t h = 0; h < heads; ++h) {
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) {
+      max = std::max(max, partials[(c * heads + h) * stride + dim]);
+    }
+    float acc[kMaxHeadDim] = {};
+    float sum = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* p = partials + (c * heads + h) * stride;
+      if (p[dim + 1] == 0.0f) continue;  // no tokens (or none of weight): nothing to add
+      const float factor = std::exp(p[dim] - max);
+      sum += p[dim + 1] * factor;
+      for (int64_t d = 0; d < dim; ++d) acc[d] += p[d] * factor;
+    }
+    write_normalized(out + h * o_head_stride, o_head_stride, acc, dim, &sum, 1, dim);
+  }
+}
+
 void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
                          const at::Tensor& key_cache, const at::Tensor& value_cache,
                          int64_t window);
@@ -52,11 +110,10 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
 
 // paged_decode's work as items (one per sequence and kv head, or per sequence), for
 // callers that hand them out themselves (StagePlan); the tensors must outlive the items.
-std::pair<int64_t, Item> paged_decode_items(const at::Tensor& out, const at::Tensor& query,
-                                            const at::Tensor& key_cache,
-                                            const at::Tensor& value_cache,
-                                            const at::Tensor& block_tables,
-                                            const at::Tensor& seq_lens, double scale,
-                                            int64_t window);
+// paged_decode as stages of work items, in order: (number of items, item) each.
+std::vector<std::pair<int64_t, Item>> paged_decode_items(
+    const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    double scale, int64_t window);
 
 }  // namespace corestream_cpu
