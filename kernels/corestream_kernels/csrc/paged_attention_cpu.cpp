@@ -19,10 +19,9 @@
 // too few of those to share out evenly, a chunk of a (sequence, kv head)'s tokens, whose
 // unnormalized results a second stage merges): each GQA group of query heads shares every
 // K and V row it loads, so each cached token is read from memory exactly once, and in
-// address order within a block. Within an item
-// the softmax is streamed block by block or tile by tile (running max, running sum,
-// rescaled accumulator), so nothing is gathered and the scratch space does not grow with
-// the context. Sequences differ in length, so items are handed out dynamically to
+// address order within a block. Within an item the softmax is streamed block by block or
+// tile by tile (running max, running sum, rescaled accumulator), so nothing is gathered
+// and the scratch space does not grow with the context. Sequences differ in length, so items are handed out dynamically to
 // torch's intra-op threads rather than in fixed contiguous ranges.
 //
 // With a sliding window W the query (at position seq_len - 1) sees only the last W
@@ -260,9 +259,10 @@ Stages decode_items_of(
   const int64_t scratch_floats = kv_per_item * group * scratch_per_head;
   const int64_t stride = corestream_cpu::partial_stride(s.head_dim);
   const int64_t seq_partials = chunks * s.num_heads * stride;
-  // Kept by the items for as long as a plan keeps them.
-  const auto partials = std::make_shared<std::vector<float>>(
-      chunks > 1 ? static_cast<size_t>(s.num_seqs * seq_partials) : 0);
+  // The chunks' results, kept by the items for as long as a plan keeps them.
+  const auto partials = chunks > 1 ? std::make_shared<std::vector<float>>(
+                                         static_cast<size_t>(s.num_seqs * seq_partials))
+                                   : nullptr;
   auto item = [=](int64_t item) {
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < scratch_floats) {
@@ -285,10 +285,12 @@ Stages decode_items_of(
     const int64_t first = s.window > 0 ? std::max<int64_t>(0, seq_len - s.window) : 0;
     TokenSpan span{first, seq_len, nullptr};
     if (chunks > 1) {
-      // Chunk boundaries on whole tiles of 16 tokens (the vector items' walk).
+      // Chunk boundaries on whole tiles of the vector items' walk (16 tokens, 8 for AVX2).
+      constexpr int64_t kTile = 16;
       const int64_t visible = seq_len - first;
-      span.begin = first + visible * chunk / chunks / 16 * 16;
-      span.end = chunk + 1 == chunks ? seq_len : first + visible * (chunk + 1) / chunks / 16 * 16;
+      span.begin = first + visible * chunk / chunks / kTile * kTile;
+      span.end = chunk + 1 == chunks ? seq_len
+                                     : first + visible * (chunk + 1) / chunks / kTile * kTile;
       span.partial = partials->data() + seq * seq_partials + (chunk * s.num_heads + head) * stride;
     }
     kAttend(

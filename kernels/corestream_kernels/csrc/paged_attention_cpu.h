@@ -41,10 +41,6 @@ inline void write_normalized(T* out, int64_t o_head_stride, const float* acc,
   }
 }
 
-// out and query [rows, H, D] alike (unit stride over D, D <= kMaxHeadDim, H a multiple
-// of Hkv), the caches [num_blocks, block_size, Hkv, D] contiguous and alike, all of one
-// dtype, and a window >= 0 (0 = none): what both attention ops (paged_decode,
-// paged_prefill) take.
 // A decode work item's share of one sequence: the cached tokens [begin, end) (the window
 // already applied), and, where the sequence's tokens are split over several items, where
 // the item's unnormalized result goes for merge_chunks (null: the item has all of them and
@@ -99,6 +95,10 @@ inline void merge_chunks(T* out, int64_t o_head_stride, const float* partials, i
   }
 }
 
+// out and query [rows, H, D] alike (unit stride over D, D <= kMaxHeadDim, H a multiple
+// of Hkv), the caches [num_blocks, block_size, Hkv, D] contiguous and alike, all of one
+// dtype, and a window >= 0 (0 = none): what both attention ops (paged_decode,
+// paged_prefill) take.
 void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
                          const at::Tensor& key_cache, const at::Tensor& value_cache,
                          int64_t window);
@@ -108,9 +108,10 @@ void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_lens,
                         int64_t num_seqs);
 
-// paged_decode's work as items (one per sequence and kv head, or per sequence), for
-// callers that hand them out themselves (StagePlan); the tensors must outlive the items.
-// paged_decode as stages of work items, in order: (number of items, item) each.
+// paged_decode's work as stages of items, to run in order, (number of items, item) each:
+// the items (per sequence, per sequence and kv head, or per chunk of a kv head's tokens),
+// then, for chunks, their merge per sequence. For callers that hand them out themselves
+// (StagePlan); the tensors must outlive the items.
 std::vector<std::pair<int64_t, Item>> paged_decode_items(
     const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
