@@ -94,12 +94,17 @@ def main() -> None:
                         help="decode<N> (N sequences), prefill<N> (N tokens), comma-separated")
     parser.add_argument("--model", default="",
                         help="a checkpoint folder or GGUF file (default: the benchmark's)")
+    parser.add_argument("--dtype", default="auto",
+                        help="the runner's dtype (auto: the checkpoint's; float32 for GGUF)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the runner's KV cache dtype (auto: the model's)")
     parser.add_argument("--backends", default=",".join(BACKENDS),
                         help="the first is the numerator of the ratio")
     args = parser.parse_args()
     model = resolve_model(args.model) if args.model else bench_checkpoint()
     backends = args.backends.split(",")
-    runner = ModelRunner(RunnerConfig(model=str(model), kv_cache_memory=1 << 30,
+    runner = ModelRunner(RunnerConfig(model=str(model), dtype=args.dtype,
+                                      kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=1 << 30,
                                       max_model_len=2048, num_threads=args.threads))
     chosen = args.workloads.split(",")
     workloads = {w: workload(runner, w, args.steps) for w in chosen}

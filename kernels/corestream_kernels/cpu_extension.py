@@ -55,6 +55,12 @@ _SOURCES = (
 DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes every op of the extension supports; others take the torch path."""
 
+
+def cache_dtype_supported(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the attention and KV-cache ops take a cache of `cache_dtype` under activations
+    of `dtype` (one of DTYPES): the same dtype, or float16 under float32."""
+    return cache_dtype == dtype or (dtype == torch.float32 and cache_dtype == torch.float16)
+
 _lock = threading.Lock()
 _ops: Any = None  # torch.ops.corestream_cpu once built
 _module: Any = None  # the extension as a Python module (its pybind11 classes) once built

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from corestream_kernels.cpu_extension import DTYPES, cpu_ops, load
+from corestream_kernels.cpu_extension import DTYPES, cache_dtype_supported, cpu_ops, load
 
 # Mirror the C++ entry point's limits, so unsupported shapes take the torch path
 # instead of raising.
@@ -68,7 +68,7 @@ def _ops_for(query: torch.Tensor, key_cache: torch.Tensor) -> Any:
     builds; else None."""
     supported = (
         _layout_supported(query.dtype, query.shape[1], key_cache.shape[2], query.shape[2])
-        and key_cache.dtype == query.dtype
+        and cache_dtype_supported(query.dtype, key_cache.dtype)
         and key_cache.is_contiguous()
         and query.stride(-1) == 1
     )

@@ -171,6 +171,8 @@ def _prefill(
     # [num_blocks, block_size, Hkv, D] -> [Hkv, seq_len - offset, D]
     keys = key_cache.index_select(0, table).flatten(0, 1)[: seq_len - offset].transpose(0, 1)
     values = value_cache.index_select(0, table).flatten(0, 1)[: seq_len - offset].transpose(0, 1)
+    # A float16 cache under float32 activations (--kv-cache-dtype) is widened to them.
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
     q = query.transpose(0, 1)
     if q_len == seq_len and (sliding_window is None or sliding_window >= seq_len):
         mask = None
@@ -260,8 +262,8 @@ def _decode_torch(
         table = block_tables[start:end, :num_blocks].flatten()
         gathered = (end - start, num_blocks * block_size, num_kv_heads, head_dim)
         # [b * num_blocks, block_size, Hkv, D] -> [b, Hkv, num_blocks * block_size, D]
-        keys = key_cache.index_select(0, table).view(gathered).transpose(1, 2)
-        values = value_cache.index_select(0, table).view(gathered).transpose(1, 2)
+        keys = key_cache.index_select(0, table).view(gathered).transpose(1, 2).to(query.dtype)
+        values = value_cache.index_select(0, table).view(gathered).transpose(1, 2).to(query.dtype)
         positions = torch.arange(num_blocks * block_size, device=query.device)
         lens = seq_lens[start:end, None]
         mask = positions[None, :] < lens

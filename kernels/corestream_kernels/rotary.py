@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from corestream_kernels.cpu_extension import DTYPES, cpu_ops
+from corestream_kernels.cpu_extension import DTYPES, cache_dtype_supported, cpu_ops
 from corestream_kernels.kv_cache import write_kv_cache
 
 
@@ -46,8 +46,8 @@ def rotate_and_store_kv(
     if (
         qk.dtype in DTYPES
         and value.dtype == qk.dtype
-        and key_cache.dtype == qk.dtype
-        and value_cache.dtype == qk.dtype
+        and cache_dtype_supported(qk.dtype, key_cache.dtype)
+        and value_cache.dtype == key_cache.dtype
         and qk.stride(-1) == 1
         and value.stride(-1) == 1
         and key_cache.is_contiguous()

@@ -34,6 +34,8 @@ class ModelInfo:
     bos_token_id: int | None
     dtype: str
     """The checkpoint's dtype as torch spells it without the prefix: "float32", "bfloat16"."""
+    gguf: bool = False
+    """A GGUF file's folder view (its weights are the file's quantized blocks)."""
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -94,4 +96,5 @@ def load_model_info(path: str | Path) -> ModelInfo:
         eos_token_ids=eos,
         bos_token_id=None if bos is None else int(bos),
         dtype=dtype,
+        gguf=bool(gguf_file),
     )

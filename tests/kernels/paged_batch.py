@@ -72,12 +72,16 @@ def make_batch(
     fill: float = 0.0,
     seed: int = 0,
     sliding_window: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
-    """Sequences given as (cached prefix, new tokens); unwritten cache slots hold `fill`."""
+    """Sequences given as (cached prefix, new tokens); unwritten cache slots hold `fill`.
+    The cache has `cache_dtype` (default: `dtype`); the reference attends over the keys and
+    values as the cache holds them."""
+    cache_dtype = cache_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-(p + n) // block_size) for p, n in shapes]
     num_blocks = sum(blocks_per_seq) + 4
-    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), fill, dtype=dtype)
+    key_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), fill, dtype=cache_dtype)
     value_cache = torch.full_like(key_cache, fill)
     # Scattered, shuffled blocks, so a wrong table lookup cannot pass by accident.
     free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
@@ -87,8 +91,8 @@ def make_batch(
         seq_len = prefix + new
         blocks = [free_blocks.pop() for _ in range(n)]
         tables.append(blocks + [0] * (width - n))
-        k = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
-        v = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
+        k = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(cache_dtype)
+        v = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(cache_dtype)
         q = torch.randn(new, heads, head_dim, generator=gen).to(dtype)
         slots = torch.tensor(
             [blocks[p // block_size] * block_size + p % block_size for p in range(seq_len)]

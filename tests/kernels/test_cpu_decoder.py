@@ -98,6 +98,28 @@ def test_decode_model_gives_the_python_model_bits(
         assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_float16_cache_gives_the_python_model_bits(
+    cpu_ops: Any, family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # --kv-cache-dtype float16 under a float32 model: the op rotates keys in float32 and
+    # rounds them (and the values) into the cache once, as rotary_store_kv does, and its
+    # attention reads them as paged_decode does (Qwen3: keys normed per head first).
+    if not cpu_ops.panel_linear_supported(torch.float32):
+        pytest.skip("this build has no panel kernel for float32")
+    make_checkpoint(tmp_path, family, dtype=torch.float32, **FAMILIES[family])
+    runner = make_runner(tmp_path, dtype="auto", kv_cache_dtype="float16")
+    assert all(cache.dtype == torch.float16 for cache in runner.kv_caches)
+    prompts = random_prompts({"a": 3, "b": 17, "c": 30}, VOCAB)
+    python = DecodeCalls(monkeypatch, enabled=False)
+    want = decode_logits(runner, prompts, 6, "py-")
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    got = decode_logits(runner, prompts, 6, "cpp-")
+    assert python.count == 0 and fused.count == 6
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step}: max diff {(g - w).abs().max()}"
+
+
 @pytest.fixture
 def two_threads() -> Iterator[None]:
     previous = torch.get_num_threads()

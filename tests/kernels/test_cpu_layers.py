@@ -89,15 +89,17 @@ def test_silu_and_mul_matches_torch(
 
 
 def rotary_case(
-    tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """A fused qkv output, cos/sin as RotaryEmbedding.cos_sin lays them out, and caches
-    filled with NaN so that the test sees which slots a write touched."""
+    (of `cache_dtype`, default `dtype`) filled with NaN so that the test sees which slots
+    a write touched."""
     qkv = randn(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)
     qk, value = qkv.split_with_sizes([heads + kv_heads, kv_heads], dim=1)
     angles = torch.rand(tokens, head_dim // 2) * 100
     cos, sin = angles.cos(), angles.sin()
-    caches = torch.full((2, 9, 4, kv_heads, head_dim), float("nan"), dtype=dtype)
+    caches = torch.full((2, 9, 4, kv_heads, head_dim), float("nan"), dtype=cache_dtype or dtype)
     key_cache, value_cache = caches.unbind()
     return {
         "qk": qk,
@@ -139,6 +141,34 @@ def test_rotary_store_kv_matches_torch(
     torch.testing.assert_close(case["key_cache"], want_keys, atol=atol, rtol=rtol,
                                equal_nan=True)
     assert torch.equal(case["value_cache"].nan_to_num(), want_values.nan_to_num())
+
+
+@pytest.mark.parametrize("head_dim", [2, 6, 24, 64, 128])
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads"), [(1, 8, 4), (30, 6, 2)])
+def test_rotary_store_kv_rounds_once_into_a_float16_cache(
+    cpu_ops: Any, tokens: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    # --kv-cache-dtype float16 under float32: queries rotate in float32, the rotated keys
+    # and the values are rounded to float16 as they are stored (write_kv_cache's cast),
+    # through the op and through rotate_and_store_kv's dispatch alike.
+    for store in (cpu_ops.rotary_store_kv, rotate_and_store_kv):
+        case = rotary_case(tokens, heads, kv_heads, head_dim, torch.float32, torch.float16)
+        want_qk, want_keys, want_values = rotary_reference(case)
+        assert want_keys.dtype == torch.float16
+        store(*[case[name] for name in ("qk", "value", "cos", "sin", "key_cache",
+                                        "value_cache", "slot_mapping")])
+        close(case["qk"], want_qk)
+        # The float32 keys differ in their last bits (FMA), so a rounding may go the other
+        # way: one float16 step at most.
+        torch.testing.assert_close(case["key_cache"], want_keys, atol=1e-3, rtol=1e-3,
+                                   equal_nan=True)
+        assert torch.equal(case["value_cache"].nan_to_num(), want_values.nan_to_num())
+
+
+def test_rotary_store_kv_refuses_other_cache_dtypes(cpu_ops: Any) -> None:
+    case = rotary_case(3, 4, 2, 8, torch.float32, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float16 under a float32 qk"):
+        cpu_ops.rotary_store_kv(*case.values())
 
 
 def test_rotary_store_kv_rejects_a_slot_outside_the_cache(cpu_ops: Any) -> None:

@@ -37,11 +37,12 @@ def threads() -> Iterator[None]:
 def decode_batch(
     lengths: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
     dtype: torch.dtype = torch.float32, fill: float = 0.0, sliding_window: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     shapes = [(n - 1, 1) for n in lengths]
     return make_batch(shapes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                       block_size=block_size, dtype=dtype, fill=fill,
-                      sliding_window=sliding_window)
+                      sliding_window=sliding_window, cache_dtype=cache_dtype)
 
 
 def run_kernel(kernel: DecodeFn, b: PagedBatch) -> torch.Tensor:
@@ -245,6 +246,48 @@ def test_token_chunks_match_torch_path(
     set_backend("torch")
     expected = call(b).float()
     torch.testing.assert_close(run_kernel(cpu_kernel, b).float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [24, 64, 80, 128])
+@pytest.mark.parametrize(("lengths", "kv_heads"), [(LENGTHS, 2), ([515], 3), ([40, 250], 1)])
+@pytest.mark.parametrize("window", [0, 9])
+def test_float16_cache_under_float32_query_matches_dense_reference(
+    cpu_kernel: DecodeFn, threads: None, lengths: list[int], kv_heads: int, head_dim: int,
+    window: int,
+) -> None:
+    # --kv-cache-dtype float16 under a float32 model, on every item shape (whole sequences,
+    # one kv head each, token chunks) and head sizes with and without a vector tail: keys
+    # and values widened as they are read, float32 arithmetic and output. The reference
+    # attends over the float16 values, so the float32 tolerance holds.
+    torch.set_num_threads(2)
+    b = decode_batch(lengths, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=head_dim,
+                     block_size=16, fill=float("nan"), sliding_window=window or None,
+                     cache_dtype=torch.float16)
+    assert b.key_cache.dtype == torch.float16
+    out = run_kernel(cpu_kernel, b)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, b.reference, atol=1e-5, rtol=1e-5)
+
+
+def test_float16_cache_takes_the_kernel_and_torch_widens_it(
+    cpu_kernel: DecodeFn, kernels_backend: None
+) -> None:
+    b = decode_batch([100, 37, 64], heads=8, kv_heads=2, head_dim=64, block_size=16,
+                     cache_dtype=torch.float16)
+    assert cpu_module.cpu_decode_kernel(b.query, b.key_cache) is not None
+    torch.testing.assert_close(call(b), b.reference, atol=1e-5, rtol=1e-5)
+    set_backend("torch")
+    torch.testing.assert_close(call(b), b.reference, atol=1e-5, rtol=1e-5)
+
+
+def test_other_cache_dtypes_are_refused(cpu_kernel: DecodeFn) -> None:
+    # bfloat16 under float32, float16 under bfloat16: not served, a clear error.
+    for dtype, cache_dtype in [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]:
+        b = decode_batch([5, 30], heads=4, kv_heads=2, head_dim=16, block_size=4, dtype=dtype,
+                         cache_dtype=cache_dtype)
+        assert cpu_module.cpu_decode_kernel(b.query, b.key_cache) is None
+        with pytest.raises(RuntimeError, match="float16 under a float32 query"):
+            run_kernel(cpu_kernel, b)
 
 
 def test_peaked_scores_match_torch_path(cpu_kernel: DecodeFn, kernels_backend: None) -> None:

@@ -159,3 +159,39 @@ def test_paged_attention_takes_it_for_prompts(
     kernel_out = paged_attention(*b.args())
     torch.testing.assert_close(kernel_out, torch_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel_out, b.reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [24, 64, 128])
+@pytest.mark.parametrize("window", [0, 16])
+def test_float16_cache_under_float32_query_matches_dense_reference(
+    kernel: PrefillFn, threads: None, head_dim: int, window: int
+) -> None:
+    # --kv-cache-dtype float16 under a float32 model: keys and values widened as they are
+    # read, the arithmetic and the output float32; the reference attends over the float16
+    # values, so the float32 tolerance holds.
+    torch.set_num_threads(2)
+    b = make_batch(SHAPES, heads=6, kv_heads=2, head_dim=head_dim, block_size=5,
+                   fill=float("nan"), sliding_window=window or None,
+                   cache_dtype=torch.float16)
+    assert b.key_cache.dtype == torch.float16
+    assert_matches(kernel, b, torch.float32)
+
+
+def test_float16_cache_takes_the_kernel_not_torch(kernel: PrefillFn,
+                                                  kernels_backend: None) -> None:
+    # The dispatch sends a float16 cache under a float32 query to the kernel, and the torch
+    # path (set_backend("torch")) widens the cache as well: both match the reference.
+    b = make_batch([(0, 20), (11, 9)], heads=4, kv_heads=2, head_dim=64, block_size=8,
+                   cache_dtype=torch.float16)
+    expected = b.reference
+    torch.testing.assert_close(paged_attention(*b.args()), expected, atol=1e-5, rtol=1e-5)
+    set_backend("torch")
+    torch.testing.assert_close(paged_attention(*b.args()), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_other_cache_dtypes_are_refused(kernel: PrefillFn) -> None:
+    # A bfloat16 cache under float32 is not served: a clear error, nothing written.
+    b = make_batch([(0, 9)], heads=4, kv_heads=2, head_dim=16, block_size=4,
+                   cache_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float16 under a float32 query"):
+        run_kernel(kernel, b)

@@ -1,14 +1,15 @@
 // 8-lane float vector helpers for the AVX2 paths of the CPU kernels (CPUs with AVX2 and
 // FMA but no AVX-512: Haswell to Zen 3, most cloud VMs). CORESTREAM_AVX2 is set when the
-// build targets AVX2 and FMA and not AVX-512, whose own paths then serve (avx512_math.h).
+// build targets AVX2, FMA and F16C (every such CPU has all three) and not AVX-512, whose own paths then serve (avx512_math.h).
 #pragma once
 
 #include "avx512_math.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CORESTREAM_AVX512)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CORESTREAM_AVX512)
 #define CORESTREAM_AVX2 1
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <type_traits>
@@ -33,6 +34,10 @@ inline __m256 load(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+inline __m256 load(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // avx512::bf16_bits at 8 lanes.
 inline __m256i bf16_bits(__m256 x) {
   const __m256i bits = _mm256_castps_si256(x);
@@ -48,6 +53,8 @@ template <typename T>
 inline __m256 round_to(__m256 x) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   } else {
     return x;
   }
@@ -60,6 +67,10 @@ inline void store(c10::BFloat16* p, __m256 v) {
   const __m128i packed =
       _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+inline void store(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 
 inline float reduce_max(__m256 v) {

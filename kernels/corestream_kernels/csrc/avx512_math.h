@@ -7,6 +7,7 @@
 #define CORESTREAM_AVX512 1
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -28,6 +29,10 @@ inline __m512 load(const c10::BFloat16* p, __mmask16 mask) {
   // bf16 is the top half of an fp32.
   const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline __m512 load(const c10::Half* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
 }
 
 // x rounded to bf16 as from_float<c10::BFloat16> rounds (nearest even, NaN a quiet NaN),
@@ -53,6 +58,8 @@ template <typename T>
 inline __m512 round_to(__m512 x) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   } else {
     return x;
   }
@@ -67,6 +74,10 @@ inline void store(c10::BFloat16* p, __m512 v, __mmask16 mask) {
 #else
   _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(bf16_bits(v)));
 #endif
+}
+
+inline void store(c10::Half* p, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
 }
 
 #ifdef __AVX512BF16__

@@ -4,11 +4,17 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 
 namespace corestream_cpu {
 
@@ -20,6 +26,15 @@ inline float to_float(c10::BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// IEEE half (a float16 KV cache): F16C's conversion where the build has it.
+inline float to_float(c10::Half x) {
+#ifdef __F16C__
+  return _cvtsh_ss(x.x);
+#else
+  return static_cast<float>(x);
+#endif
 }
 
 template <typename T>
@@ -39,6 +54,26 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   c10::BFloat16 out;
   out.x = static_cast<uint16_t>(std::isnan(x) ? 0x7FC0u : rounded);
   return out;
+}
+
+// Round to nearest even, as torch's casts.
+template <>
+inline c10::Half from_float<c10::Half>(float x) {
+#ifdef __F16C__
+  return c10::Half(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT), c10::Half::from_bits());
+#else
+  return c10::Half(x);
+#endif
+}
+
+// dst[i] = src[i] in D's type (a plain copy where the types are the same).
+template <typename S, typename D>
+inline void convert_row(const S* src, D* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, D>) {
+    std::copy(src, src + n, dst);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]));
+  }
 }
 
 // Rounds x to T's precision and back: the value torch would store between two ops.

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
 #include "layer_rows.h"
 #include "linear_cpu.h"
 #include "paged_attention_cpu.h"
@@ -33,6 +34,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -328,8 +330,8 @@ void add_and_norm(corestream_cpu::StagePlan& plan, int64_t tokens, int64_t size,
 // decode_layers as stages of `step.plan`, over `step`'s staged inputs: the same row
 // functions (layer_rows.h), panels (panel_items) and attention items (paged_decode_items)
 // as the ops, in the same order, so the same bits, but each stage writes a buffer of its
-// own, so that any stage's item may run twice.
-template <typename T>
+// own, so that any stage's item may run twice. T is the model's dtype, C the KV cache's.
+template <typename T, typename C>
 void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
                  const std::vector<at::Tensor>& kv_caches, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, double scale,
@@ -392,8 +394,8 @@ void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
     const at::Tensor value_cache = cache.select(0, 1);
     const T* qkv_data = data(qkv);
     T* query_data = data(query);
-    T* keys = data(key_cache);
-    T* values = data(value_cache);
+    C* keys = key_cache.mutable_data_ptr<C>();
+    C* values = value_cache.mutable_data_ptr<C>();
     const T* q_norm = qk_norms ? w[kQNorm].const_data_ptr<T>() : nullptr;
     const T* k_norm = qk_norms ? w[kKNorm].const_data_ptr<T>() : nullptr;
     plan.add(tokens, [=](int64_t t) {
@@ -402,8 +404,8 @@ void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
       const T* row = qkv_data + t * qkv_width;
       const float* c = cos_data + t * dim;
       const float* s = sin_data + t * dim;
-      T* slot_keys = keys + slots[t] * num_kv_heads * dim;
-      T* slot_values = values + slots[t] * num_kv_heads * dim;
+      C* slot_keys = keys + slots[t] * num_kv_heads * dim;
+      C* slot_values = values + slots[t] * num_kv_heads * dim;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
         const T* x = row + h * dim;
         const T* weight = h < num_heads ? q_norm : k_norm;
@@ -411,12 +413,17 @@ void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
           normalize_row(head.data(), x, weight, dim, epsilon);
           x = head.data();
         }
-        T* out = h < num_heads ? query_data + (t * num_heads + h) * dim
-                               : slot_keys + (h - num_heads) * dim;
-        rotate_head(out, static_cast<T*>(nullptr), x, c, s, dim);
+        if (h < num_heads) {
+          rotate_head(query_data + (t * num_heads + h) * dim, static_cast<T*>(nullptr), x, c, s,
+                      dim);
+        } else if constexpr (std::is_same_v<T, C>) {
+          rotate_head(slot_keys + (h - num_heads) * dim, static_cast<T*>(nullptr), x, c, s, dim);
+        } else {  // rotated in T, stored in the cache's type
+          rotate_head<T, C>(head.data(), slot_keys + (h - num_heads) * dim, x, c, s, dim);
+        }
       }
       const T* v = row + (num_heads + num_kv_heads) * dim;
-      std::copy(v, v + num_kv_heads * dim, slot_values);
+      corestream_cpu::convert_row(v, slot_values, num_kv_heads * dim);
     });
 
     const at::Tensor attn = buffer({tokens, num_heads, dim});
@@ -672,10 +679,12 @@ class DecodeModel {
       TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
                       cache.sizes() == first_cache.sizes() &&
                       cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_ &&
-                      cache.scalar_type() == dtype_,
+                      cache.scalar_type() == first_cache.scalar_type() &&
+                      (cache.scalar_type() == dtype_ ||
+                       (cache.scalar_type() == at::kHalf && dtype_ == at::kFloat)),
                   "decode_model: layer ", layer, "'s cache must be a contiguous [2, blocks, "
                   "block_size, ", num_kv_heads_, ", ", head_dim_, "] of ", dtype_,
-                  " like the first layer's");
+                  " (or float16 under float32) like the first layer's");
     }
     TORCH_CHECK(rotary_table_.scalar_type() == at::kFloat && rotary_table_.size(2) == head_dim_,
                 "decode_model: the rotary table must be float32 [2, max_positions, ",
@@ -698,12 +707,16 @@ class DecodeModel {
     step->slots = at::empty({tokens}, at::TensorOptions().dtype(at::kLong));
     step->tables = at::zeros({tokens, width}, at::TensorOptions().dtype(at::kInt));
     step->lens = at::zeros({tokens}, at::TensorOptions().dtype(at::kInt));
-    if (dtype_ == at::kFloat) {
-      plan_layers<float>(*step, weights_, kv_caches_, num_heads_, num_kv_heads_, head_dim_,
-                         scale_, windows_, eps_);
+    if (dtype_ == at::kFloat && first_cache.scalar_type() == at::kHalf) {
+      plan_layers<float, c10::Half>(*step, weights_, kv_caches_, num_heads_, num_kv_heads_,
+                                    head_dim_, scale_, windows_, eps_);
+    } else if (dtype_ == at::kFloat) {
+      plan_layers<float, float>(*step, weights_, kv_caches_, num_heads_, num_kv_heads_,
+                                head_dim_, scale_, windows_, eps_);
     } else {
-      plan_layers<c10::BFloat16>(*step, weights_, kv_caches_, num_heads_, num_kv_heads_,
-                                 head_dim_, scale_, windows_, eps_);
+      plan_layers<c10::BFloat16, c10::BFloat16>(*step, weights_, kv_caches_, num_heads_,
+                                                num_kv_heads_, head_dim_, scale_, windows_,
+                                                eps_);
     }
     if (!head_.empty() && is_quantized(head_[0])) {  // its stages come with each step's
       step->head = &quant_projection(*step, head_[0], head_[1], head_[2], size,

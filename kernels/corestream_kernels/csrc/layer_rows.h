@@ -28,8 +28,9 @@ void silu_mul_row(T* out, const T* gate, const T* up, int64_t n);
 
 // One head of dim elements rotated: x' = x * cos + swap_halves(x) * sin, with cos and sin
 // laid out as kernels/corestream_kernels/rotary.py builds them ([cos, cos] and [-sin, sin] over the halves).
-// Written to out and, if not null, also to also_out; out may be x.
-template <typename T>
-void rotate_head(T* out, T* also_out, const T* x, const float* c, const float* s, int64_t dim);
+// Written to out and, if not null, also to also_out (a key cache: T, or float16 under a
+// float32 x); out may be x.
+template <typename T, typename C = T>
+void rotate_head(T* out, C* also_out, const T* x, const float* c, const float* s, int64_t dim);
 
 }  // namespace corestream_cpu

@@ -123,9 +123,9 @@ __attribute__((noinline)) void silu_mul_row(T* out, const T* gate, const T* up, 
 
 // One head of dim elements rotated: x' = x * cos + swap_halves(x) * sin, with cos and sin
 // laid out as kernels/corestream_kernels/rotary.py builds them ([cos, cos] and [-sin, sin] over the halves).
-// Written to out and, if not null, also to also_out; out may be x.
-template <typename T>
-__attribute__((noinline)) void rotate_head(T* out, T* also_out, const T* x, const float* c,
+// Written to out and, if not null, also to also_out (of T or C); out may be x.
+template <typename T, typename C>
+__attribute__((noinline)) void rotate_head(T* out, C* also_out, const T* x, const float* c,
                                            const float* s, int64_t dim) {
   const int64_t half = dim / 2;
   int64_t start = 0;
@@ -174,8 +174,13 @@ __attribute__((noinline)) void rotate_head(T* out, T* also_out, const T* x, cons
     out[d] = new_first;
     out[d + half] = new_second;
     if (also_out != nullptr) {
-      also_out[d] = new_first;
-      also_out[d + half] = new_second;
+      if constexpr (std::is_same_v<T, C>) {
+        also_out[d] = new_first;
+        also_out[d + half] = new_second;
+      } else {
+        also_out[d] = from_float<C>(to_float(new_first));
+        also_out[d + half] = from_float<C>(to_float(new_second));
+      }
     }
   }
 }
@@ -188,6 +193,8 @@ __attribute__((noinline)) void rotate_head(T* out, T* also_out, const T* x, cons
 CORESTREAM_ROWS(float)
 CORESTREAM_ROWS(c10::BFloat16)
 #undef CORESTREAM_ROWS
+template void rotate_head<float, c10::Half>(float*, c10::Half*, const float*, const float*,
+                                            const float*, int64_t);
 
 }  // namespace corestream_cpu
 
@@ -309,7 +316,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // value: [T, Hkv, D], likewise. cos, sin: [T, D] float32, contiguous, laid out as
 // kernels/corestream_kernels/rotary.py builds them: cos = [cos, cos], sin = [-sin, sin] over the two halves,
 // so that x' = x * cos + swap_halves(x) * sin.
-// key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous, qk's dtype;
+// key_cache, value_cache: [num_blocks, block_size, Hkv, D], contiguous, qk's dtype (or
+// float16 under a float32 qk);
 // slot_mapping: [T] int64, the cache slot of each token.
 void rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const at::Tensor& cos,
                      const at::Tensor& sin, const at::Tensor& key_cache,
@@ -333,9 +341,13 @@ void rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const at::Te
                   value_cache.sizes() == key_cache.sizes(),
               "rotary_store_kv: caches must be contiguous and alike");
   TORCH_CHECK(qk.scalar_type() == value.scalar_type() &&
-                  key_cache.scalar_type() == qk.scalar_type() &&
-                  value_cache.scalar_type() == qk.scalar_type(),
-              "rotary_store_kv: qk, value and caches must share a dtype");
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "rotary_store_kv: qk and value must share a dtype, and the caches theirs");
+  const bool half_cache = key_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK(key_cache.scalar_type() == qk.scalar_type() ||
+                  (half_cache && qk.scalar_type() == at::kFloat),
+              "rotary_store_kv: the caches must have qk's dtype (or float16 under a float32 "
+              "qk), not ", key_cache.scalar_type(), " under ", qk.scalar_type());
   for (const at::Tensor* table : {&cos, &sin}) {
     TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() &&
                     table->numel() == tokens * dim,
@@ -352,12 +364,13 @@ void rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const at::Te
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "rotary_store_kv: slot_mapping[", t,
                 "] = ", slots[t], " outside the cache's ", num_slots, " slots");
   }
-  dispatch_dtype(qk.scalar_type(), "rotary_store_kv", [&](auto tag) {
+  auto store = [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
+    using C = decltype(cache_tag);
     T* qk_data = qk.mutable_data_ptr<T>();
     const T* v_data = value.const_data_ptr<T>();
-    T* k_cache = key_cache.mutable_data_ptr<T>();
-    T* v_cache = value_cache.mutable_data_ptr<T>();
+    C* k_cache = key_cache.mutable_data_ptr<C>();
+    C* v_cache = value_cache.mutable_data_ptr<C>();
     const float* cos_data = cos.const_data_ptr<float>();
     const float* sin_data = sin.const_data_ptr<float>();
     const int64_t row_elements = (q_heads + 2 * kv_heads) * dim;
@@ -366,21 +379,26 @@ void rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const at::Te
         const int64_t slot = slots[t];
         const float* c = cos_data + t * dim;
         const float* s = sin_data + t * dim;
-        T* cached_keys = k_cache + slot * kv_heads * dim;
+        C* cached_keys = k_cache + slot * kv_heads * dim;
         for (int64_t h = 0; h < q_heads + kv_heads; ++h) {
           T* x = qk_data + t * qk.stride(0) + h * qk.stride(1);
           // Keys are also stored in the cache; queries only rotate in place.
-          rotate_head(x, h >= q_heads ? cached_keys + (h - q_heads) * dim : nullptr, x, c, s,
-                      dim);
+          rotate_head<T, C>(x, h >= q_heads ? cached_keys + (h - q_heads) * dim : nullptr, x, c,
+                            s, dim);
         }
-        T* cached_values = v_cache + slot * kv_heads * dim;
+        C* cached_values = v_cache + slot * kv_heads * dim;
         for (int64_t h = 0; h < kv_heads; ++h) {
           const T* v = v_data + t * value.stride(0) + h * value.stride(1);
-          std::copy(v, v + dim, cached_values + h * dim);
+          corestream_cpu::convert_row(v, cached_values + h * dim, dim);
         }
       }
     });
-  });
+  };
+  if (half_cache) {
+    store(float{}, c10::Half{});
+    return;
+  }
+  dispatch_dtype(qk.scalar_type(), "rotary_store_kv", [&](auto tag) { store(tag, tag); });
 }
 
 }  // namespace

@@ -39,6 +39,8 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+inline __m256 load8(const c10::Half* p) { return avx2::load(p); }
+
 // {sum(v[0]), ..., sum(v[7])}: pairwise adds within 128-bit lanes, then the halves.
 inline __m256 sum_each(const __m256 (&v)[kTile]) {
   // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
@@ -105,14 +107,14 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict pro
 }
 
 // attend_one with AVX2, for head_dim == kChunks * 8; scratch holds
-// heads * (2 * kChunks + 1) * 8 floats.
-template <typename T, int kChunks>
+// heads * (2 * kChunks + 1) * 8 floats. T is the query's and output's type, C the cache's.
+template <typename T, typename C, int kChunks>
 void attend_one_avx2(
     const DecodeShape& s,
     const T* q,
     T* out,
-    const T* __restrict key_cache,
-    const T* __restrict value_cache,
+    const C* __restrict key_cache,
+    const C* __restrict value_cache,
     const int32_t* block_table,
     const TokenSpan& span,
     int64_t kv_begin,
@@ -153,7 +155,7 @@ void attend_one_avx2(
     const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
     for (int64_t h = 0; h < heads; ++h) {
       const __m256 scores = _mm256_mul_ps(
-          tile_scores<T, kChunks>(qs + h * kDim, key_cache, rows, h / group * kDim), scale);
+          tile_scores<C, kChunks>(qs + h * kDim, key_cache, rows, h / group * kDim), scale);
       const float new_max = std::max(running_max[h], reduce_max(scores));
       const __m256 p =
           _mm256_and_ps(valid, exp(_mm256_sub_ps(scores, _mm256_set1_ps(new_max))));
@@ -164,10 +166,10 @@ void attend_one_avx2(
       // The first query head of each kv head prefetches that kv head's next tile.
       const bool first = h % group == 0;
       for (int64_t c0 = 0; c0 < kDim; c0 += 8 * kGroup) {
-        accumulate_values<T, kGroup>(acc + h * kDim + c0, probs + h * kTile, shrink, key_cache,
+        accumulate_values<C, kGroup>(acc + h * kDim + c0, probs + h * kTile, shrink, key_cache,
                                      value_cache, rows, upcoming,
                                      first && c0 == 0 ? upcoming_n : 0, h / group * kDim, c0,
-                                     kDim * static_cast<int64_t>(sizeof(T)), n);
+                                     kDim * static_cast<int64_t>(sizeof(C)), n);
       }
     }
     std::swap(rows, upcoming);

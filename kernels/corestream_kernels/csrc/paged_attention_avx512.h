@@ -200,14 +200,15 @@ inline void accumulate_tile(float* acc, const float* probs, const float* shrink,
 // whatever the block size. Per tile: every head's 16 scores in one vector (tile_scores),
 // the online softmax on whole vectors (softmax_step), then the V rows weighted into the
 // accumulators (accumulate_tile), which also prefetches the next tile. scratch holds
-// heads * (2 * kChunks + 1) * 16 floats.
-template <typename T, int kChunks>
+// heads * (2 * kChunks + 1) * 16 floats. T is the query's and output's type, C the cache's
+// (T, or float16 under a float32 query).
+template <typename T, typename C, int kChunks>
 void attend_one_avx512(
     const DecodeShape& s,
     const T* q,
     T* out,
-    const T* __restrict key_cache,
-    const T* __restrict value_cache,
+    const C* __restrict key_cache,
+    const C* __restrict value_cache,
     const int32_t* block_table,
     const TokenSpan& span,
     int64_t kv_begin,
@@ -219,7 +220,7 @@ void attend_one_avx512(
   const int64_t dim = s.head_dim;
   const __mmask16 tail = vec::first_lanes(dim - (kChunks - 1) * vec::kLanes);
 #ifdef CORESTREAM_AVX512_BF16
-  constexpr bool kBf16Dot = std::is_same_v<T, c10::BFloat16>;
+  constexpr bool kBf16Dot = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>;
 #else
   constexpr bool kBf16Dot = false;
 #endif
@@ -265,13 +266,13 @@ void attend_one_avx512(
         scores = tile_scores_bf16<kChunks>(qs + h * kPadded, key_cache, rows, h / group * dim,
                                            dim);
       } else {
-        scores = tile_scores<T, kChunks>(qs + h * kPadded, key_cache, rows, h / group * dim,
+        scores = tile_scores<C, kChunks>(qs + h * kPadded, key_cache, rows, h / group * dim,
                                          tail);
       }
       _mm512_storeu_ps(probs + h * vec::kLanes, _mm512_mul_ps(scores, scale));
     }
     softmax_step(probs, heads, vec::first_lanes(n), running_max, running_sum, shrink);
-    accumulate_tile<T, kChunks>(acc, probs, shrink, heads, group, dim, key_cache, value_cache,
+    accumulate_tile<C, kChunks>(acc, probs, shrink, heads, group, dim, key_cache, value_cache,
                                 rows, n, upcoming, upcoming_n, tail);
     std::swap(rows, upcoming);
     n = upcoming_n;

@@ -24,6 +24,9 @@
 // and the scratch space does not grow with the context. Sequences differ in length, so items are handed out dynamically to
 // torch's intra-op threads rather than in fixed contiguous ranges.
 //
+// The cache has the query's dtype, or float16 under a float32 query (--kv-cache-dtype:
+// widened in registers as it is read, F16C's conversion; the arithmetic stays fp32).
+//
 // With a sliding window W the query (at position seq_len - 1) sees only the last W
 // cached tokens: the walk starts at position seq_len - W, inside its block, so a long
 // context costs no more than W tokens.
@@ -121,14 +124,15 @@ inline void accumulate_rows(float* __restrict acc, const float* __restrict p,
 // Attention of one sequence's query heads for kv heads [kv_begin, kv_end) over its cached
 // tokens. q, out: the first of those query heads, rows q_head_stride / o_head_stride
 // apart. scratch holds heads * (2 * head_dim + block_size) floats, heads being
-// (kv_end - kv_begin) * group. kDim is head_dim when fixed at compile time, else 0.
-template <typename T, int kDim>
+// (kv_end - kv_begin) * group. kDim is head_dim when fixed at compile time, else 0. T is
+// the query's and output's type, C the cache's.
+template <typename T, typename C, int kDim>
 void attend_one(
     const DecodeShape& s,
     const T* q,
     T* out,
-    const T* __restrict key_cache,
-    const T* __restrict value_cache,
+    const C* __restrict key_cache,
+    const C* __restrict value_cache,
     const int32_t* block_table,
     const TokenSpan& span,
     int64_t kv_begin,
@@ -163,15 +167,15 @@ void attend_one(
     const int64_t skip = std::max<int64_t>(0, first_token - b * bs);
     const int64_t n = std::min(bs, seq_len - b * bs) - skip;
     const int64_t base = ((block * bs + skip) * s.num_kv_heads + kv_begin) * dim;
-    const T* __restrict k = key_cache + base;
-    const T* __restrict v = value_cache + base;
+    const C* __restrict k = key_cache + base;
+    const C* __restrict v = value_cache + base;
 
     // Tokens outer: each K row is loaded once and dotted with its whole query group.
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t kv = 0, h = 0; kv < kv_end - kv_begin; ++kv) {
-        const T* kt = k + t * token_stride + kv * dim;
+        const C* kt = k + t * token_stride + kv * dim;
         for (int64_t g = 0; g < group; ++g, ++h) {
-          scores[h * bs + t] = dot_product<T, kDim>(qf + h * dim, kt, dim);
+          scores[h * bs + t] = dot_product<C, kDim>(qf + h * dim, kt, dim);
         }
       }
     }
@@ -204,7 +208,7 @@ void attend_one(
     // Heads outer: a head's accumulator stays in registers across the block's tokens,
     // and the V rows it reads (one block's worth) are still in L1 for the next head.
     for (int64_t h = 0; h < heads; ++h) {
-      accumulate_rows<T, kDim>(acc + h * dim, scores + h * bs, v + h / group * dim, n,
+      accumulate_rows<C, kDim>(acc + h * dim, scores + h * bs, v + h / group * dim, n,
                                token_stride, dim);
     }
   }
@@ -233,16 +237,16 @@ int64_t token_chunks(int64_t items, int64_t threads) {
   return kMaxChunks;
 }
 
-// kAttend is attend_one, attend_one_avx512 or attend_one_avx2, instantiated for T; each
-// item gets scratch_per_head floats per query head of the item. Returns the stages: the
-// items, then, where a sequence's tokens are split over items, the merge per sequence.
-template <typename T, auto kAttend>
+// kAttend is attend_one, attend_one_avx512 or attend_one_avx2, instantiated for T and C;
+// each item gets scratch_per_head floats per query head of the item. Returns the stages:
+// the items, then, where a sequence's tokens are split over items, the merge per sequence.
+template <typename T, typename C, auto kAttend>
 Stages decode_items_of(
     const DecodeShape& s,
     const T* query,
     T* out,
-    const T* key_cache,
-    const T* value_cache,
+    const C* key_cache,
+    const C* value_cache,
     const int32_t* block_tables,
     const int32_t* seq_lens,
     int64_t num_cache_blocks,
@@ -316,15 +320,15 @@ Stages decode_items_of(
   return stages;
 }
 
-template <typename T>
+template <typename T, typename C>
 Stages decode_dispatch(
     const DecodeShape& s, const at::Tensor& out, const at::Tensor& query,
     const at::Tensor& key_cache, const at::Tensor& value_cache, const int32_t* tables,
     const int32_t* lens) {
   const T* q = query.const_data_ptr<T>();
   T* o = out.mutable_data_ptr<T>();
-  const T* k = key_cache.const_data_ptr<T>();
-  const T* v = value_cache.const_data_ptr<T>();
+  const C* k = key_cache.const_data_ptr<C>();
+  const C* v = value_cache.const_data_ptr<C>();
   const int64_t blocks = key_cache.size(0);
 #ifdef CORESTREAM_AVX512
   // Head sizes up to 128 in steps of 16, and 256; others take the portable code.
@@ -332,8 +336,8 @@ Stages decode_dispatch(
   const int64_t avx512_scratch = (2 * chunks + 1) * vec::kLanes;
   auto avx512 = [&](auto chunk_count) {
     constexpr int kChunks = decltype(chunk_count)::value;
-    return decode_items_of<T, attend_one_avx512<T, kChunks>>(s, q, o, k, v, tables, lens,
-                                                             blocks, avx512_scratch);
+    return decode_items_of<T, C, attend_one_avx512<T, C, kChunks>>(s, q, o, k, v, tables, lens,
+                                                                   blocks, avx512_scratch);
   };
   using std::integral_constant;
   switch (chunks) {
@@ -351,7 +355,7 @@ Stages decode_dispatch(
   // Head sizes 32, 64, 80, 96, 128 and 256; others take the portable code.
   auto avx2 = [&](auto chunk_count) {
     constexpr int kChunks = decltype(chunk_count)::value;
-    return decode_items_of<T, corestream_cpu::paged_avx2::attend_one_avx2<T, kChunks>>(
+    return decode_items_of<T, C, corestream_cpu::paged_avx2::attend_one_avx2<T, C, kChunks>>(
         s, q, o, k, v, tables, lens, blocks, (2 * kChunks + 1) * 8);
   };
   using std::integral_constant;
@@ -368,14 +372,14 @@ Stages decode_dispatch(
   const int64_t scratch = 2 * s.head_dim + s.block_size;
   switch (s.head_dim) {
     case 64:
-      return decode_items_of<T, attend_one<T, 64>>(s, q, o, k, v, tables, lens, blocks,
-                                                   scratch);
+      return decode_items_of<T, C, attend_one<T, C, 64>>(s, q, o, k, v, tables, lens, blocks,
+                                                         scratch);
     case 128:
-      return decode_items_of<T, attend_one<T, 128>>(s, q, o, k, v, tables, lens, blocks,
-                                                    scratch);
+      return decode_items_of<T, C, attend_one<T, C, 128>>(s, q, o, k, v, tables, lens, blocks,
+                                                          scratch);
     default:
-      return decode_items_of<T, attend_one<T, 0>>(s, q, o, k, v, tables, lens, blocks,
-                                                  scratch);
+      return decode_items_of<T, C, attend_one<T, C, 0>>(s, q, o, k, v, tables, lens, blocks,
+                                                        scratch);
   }
 }
 
@@ -401,10 +405,13 @@ void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(),
               "cache must be contiguous");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type() &&
-                  out.scalar_type() == key_cache.scalar_type(),
-              "query, out and caches must share a dtype");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "out must have the query's dtype and the caches one dtype");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() ||
+                  (query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kHalf),
+              "the caches must have the query's dtype (or float16 under a float32 query), not ",
+              key_cache.scalar_type(), " under ", query.scalar_type());
   TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_dim differs from query's");
   TORCH_CHECK(query.size(2) <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
   TORCH_CHECK(key_cache.size(2) > 0 && query.size(1) % key_cache.size(2) == 0,
@@ -444,11 +451,16 @@ std::vector<std::pair<int64_t, Item>> paged_decode_items(
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   if (query.scalar_type() == at::kFloat) {
-    return decode_dispatch<float>(s, out, query, key_cache, value_cache, tables, lens);
+    if (key_cache.scalar_type() == at::kHalf) {
+      return decode_dispatch<float, c10::Half>(s, out, query, key_cache, value_cache, tables,
+                                               lens);
+    }
+    return decode_dispatch<float, float>(s, out, query, key_cache, value_cache, tables, lens);
   }
   TORCH_CHECK(query.scalar_type() == at::kBFloat16,
               "paged_decode supports float32 and bfloat16, not ", query.scalar_type());
-  return decode_dispatch<c10::BFloat16>(s, out, query, key_cache, value_cache, tables, lens);
+  return decode_dispatch<c10::BFloat16, c10::BFloat16>(s, out, query, key_cache, value_cache,
+                                                       tables, lens);
 }
 
 }  // namespace corestream_cpu

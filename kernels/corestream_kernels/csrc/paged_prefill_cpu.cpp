@@ -24,11 +24,12 @@
 //   row's kKeys scores in two vector registers (`weights`).
 // - Values: kValueRows rows' accumulators for a chunk of the head in registers while the
 //   tile's probabilities weight the tile's value rows.
-// Two arithmetics: FloatDots (fp32 whatever the cache's dtype: bf16 widened on load, the
-// keys transposed per tile; the compiler's vectors, on any CPU) and, for bf16 caches on
-// CPUs with AVX512-BF16, Bf16Dots (the CPU's bf16 pair dot products on the stored values,
-// probabilities rounded to bf16 for the value products: twice the fp32 rate). Outputs are
-// rounded to the cache's dtype once.
+// Two arithmetics: FloatDots (fp32 whatever the cache's dtype: bf16 and float16 widened on
+// load, the keys transposed per tile; the compiler's vectors, on any CPU) and, for bf16
+// caches under bf16 queries on CPUs with AVX512-BF16, Bf16Dots (the CPU's bf16 pair dot
+// products on the stored values, probabilities rounded to bf16 for the value products:
+// twice the fp32 rate). Outputs are rounded to the query's dtype once. The cache has the
+// query's dtype, or float16 under a float32 query (--kv-cache-dtype).
 //
 // Items are handed out by run_items, longest first, so a long prompt's last tiles do not
 // start at the end of the region. Registered as corestream_cpu::paged_prefill.
@@ -174,7 +175,8 @@ class FloatDots {
     for (int64_t d = 0; d < dim_; ++d) qr[d] = to_float(q[d]) * scale_;
   }
 
-  void load_key(int64_t j, const T* __restrict k, const T* __restrict v) {
+  template <typename C>
+  void load_key(int64_t j, const C* __restrict k, const C* __restrict v) {
     for (int64_t d = 0; d < dim_; ++d) kt_[d * kKeys + j] = to_float(k[d]);
     float* __restrict vj = vt_ + j * dim_;
 #pragma omp simd
@@ -436,10 +438,11 @@ inline void weights(float* __restrict p, int64_t lo, int64_t hi, float row_max,
 }
 
 // One item's attention. q, out: the sequence's first query token, at the item's first
-// kv head's first query head. scratch: the row state, then Dots' own.
-template <typename T, typename Dots>
+// kv head's first query head. scratch: the row state, then Dots' own. T is the query's
+// and output's type, C the cache's.
+template <typename T, typename C, typename Dots>
 void attend_tile(const PrefillShape& s, const Tile& tile, const T* q, T* out,
-                 const T* __restrict key_cache, const T* __restrict value_cache,
+                 const C* __restrict key_cache, const C* __restrict value_cache,
                  const int32_t* table, int64_t seq_len, int64_t q_len, float* scratch) {
   const int64_t dim = s.head_dim;
   const int64_t group = s.group;
@@ -517,9 +520,9 @@ void attend_tile(const PrefillShape& s, const Tile& tile, const T* q, T* out,
   }
 }
 
-template <typename T, typename Dots>
+template <typename T, typename C, typename Dots>
 void run_tiles(const PrefillShape& s, const std::vector<Tile>& tiles, const T* query, T* out,
-               const T* key_cache, const T* value_cache, const int32_t* tables,
+               const C* key_cache, const C* value_cache, const int32_t* tables,
                const int32_t* seq_lens, const int32_t* starts, int64_t max_rows) {
   // The row state (accumulators, probabilities, max and sum), then the arithmetic's own.
   const int64_t floats =
@@ -530,39 +533,39 @@ void run_tiles(const PrefillShape& s, const std::vector<Tile>& tiles, const T* q
     const Tile& tile = tiles[i];
     const int64_t start = starts[tile.seq];
     const int64_t head = tile.kv * s.group;
-    attend_tile<T, Dots>(s, tile, query + start * s.q_tok_stride + head * s.q_head_stride,
+    attend_tile<T, C, Dots>(s, tile, query + start * s.q_tok_stride + head * s.q_head_stride,
                          out + start * s.o_tok_stride + head * s.o_head_stride, key_cache,
                          value_cache, tables + tile.seq * s.max_blocks, seq_lens[tile.seq],
                          starts[tile.seq + 1] - start, scratch.data());
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch(const PrefillShape& s, const std::vector<Tile>& tiles, const at::Tensor& out,
               const at::Tensor& query, const at::Tensor& key_cache,
               const at::Tensor& value_cache, const int32_t* tables, const int32_t* lens,
               const int32_t* starts, int64_t max_rows) {
   const T* q = query.const_data_ptr<T>();
   T* o = out.mutable_data_ptr<T>();
-  const T* k = key_cache.const_data_ptr<T>();
-  const T* v = value_cache.const_data_ptr<T>();
+  const C* k = key_cache.const_data_ptr<C>();
+  const C* v = value_cache.const_data_ptr<C>();
 #ifdef CORESTREAM_AVX512_BF16
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
     if (s.head_dim % 16 == 0) {
-      return run_tiles<T, Bf16Dots>(s, tiles, q, o, k, v, tables, lens, starts, max_rows);
+      return run_tiles<T, C, Bf16Dots>(s, tiles, q, o, k, v, tables, lens, starts, max_rows);
     }
   }
 #endif
   switch (s.head_dim) {
     case 64:
-      return run_tiles<T, FloatDots<T, 64>>(s, tiles, q, o, k, v, tables, lens, starts,
-                                            max_rows);
+      return run_tiles<T, C, FloatDots<T, 64>>(s, tiles, q, o, k, v, tables, lens, starts,
+                                               max_rows);
     case 128:
-      return run_tiles<T, FloatDots<T, 128>>(s, tiles, q, o, k, v, tables, lens, starts,
-                                             max_rows);
+      return run_tiles<T, C, FloatDots<T, 128>>(s, tiles, q, o, k, v, tables, lens, starts,
+                                                max_rows);
     default:
-      return run_tiles<T, FloatDots<T, 0>>(s, tiles, q, o, k, v, tables, lens, starts,
-                                           max_rows);
+      return run_tiles<T, C, FloatDots<T, 0>>(s, tiles, q, o, k, v, tables, lens, starts,
+                                              max_rows);
   }
 }
 
@@ -642,13 +645,17 @@ void paged_prefill(const at::Tensor& out, const at::Tensor& query, const at::Ten
   std::stable_sort(tiles.begin(), tiles.end(),
                    [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
   if (query.scalar_type() == at::kFloat) {
-    return dispatch<float>(s, tiles, out, query, key_cache, value_cache, tables, lens, starts,
-                           max_rows);
+    if (key_cache.scalar_type() == at::kHalf) {
+      return dispatch<float, c10::Half>(s, tiles, out, query, key_cache, value_cache, tables,
+                                        lens, starts, max_rows);
+    }
+    return dispatch<float, float>(s, tiles, out, query, key_cache, value_cache, tables, lens,
+                                  starts, max_rows);
   }
   TORCH_CHECK(query.scalar_type() == at::kBFloat16,
               "paged_prefill supports float32 and bfloat16, not ", query.scalar_type());
-  dispatch<c10::BFloat16>(s, tiles, out, query, key_cache, value_cache, tables, lens, starts,
-                          max_rows);
+  dispatch<c10::BFloat16, c10::BFloat16>(s, tiles, out, query, key_cache, value_cache, tables,
+                                         lens, starts, max_rows);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@ from services.common.config import doc
 from services.engine.worker.kv_cache_memory import EXAMPLES, KVCacheMemory
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -19,6 +20,13 @@ class RunnerConfig:
     )
     dtype: str = doc(
         "Weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16.",
+        default="auto",
+    )
+    kv_cache_dtype: str = doc(
+        "Dtype of the KV cache: auto (the model's dtype; float16 for a GGUF file served in "
+        "float32 on CPU, as llama.cpp keeps it), the model's dtype, or float16 under a "
+        "float32 model on CPU (half the cache's memory and of the bytes attention reads per "
+        "token; keys and values rounded to 11 significant bits).",
         default="auto",
     )
     quantization: str = doc(
@@ -72,6 +80,9 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got "
                              f"{self.quantization!r}")

@@ -69,6 +69,7 @@ from services.engine.worker.draft_model import DraftModel, resolve_draft
 from services.engine.worker.dummy_batch import dummy_forward
 from services.engine.worker.heap import release_free_memory
 from services.engine.worker.huge_pages import HugePageReport, collapse_in_background
+from services.engine.worker.kv_cache_dtype import kv_cache_dtype
 from services.engine.worker.kv_cache_memory import KVCacheLayout, available_host_memory
 from services.engine.worker.logprobs import position_logprobs, prompt_logprobs
 from services.engine.worker.pooling import PoolingHead
@@ -141,6 +142,8 @@ class ModelRunner:
             # The intra-op pool is per process: this sets it for every runner in it.
             torch.set_num_threads(num_threads)
         self._dtype = torch_dtype(info.dtype if config.dtype == "auto" else config.dtype)
+        self._kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self._dtype, self._device,
+                                        info.gguf)
         if draft_model and (followers is not None or pooler is not None):
             raise ValueError("speculative_config: a draft model runs with "
                              "tensor_parallel_size 1 on a generating engine")
@@ -391,7 +394,7 @@ class ModelRunner:
     def _allocate_kv_cache(self, model_config: DecoderConfig) -> list[torch.Tensor]:
         layout = KVCacheLayout(model_config.num_hidden_layers, self.block_size,
                                self.model.local_kv_heads, model_config.head_dim,
-                               self._dtype.itemsize)
+                               self._kv_dtype.itemsize)
         budget = self.config.kv_cache_budget
         kv_bytes = budget.resolve(self._free_memory)
         tp = self.model.tp
@@ -408,25 +411,27 @@ class ModelRunner:
             kv_bytes = min(kv_bytes, layout.block_bytes * prompt_blocks * self.config.max_num_seqs)
         num_blocks = layout.num_blocks(kv_bytes, self.model_info.max_model_len,
                                        self.config.kv_cache_memory)
-        logger.info("KV cache: kv_cache_memory %r = %d bytes = %d blocks of %d tokens",
-                    self.config.kv_cache_memory, kv_bytes, num_blocks, self.block_size)
+        logger.info("KV cache: kv_cache_memory %r = %d bytes = %d blocks of %d tokens, %s",
+                    self.config.kv_cache_memory, kv_bytes, num_blocks, self.block_size,
+                    str(self._kv_dtype).removeprefix("torch."))
         # Zeros, not empty: attention multiplies masked-out slots by zero weights, and
         # uninitialized memory may hold NaN, which would survive that product.
         self._kv_shape = layout.block_shape(num_blocks)
         return [self._zeros(self._kv_shape) for _ in range(model_config.num_hidden_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A KV cache tensor of `shape`, zeros."""
         if self._device.type != "cpu":
-            return torch.zeros(shape, dtype=self._dtype, device=self._device)
+            return torch.zeros(shape, dtype=self._kv_dtype, device=self._device)
         # numpy's zeros is calloc: a large block comes from fresh zero pages that the
         # kernel maps only when first written, so a cache of several GiB costs the
         # memory its used blocks take (torch.zeros would write, and commit, all of it).
         # Over-allocated by a cache line so that the cache can start on one (calloc
         # aligns to 16 bytes), as torch's own allocator does.
-        num_bytes = math.prod(shape) * self._dtype.itemsize
+        num_bytes = math.prod(shape) * self._kv_dtype.itemsize
         raw = np.zeros(num_bytes + 64, dtype=np.uint8)
         start = -raw.ctypes.data % 64
-        return torch.from_numpy(raw[start:start + num_bytes]).view(self._dtype).view(shape)
+        return torch.from_numpy(raw[start:start + num_bytes]).view(self._kv_dtype).view(shape)
 
     def _free_memory(self) -> int:
         """Bytes still free on the device, after the weights are loaded."""

@@ -15,10 +15,10 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_runner(folder: Path, dtype: str = "float32", max_model_len: int = 128,
-                device: str = "cpu") -> ModelRunner:
+                device: str = "cpu", kv_cache_dtype: str = "auto") -> ModelRunner:
     config = RunnerConfig(
         model=str(folder), dtype=dtype, device=device, block_size=4, kv_cache_memory=4 << 20,
-        max_model_len=max_model_len,
+        max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype,
     )
     return ModelRunner(config)
 

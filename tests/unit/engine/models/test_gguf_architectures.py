@@ -69,7 +69,9 @@ def written(request: pytest.FixtureRequest,
 
 
 def serve(file: Path, cache: Path) -> Any:
-    return make_runner(ensure_gguf_view(file, cache))
+    # A float32 cache (auto gives a GGUF file float16's): these tests check how the file's
+    # tensors are read, to float32 rounding.
+    return make_runner(ensure_gguf_view(file, cache), kv_cache_dtype="float32")
 
 
 def test_transformers_reads_the_written_weights_back(
