@@ -33,11 +33,12 @@ from transformers import PreTrainedModel
 from services.engine.models.linear import QuantizedEmbedding, QuantizedLinear
 from services.engine.models.llama import LlamaForCausalLM
 from services.engine.models.loader import pack_projections, place_quantized
+from services.engine.scheduler.output import ScheduledRequest
 from services.engine.worker.model_runner import ModelRunner
-from tests.kernels.decoder_driver import DecodeCalls, decode_logits, greedy_decode
+from tests.kernels.decoder_driver import GREEDY, DecodeCalls, decode_logits, greedy_decode
 from tests.kernels.quant_weights import random_k_blocks
 from tests.unit.engine.hf_checkpoints import VOCAB, make_checkpoint
-from tests.unit.engine.runner_driver import make_runner, random_prompts
+from tests.unit.engine.runner_driver import all_logits, make_runner, random_prompts
 
 KINDS = [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
          GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
@@ -212,4 +213,50 @@ def test_quantized_items_retaken_from_a_late_thread_give_the_same_bits(
         cpu_ops.set_stage_plan_late_us(0)
     _, stages_after, retaken_after, _ = cpu_ops.stage_plan_counters()
     assert retaken_after - retaken > (stages_after - stages) // 2
+    assert_same_steps(got, want)
+
+
+def staggered_logits(runner: ModelRunner, prompts: dict[str, list[int]], schedule: list[int],
+                     tag: str) -> list[torch.Tensor]:
+    """Logits of a prefill of every prompt, then of one decode step of the first n
+    sequences for each n in `schedule` (the others wait)."""
+    per_request = runner.model_info.max_model_len // runner.block_size
+    blocks = {rid: list(range(i * per_request, (i + 1) * per_request))
+              for i, rid in enumerate(prompts)}
+    known = {rid: list(p) for rid, p in prompts.items()}
+    computed = dict.fromkeys(prompts, 0)
+    history = []
+    for n in [len(prompts), *schedule]:
+        scheduled = [
+            ScheduledRequest(f"{tag}{rid}", known[rid][computed[rid]:], computed[rid],
+                             blocks[rid][: -(-len(known[rid]) // runner.block_size)], True,
+                             GREEDY, prompts[rid], known[rid][len(prompts[rid]):])
+            for rid in list(prompts)[:n]]
+        logits = all_logits(runner, scheduled)
+        history.append(logits)
+        ends = torch.tensor([len(r.token_ids) for r in scheduled]).cumsum(0) - 1
+        for r, token in zip(scheduled, logits[ends].argmax(-1).tolist(), strict=True):
+            rid = r.request_id.removeprefix(tag)
+            computed[rid] = len(known[rid])
+            known[rid].append(token)
+    return history
+
+
+def test_a_kept_plan_runs_a_batch_a_sixteenth_smaller_padded(
+    cpu_ops: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, two_threads: None,
+) -> None:
+    """A step of 30 sequences runs on the kept plan of 32, two rows of padding: the
+    Python model's bits for the 30, and the padding stores no keys or values (its rows'
+    slots are still the last two sequences', whose next step would see any write). 29 is
+    more padding than a sixteenth: a plan of its own."""
+    runner = quantized_runner(tmp_path, GGMLType.Q8_0, max_model_len=32)
+    prompts = random_prompts({f"s{i:02d}": 2 + i % 5 for i in range(32)}, VOCAB)
+    schedule = [32, 30, 32, 29]
+    DecodeCalls(monkeypatch, enabled=False)
+    want = staggered_logits(runner, prompts, schedule, "py-")
+    fused = DecodeCalls(monkeypatch, enabled=True)
+    built = cpu_ops.stage_plan_counters()[3]
+    got = staggered_logits(runner, prompts, schedule, "cpp-")
+    assert fused.count == len(schedule)
+    assert cpu_ops.stage_plan_counters()[3] - built == 2  # for 32, then for 29
     assert_same_steps(got, want)

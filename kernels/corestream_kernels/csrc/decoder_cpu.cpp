@@ -261,6 +261,10 @@ int64_t first_argmax(const T* row, int64_t n) {
 // starts with, measured on 2 cores (AMD EPYC) with the benchmark checkpoint.
 struct PlannedStep {
   int64_t tokens = 0;
+  // This step's sequences: the first `active` of the plan's rows. The rest are padding
+  // (a smaller batch run on a kept plan): their rows are computed and dropped, their keys
+  // and values not stored, their lengths 0.
+  int64_t active = 0;
   int threads = 0;
   at::Tensor residual;  // the step's embeddings [B, hidden]
   at::Tensor cos_sin;   // its rotation rows [2, B, head_dim], float32
@@ -398,7 +402,11 @@ void plan_layers(PlannedStep& step, const std::vector<at::Tensor>& weights,
     C* values = value_cache.mutable_data_ptr<C>();
     const T* q_norm = qk_norms ? w[kQNorm].const_data_ptr<T>() : nullptr;
     const T* k_norm = qk_norms ? w[kKNorm].const_data_ptr<T>() : nullptr;
+    const int64_t* active = &step.active;
     plan.add(tokens, [=](int64_t t) {
+      if (t >= *active) {
+        return;  // a padding row: no slot of its own to store into
+      }
       thread_local std::vector<T> head;
       head.resize(dim);
       const T* row = qkv_data + t * qkv_width;
@@ -528,8 +536,9 @@ std::vector<at::Tensor> plan_outputs(PlannedStep& step, const at::Tensor& final_
 // the final norm run as one StagePlan in one parallel region instead of a fork and join
 // per linear and attention: a thread preempted by another process then delays the step
 // by about its share of the time it is away, not by all of it (work_items.h). The plan of
-// the last batch size is kept, with its buffers: a step of the same size stages its
-// inputs into it and runs it again. Bound here, and called through pybind11 rather than torch's
+// the last batch size is kept, with its buffers: a step of the same size, or up to a
+// sixteenth smaller (padded: PlannedStep::active), stages its inputs into it and runs it
+// again. Bound here, and called through pybind11 rather than torch's
 // dispatcher, a step's call takes its five tensors and no more: the dispatcher's
 // conversion of a hundred-odd weights each way, or even a TorchScript class method's
 // call, cost ~0.1 ms a step on the cold caches after the op.
@@ -595,14 +604,18 @@ class DecodeModel {
         corestream_cpu::stage_plan_counters().enabled.load() &&
         (dtype == at::kFloat || dtype == at::kBFloat16)) {
       check_step_inputs(tokens, slot_mapping, block_tables, seq_lens);
-      if (!planned_ || planned_->tokens != tokens || planned_->threads != threads ||
+      if (!planned_ || !serves(*planned_, tokens) || planned_->threads != threads ||
           block_tables.size(1) > planned_->tables.size(1)) {
         planned_.reset();  // its memory first, before the next one's
         planned_ = plan(tokens, threads, block_tables.size(1));
       }
-      stage_inputs(*planned_, input_ids, positions, slot_mapping, block_tables, seq_lens);
-      return dtype == at::kFloat ? run_planned<float>(*planned_, threads)
-                                 : run_planned<c10::BFloat16>(*planned_, threads);
+      stage_inputs(*planned_, tokens, input_ids, positions, slot_mapping, block_tables,
+                   seq_lens);
+      std::vector<at::Tensor> outputs = dtype == at::kFloat
+                                            ? run_planned<float>(*planned_, threads)
+                                            : run_planned<c10::BFloat16>(*planned_, threads);
+      for (at::Tensor& output : outputs) output = output.narrow(0, 0, tokens);
+      return outputs;
     }
     at::Tensor residual;
     if (quant_table_) {
@@ -744,11 +757,20 @@ class DecodeModel {
     corestream_cpu::check_block_tables(block_tables, seq_lens, tokens);
   }
 
-  // The step's inputs into the plan's tensors, the values checked against the cache.
-  void stage_inputs(PlannedStep& step, const at::Tensor& input_ids, const at::Tensor& positions,
-                    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                    const at::Tensor& seq_lens) const {
-    const int64_t tokens = step.tokens;
+  // Whether a kept plan runs a step of `tokens` sequences: its own size, or up to a
+  // sixteenth fewer, padded. At full load the batch goes down by one whenever a request
+  // finishes and up again when the next joins, and building a plan anew cost ~10% of a
+  // step (SmolLM2 Q4_K_M at 32 sequences: 47.3 -> 51.9 ms a step with the size
+  // alternating 31/32, in process), more than the padding rows' GEMV rows do.
+  static bool serves(const PlannedStep& step, int64_t tokens) {
+    return tokens <= step.tokens && step.tokens - tokens <= step.tokens / 16;
+  }
+
+  // The step's inputs (`tokens` sequences) into the plan's tensors, the values checked
+  // against the cache; rows past them padding (see PlannedStep::active).
+  void stage_inputs(PlannedStep& step, int64_t tokens, const at::Tensor& input_ids,
+                    const at::Tensor& positions, const at::Tensor& slot_mapping,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens) const {
     const int64_t num_slots = kv_caches_[0].size(1) * kv_caches_[0].size(2);
     const int64_t block_size = kv_caches_[0].size(2);
     const int64_t width = block_tables.size(1);
@@ -760,14 +782,25 @@ class DecodeModel {
       TORCH_CHECK(lens[t] >= 0 && (lens[t] + block_size - 1) / block_size <= width,
                   "seq_lens[", t, "] = ", lens[t], " exceeds its block table");
     }
+    step.active = tokens;
+    at::Tensor residual = step.residual.narrow(0, 0, tokens);
     if (quant_table_) {
-      embed_quantized(step.residual, input_ids);
+      embed_quantized(residual, input_ids);
     } else {
-      at::index_select_out(step.residual, embedding_, 0, input_ids);
+      at::index_select_out(residual, embedding_, 0, input_ids);
     }
-    at::index_select_out(step.cos_sin, rotary_table_, 1, positions);
+    // Padding rows: zeros (finite, so no NaN or denormal slows their arithmetic), no
+    // keys or values to attend to.
+    step.residual.narrow(0, tokens, step.tokens - tokens).zero_();
+    if (tokens == step.tokens) {
+      at::index_select_out(step.cos_sin, rotary_table_, 1, positions);
+    } else {  // a view across dim 1 is not contiguous: no out= into it
+      step.cos_sin.narrow(1, 0, tokens).copy_(rotary_table_.index_select(1, positions));
+    }
     std::copy(slots, slots + tokens, step.slots.mutable_data_ptr<int64_t>());
     std::copy(lens, lens + tokens, step.lens.mutable_data_ptr<int32_t>());
+    std::fill(step.lens.mutable_data_ptr<int32_t>() + tokens,
+              step.lens.mutable_data_ptr<int32_t>() + step.tokens, 0);
     const int32_t* rows = block_tables.const_data_ptr<int32_t>();
     int32_t* staged = step.tables.mutable_data_ptr<int32_t>();
     for (int64_t t = 0; t < tokens; ++t) {
