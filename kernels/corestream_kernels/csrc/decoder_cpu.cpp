@@ -791,7 +791,9 @@ class DecodeModel {
     }
     // Padding rows: zeros (finite, so no NaN or denormal slows their arithmetic), no
     // keys or values to attend to.
-    step.residual.narrow(0, tokens, step.tokens - tokens).zero_();
+    if (tokens < step.tokens) {
+      step.residual.narrow(0, tokens, step.tokens - tokens).zero_();
+    }
     if (tokens == step.tokens) {
       at::index_select_out(step.cos_sin, rotary_table_, 1, positions);
     } else {  // a view across dim 1 is not contiguous: no out= into it
