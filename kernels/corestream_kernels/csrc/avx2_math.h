@@ -1,6 +1,7 @@
 // 8-lane float vector helpers for the AVX2 paths of the CPU kernels (CPUs with AVX2 and
 // FMA but no AVX-512: Haswell to Zen 3, most cloud VMs). CORESTREAM_AVX2 is set when the
-// build targets AVX2, FMA and F16C (every such CPU has all three) and not AVX-512, whose own paths then serve (avx512_math.h).
+// build targets AVX2, FMA and F16C (every such CPU has all three) and not AVX-512, whose
+// own paths then serve (avx512_math.h).
 #pragma once
 
 #include "avx512_math.h"
@@ -53,8 +54,6 @@ template <typename T>
 inline __m256 round_to(__m256 x) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16));
-  } else if constexpr (std::is_same_v<T, c10::Half>) {
-    return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   } else {
     return x;
   }

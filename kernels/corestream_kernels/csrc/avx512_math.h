@@ -58,8 +58,6 @@ template <typename T>
 inline __m512 round_to(__m512 x) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
-  } else if constexpr (std::is_same_v<T, c10::Half>) {
-    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
   } else {
     return x;
   }

@@ -3,6 +3,7 @@
 // turn into vector code).
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -26,6 +27,12 @@ inline float to_float(c10::BFloat16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// Whether the attention and KV-cache ops take a cache of `cache` under activations of
+// `activations`: the same dtype, or float16 under float32 (--kv-cache-dtype).
+inline bool cache_type_served(c10::ScalarType activations, c10::ScalarType cache) {
+  return cache == activations || (activations == c10::kFloat && cache == c10::kHalf);
 }
 
 // IEEE half (a float16 KV cache): F16C's conversion where the build has it.

@@ -614,7 +614,9 @@ class DecodeModel {
       std::vector<at::Tensor> outputs = dtype == at::kFloat
                                             ? run_planned<float>(*planned_, threads)
                                             : run_planned<c10::BFloat16>(*planned_, threads);
-      for (at::Tensor& output : outputs) output = output.narrow(0, 0, tokens);
+      if (tokens < planned_->tokens) {  // padded: the step's own rows
+        for (at::Tensor& output : outputs) output = output.narrow(0, 0, tokens);
+      }
       return outputs;
     }
     at::Tensor residual;
@@ -693,8 +695,7 @@ class DecodeModel {
                       cache.sizes() == first_cache.sizes() &&
                       cache.size(3) == num_kv_heads_ && cache.size(4) == head_dim_ &&
                       cache.scalar_type() == first_cache.scalar_type() &&
-                      (cache.scalar_type() == dtype_ ||
-                       (cache.scalar_type() == at::kHalf && dtype_ == at::kFloat)),
+                      corestream_cpu::cache_type_served(dtype_, cache.scalar_type()),
                   "decode_model: layer ", layer, "'s cache must be a contiguous [2, blocks, "
                   "block_size, ", num_kv_heads_, ", ", head_dim_, "] of ", dtype_,
                   " (or float16 under float32) like the first layer's");

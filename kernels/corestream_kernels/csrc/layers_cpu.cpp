@@ -344,8 +344,7 @@ void rotary_store_kv(const at::Tensor& qk, const at::Tensor& value, const at::Te
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "rotary_store_kv: qk and value must share a dtype, and the caches theirs");
   const bool half_cache = key_cache.scalar_type() == at::kHalf;
-  TORCH_CHECK(key_cache.scalar_type() == qk.scalar_type() ||
-                  (half_cache && qk.scalar_type() == at::kFloat),
+  TORCH_CHECK(corestream_cpu::cache_type_served(qk.scalar_type(), key_cache.scalar_type()),
               "rotary_store_kv: the caches must have qk's dtype (or float16 under a float32 "
               "qk), not ", key_cache.scalar_type(), " under ", qk.scalar_type());
   for (const at::Tensor* table : {&cos, &sin}) {

@@ -32,15 +32,6 @@ constexpr int group_of(int chunks) {
   return group;
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-
-inline __m256 load8(const c10::Half* p) { return avx2::load(p); }
-
 // {sum(v[0]), ..., sum(v[7])}: pairwise adds within 128-bit lanes, then the halves.
 inline __m256 sum_each(const __m256 (&v)[kTile]) {
   // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
@@ -51,6 +42,7 @@ inline __m256 sum_each(const __m256 (&v)[kTile]) {
 }
 
 using avx2::exp;
+using avx2::load;
 using avx2::reduce_add;
 using avx2::reduce_max;
 
@@ -63,10 +55,10 @@ inline __m256 tile_scores(const float* __restrict q, const T* __restrict key_cac
 #pragma GCC unroll 8
   for (int t = 0; t < kTile; ++t) {
     const T* k = key_cache + rows[t] + kv_offset;
-    __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k));
+    __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), load(k));
 #pragma GCC unroll 32
     for (int c = 1; c < kChunks; ++c) {
-      sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(k + 8 * c), sum);
+      sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load(k + 8 * c), sum);
     }
     partial[t] = sum;
   }
@@ -100,7 +92,7 @@ inline void accumulate_values(float* __restrict acc, const float* __restrict pro
     const T* v = value_cache + rows[t] + kv_offset + c0;
     const __m256 p = _mm256_set1_ps(probs[t]);
 #pragma GCC unroll 8
-    for (int c = 0; c < kGroup; ++c) sum[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), sum[c]);
+    for (int c = 0; c < kGroup; ++c) sum[c] = _mm256_fmadd_ps(p, load(v + 8 * c), sum[c]);
   }
 #pragma GCC unroll 8
   for (int c = 0; c < kGroup; ++c) _mm256_storeu_ps(acc + 8 * c, sum[c]);
@@ -132,7 +124,7 @@ void attend_one_avx2(
 
   for (int64_t h = 0; h < heads; ++h) {
     const T* qh = q + h * s.q_head_stride;
-    for (int c = 0; c < kChunks; ++c) _mm256_storeu_ps(qs + h * kDim + 8 * c, load8(qh + 8 * c));
+    for (int c = 0; c < kChunks; ++c) _mm256_storeu_ps(qs + h * kDim + 8 * c, load(qh + 8 * c));
     std::fill(acc + h * kDim, acc + (h + 1) * kDim, 0.0f);
     running_max[h] = -std::numeric_limits<float>::infinity();
     running_sum[h] = 0.0f;

@@ -21,8 +21,9 @@
 // K and V row it loads, so each cached token is read from memory exactly once, and in
 // address order within a block. Within an item the softmax is streamed block by block or
 // tile by tile (running max, running sum, rescaled accumulator), so nothing is gathered
-// and the scratch space does not grow with the context. Sequences differ in length, so items are handed out dynamically to
-// torch's intra-op threads rather than in fixed contiguous ranges.
+// and the scratch space does not grow with the context. Sequences differ in length, so
+// items are handed out dynamically to torch's intra-op threads rather than in fixed
+// contiguous ranges.
 //
 // The cache has the query's dtype, or float16 under a float32 query (--kv-cache-dtype:
 // widened in registers as it is read, F16C's conversion; the arithmetic stays fp32).
@@ -408,8 +409,7 @@ void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
   TORCH_CHECK(out.scalar_type() == query.scalar_type() &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
               "out must have the query's dtype and the caches one dtype");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() ||
-                  (query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kHalf),
+  TORCH_CHECK(corestream_cpu::cache_type_served(query.scalar_type(), key_cache.scalar_type()),
               "the caches must have the query's dtype (or float16 under a float32 query), not ",
               key_cache.scalar_type(), " under ", query.scalar_type());
   TORCH_CHECK(key_cache.size(3) == query.size(2), "cache head_dim differs from query's");

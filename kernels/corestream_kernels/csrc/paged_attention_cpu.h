@@ -96,9 +96,9 @@ inline void merge_chunks(T* out, int64_t o_head_stride, const float* partials, i
 }
 
 // out and query [rows, H, D] alike (unit stride over D, D <= kMaxHeadDim, H a multiple
-// of Hkv), the caches [num_blocks, block_size, Hkv, D] contiguous and alike, all of one
-// dtype but for a float16 cache under a float32 query, and a window >= 0 (0 = none): what both attention ops (paged_decode,
-// paged_prefill) take.
+// of Hkv), the caches [num_blocks, block_size, Hkv, D] contiguous and alike, of the
+// query's dtype or cache_type_served's float16 under float32, and a window >= 0 (0 =
+// none): what both attention ops (paged_decode, paged_prefill) take.
 void check_paged_tensors(const at::Tensor& out, const at::Tensor& query,
                          const at::Tensor& key_cache, const at::Tensor& value_cache,
                          int64_t window);

@@ -14,6 +14,7 @@ teacher-forced top-1 picks against transformers (a near tie; 1.0000 -> 0.9992), 
 from __future__ import annotations
 
 import torch
+from corestream_kernels.cpu_extension import cache_dtype_supported
 
 from services.engine.worker.config import KV_CACHE_DTYPES
 
@@ -24,11 +25,14 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device,
     `device`; ValueError for a pair the kernels do not serve."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
-    half_served = model_dtype == torch.float32 and device.type == "cpu"
+    def served(dtype: torch.dtype) -> bool:  # a mixed pair only where the CPU kernels run
+        return dtype == model_dtype or (
+            device.type == "cpu" and cache_dtype_supported(model_dtype, dtype))
+
     if name == "auto":
-        return torch.float16 if gguf and half_served else model_dtype
+        return torch.float16 if gguf and served(torch.float16) else model_dtype
     dtype = getattr(torch, name)
-    if dtype == model_dtype or (dtype == torch.float16 and half_served):
+    if served(dtype):
         return dtype
     model = str(model_dtype).removeprefix("torch.")
     raise ValueError(f"kv_cache_dtype {name} is not served under a {model} model on "
