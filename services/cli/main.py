@@ -12,9 +12,14 @@ service's code is imported only when that service runs.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import importlib
+import os
 import sys
+import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from corestream_kernels.cpu_isa import apply_to_libraries
 
@@ -110,5 +115,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return CONFIG_ERROR_EXIT
 
 
+def entry() -> NoReturn:
+    """The process entry of `corestream` (its console script) and `python -m services.cli`."""
+    exit_process(main())
+
+
+def exit_process(code: int) -> NoReturn:
+    """Ends the process as the interpreter's exit would, less the teardown of its modules.
+
+    NOTE: a process that has imported torch spends ~0.45 s after its last line tearing
+    its modules down (0.02 s without), and serve stops its children one after another:
+    a cluster's stop took 0.7-0.9 s, 0.1-0.3 s without (Zen 4). Nothing of ours needs
+    that teardown. What an exit must do still happens, in the interpreter's order:
+    non-daemon threads are joined, then the atexit callbacks run (logging's flush,
+    multiprocessing's joins, weakref finalizers, OpenTelemetry's exporters)."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or its reader gone
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

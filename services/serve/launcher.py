@@ -1,7 +1,7 @@
 """`corestream serve`: the whole cluster as separate processes on 127.0.0.1.
 
-Start order follows the dependencies: coordinator, then engines (which register
-with it), then the frontend (which learns the engines from it). The launcher
+Start order follows the dependencies: the coordinator, then the engines (which
+register with it) and the frontend (which learns the engines from it as they come). The launcher
 prints the frontend address once the frontend reports SERVING, then watches its
 children. Stop order is the reverse, each child getting SIGTERM and the drain
 timeout (--shutdown-timeout) plus --stop-timeout-s before SIGKILL, so that the
@@ -396,11 +396,14 @@ def _run(args: argparse.Namespace, model: str, config: dict[str, Any], state_dir
         with make_channel(coordinator_addr, client) as to_coordinator, \
                 make_channel(frontend_addr, client) as to_frontend:
             # Each stage waits for the one before, so "serving" means every engine is in
-            # (but one given up in a crash loop).
+            # (but one given up in a crash loop). The frontend starts with the engines: it
+            # learns them from the coordinator as they register, and its start (~0.6 s of
+            # imports) then overlaps their model loads instead of following them.
             stages = [
                 ([coordinator_part], serving(to_coordinator, "")),
-                (engine_parts, engines_running(to_coordinator, lambda: supervision.num_engines)),
-                ([frontend_part], serving(to_frontend, FRONTEND_SERVICE)),
+                ([*engine_parts, frontend_part],
+                 engines_running(to_coordinator, lambda: supervision.num_engines)),
+                ([], serving(to_frontend, FRONTEND_SERVICE)),
                 ([], frontend_sees(to_frontend, lambda: supervision.num_engines,
                                    from_args(FrontendConfig, args, exclude=SERVE_OWNED))),
             ]
