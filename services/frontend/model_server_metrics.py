@@ -143,7 +143,10 @@ def engine_loads(balancer: Balancer, capacities: EngineCapacities) -> list[Engin
 def server_load(engines: list[EngineLoad]) -> ServerLoad:
     sized = [(e, e.capacity) for e in engines if e.capacity is not None]
     block_size = num_blocks = 0
-    if sized:
+    # The cache's size only once every engine's is known: a picker reads it once, and an
+    # engine that has just connected (serve starts the frontend beside the engines) is
+    # asked for its size a moment later; a total of the others' would be too small.
+    if sized and len(sized) == len(engines):
         # Engines of one model share a block size; should they not, the smallest
         # counts and the blocks are the same tokens in blocks of that size.
         block_size = min(c.block_size for _, c in sized)

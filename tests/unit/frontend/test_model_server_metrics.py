@@ -14,6 +14,7 @@ from services.frontend.model_server_metrics import (
     EngineLoad,
     ServerLoadCollector,
     engine_loads,
+    load_families,
     server_load,
 )
 from services.frontend.routing.balancer import EngineLoadInfo
@@ -33,7 +34,11 @@ def test_unknown_sizes_fall_back_to_the_mean_and_no_engine_is_idle() -> None:
     load = server_load([EngineLoad(0, 1, 0, 0.2, None),
                         EngineLoad(1, 0, 0, 0.4, EngineCapacity(32, 10))])
     assert abs(load.kv_cache_usage - 0.3) < 1e-9
-    assert (load.block_size, load.num_blocks) == (32, 10)
+    # No size until every engine's is known (then no cache_config_info is exported):
+    # the other engine's 10 blocks alone would be a total too small.
+    assert (load.block_size, load.num_blocks) == (0, 0)
+    assert not any(f.name.endswith("cache_config_info")
+                   for f in load_families("vllm:", "m", load))
     empty = server_load([])
     assert (empty.num_running, empty.kv_cache_usage, empty.block_size) == (0, 0.0, 0)
 
