@@ -151,7 +151,6 @@ def server_load(engines: list[EngineLoad]) -> ServerLoad:
         # counts and the blocks are the same tokens in blocks of that size.
         block_size = min(c.block_size for _, c in sized)
         num_blocks = sum(c.num_blocks * c.block_size for _, c in sized) // block_size
-    if sized and len(sized) == len(engines):
         # Used blocks over all blocks, not a mean of fractions: a big cache weighs more.
         usage = (sum(e.kv_cache_usage * c.num_blocks for e, c in sized)
                  / sum(c.num_blocks for _, c in sized))

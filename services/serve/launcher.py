@@ -1,9 +1,9 @@
 """`corestream serve`: the whole cluster as separate processes on 127.0.0.1.
 
 Start order follows the dependencies: the coordinator, then the engines (which
-register with it) and the frontend (which learns the engines from it as they come). The launcher
-prints the frontend address once the frontend reports SERVING, then watches its
-children. Stop order is the reverse, each child getting SIGTERM and the drain
+register with it) and the frontend (which learns the engines from it as they come).
+The launcher prints the frontend address once the frontend reports SERVING, then
+watches its children. Stop order is the reverse, each child getting SIGTERM and the drain
 timeout (--shutdown-timeout) plus --stop-timeout-s before SIGKILL, so that the
 frontend drains while the engines still run and nothing is left behind.
 

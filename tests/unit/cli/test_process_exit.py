@@ -33,4 +33,3 @@ def test_threads_are_joined_atexit_runs_and_piped_output_is_flushed() -> None:
     # not waited for (60 s), as at any exit.
     assert done.stdout == "main done; thread done; atexit ran; ", done.stdout
     assert done.stderr == "to stderr"
-
