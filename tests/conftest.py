@@ -8,12 +8,7 @@ from typing import Any
 import pytest
 from corestream_kernels import cpu_isa
 
-from services.common import grpc_experiments
 from tests.gguf_models import llama_cpp_record, require_smollm2_gguf
-
-# The services' gRPC client (services/common/grpc_experiments.py) for in-process tests
-# too: grpc reads it once, before any test module imports grpc.
-grpc_experiments.apply()
 
 # CORESTREAM_CPU_ISA=avx2 (the forced suite of `make test`) caps oneDNN and ATen too; they
 # read their caps once, so before any test module imports torch.

@@ -1,19 +1,24 @@
-"""The switches of gRPC's C core that corestream's processes set, and why.
+"""The switch of gRPC's C core that the frontend sets, and why the frontend only.
 
 The core reads GRPC_EXPERIMENTS once, when `grpc` is first imported; a value set after
-that does nothing. So `apply()` runs where a process starts: the `corestream` command's
-package (every service and `serve`'s children) and the test suite's conftest (so that
-in-process tests run the client the services run).
+that does nothing. So `apply()` runs where the process starts: the `corestream` command's
+package, when the command is `frontend` (serve's frontend child included).
 
 `-event_engine_client`: gRPC 1.85's EventEngine client reads every message a stream
 receives on a pool thread of its own, which hands it to the completion queue's poller
-thread, which wakes the asyncio loop: about 6 thread wake-ups a message. The iomgr client
-reads on the poller thread itself: about 2.3. A wake-up costs 30-70 us of CPU on a virtual
+thread, which wakes the asyncio loop: about 5 thread wake-ups a message. The iomgr client
+reads on the poller thread itself: about 2.2. A wake-up costs 30-70 us of CPU on a virtual
 machine (a bare `time.sleep(0.005)` loop: 0.07-0.08 ms an iteration on the 2-core Zen 4
 VM this was measured on), and a frontend receives one message a token from an engine, so
-its single-stream CPU per token fell from 0.59-0.71 to 0.48-0.62 ms, context switches
-from 10.1 to 6.3 (`benchmarks/cluster_cost.py --fixed-logits --step-ms 5`). Servers
-keep the EventEngine listener: turning it off measured nothing.
+its single-stream CPU per token fell from 0.59-0.71 to 0.48-0.62 ms, its context switches
+from 10.1 to 6.3 (`benchmarks/cluster_cost.py --fixed-logits --step-ms 5`).
+
+Only the frontend: its channels are asyncio ones, whose poller thread polls all the time.
+A synchronous channel on the iomgr client makes progress (a reconnect after its backoff,
+say) only while some thread polls it, or when gRPC's backup poller comes round every 5 s:
+with the switch on in every process, serve's health checks waited ~10 s for a coordinator
+that had been listening for 9 (a test cluster's start went from 2.5 to 12.5 s). The engine
+and the coordinator mostly serve, and a server keeps the EventEngine listener either way.
 
 A GRPC_EXPERIMENTS the operator set is left as it is.
 """

@@ -1,6 +1,6 @@
-"""The gRPC client that corestream's processes run (services/common/grpc_experiments.py):
-set before grpc is imported, an operator's own setting kept, and fewer thread wake-ups
-for each streamed message than gRPC's default client."""
+"""The gRPC client that the frontend runs (services/common/grpc_experiments.py): set
+before grpc is imported, in the frontend only, an operator's own setting kept, and fewer
+thread wake-ups for each streamed message than gRPC's default client."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ import grpc
 REPO = Path(__file__).resolve().parents[3]
 MESSAGES = 200
 
-# A client process as the services start: `import services.cli` comes first (or not, for
-# gRPC's default). It streams MESSAGES messages and prints its voluntary context switches
+# A client process as the frontend starts (`apply()` before grpc is imported), or with
+# gRPC's default. It streams MESSAGES messages and prints its voluntary context switches
 # (a thread going to sleep, which each wake-up ends with) per message.
 CLIENT = textwrap.dedent("""
     import os, sys
-    if sys.argv[2] == "services":
-        import services.cli
+    if sys.argv[2] == "frontend":
+        from services.common import grpc_experiments
+        grpc_experiments.apply()
     import asyncio, grpc
 
     def switches():
@@ -55,16 +56,23 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
-def test_the_command_sets_the_client_before_grpc_and_keeps_an_operators_setting() -> None:
-    code = ("import sys, os, services.cli; "
+def _on_start(command: str, **env: str) -> list[str]:
+    """[grpc imported before the command's package?, GRPC_EXPERIMENTS] of a process that
+    runs `corestream <command>`."""
+    code = ("import os, sys, services.cli; "  # argv: ["-c", command], as the command's
             "print('grpc' in sys.modules, os.environ.get('GRPC_EXPERIMENTS'))")
-    ours = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(),
+    done = subprocess.run([sys.executable, "-c", code, command], cwd=REPO, env=_env(**env),
                           capture_output=True, text=True, timeout=60, check=True)
-    assert ours.stdout.split() == ["False", "-event_engine_client"], ours.stderr
-    theirs = subprocess.run([sys.executable, "-c", code], cwd=REPO,
-                            env=_env(GRPC_EXPERIMENTS="-event_engine_listener"),
-                            capture_output=True, text=True, timeout=60, check=True)
-    assert theirs.stdout.split() == ["False", "-event_engine_listener"], theirs.stderr
+    return done.stdout.split()
+
+
+def test_the_frontend_sets_the_client_before_grpc_and_keeps_an_operators_setting() -> None:
+    assert _on_start("frontend") == ["False", "-event_engine_client"]
+    assert _on_start("frontend", GRPC_EXPERIMENTS="-event_engine_listener") == [
+        "False", "-event_engine_listener"]
+    # Synchronous channels keep gRPC's default client (the module says why).
+    for command in ("serve", "engine", "coordinator", "admin"):
+        assert _on_start(command) == ["False", "None"], command
 
 
 def _stream(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -90,7 +98,7 @@ def test_a_streamed_message_wakes_fewer_client_threads_than_grpcs_default() -> N
     server.start()
     try:
         address = f"127.0.0.1:{port}"
-        ours = _switches_per_message(address, "services")
+        ours = _switches_per_message(address, "frontend")
         default = _switches_per_message(address, "default")
     finally:
         server.stop(0)
