@@ -10,7 +10,7 @@ thread, which wakes the asyncio loop: about 5 thread wake-ups a message. The iom
 reads on the poller thread itself: about 2.2. A wake-up costs 30-70 us of CPU on a virtual
 machine (a bare `time.sleep(0.005)` loop: 0.07-0.08 ms an iteration on the 2-core Zen 4
 VM this was measured on), and a frontend receives one message a token from an engine, so
-its single-stream CPU per token fell from 0.59-0.71 to 0.48-0.62 ms, its context switches
+its single-stream CPU per token fell from 0.58-0.63 to 0.48-0.58 ms, its context switches
 from 10.1 to 6.3 (`benchmarks/cluster_cost.py --fixed-logits --step-ms 5`).
 
 Only the frontend: its channels are asyncio ones, whose poller thread polls all the time.
