@@ -29,6 +29,7 @@ from services.common.observability_config import ObservabilityConfig
 from services.common.pooling import Pooler, PoolingConfig, resolve_pooler
 from services.common.security_config import SecurityConfig
 from services.common.shutdown import ShutdownSignal
+from services.common.startup_heap import freeze_startup_objects
 from services.common.tiny_checkpoint import resolve_model
 from services.engine.config import EngineConfig
 from services.engine.core.engine_core import EngineCore
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                           observability.interceptors())
     server.start()
     logger.info("engine %d listening on %s", config.engine_index, server.address)
+    freeze_startup_objects()
     core.start()
 
     reporter = None

@@ -17,6 +17,7 @@ from services.common.observability_config import ObservabilityConfig
 from services.common.pooling import Pooler, PoolingConfig, resolve_pooler
 from services.common.ports import PortUnavailable
 from services.common.security_config import SecurityConfig
+from services.common.startup_heap import freeze_startup_objects
 from services.common.tiny_checkpoint import resolve_model
 from services.frontend.chat.answering import load_templates
 from services.frontend.chat.template import ChatTemplates, TemplateError
@@ -96,6 +97,7 @@ async def _serve(config: FrontendConfig, security: SecurityConfig, tokenizer: Te
         await server.stop(0)  # stopped on this loop, not left to the loop's close
         raise
     log.info("frontend listening on %s:%d", config.host, port)
+    freeze_startup_objects()
     if server.http_port >= 0:
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", server.http_scheme, config.host,
                  server.http_port)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -137,6 +138,15 @@ def test_model_info(stub: pb_grpc.GenerateServiceStub) -> None:
     assert info.num_engines == 1
     assert "LlamaForCausalLM" in info.architectures
     assert list(info.tasks) == ["generate"]
+
+
+def test_engine_and_frontend_freeze_their_startup_objects(cluster: Cluster) -> None:
+    # services/common/startup_heap.py: a full collection of the startup heap stops every
+    # stream of a process for tens of milliseconds.
+    frozen = {m.group(1): int(m.group(2)) for line in cluster.lines if (m := re.search(
+        r"(engine\d+|frontend)\[\d+\] services\.common\.startup_heap: (\d+) startup", line))}
+    assert set(frozen) == {"engine0", "frontend"}, cluster.output()
+    assert min(frozen.values()) > 10_000, frozen
 
 
 def test_pooling_calls_on_a_generative_model_are_failed_precondition(cluster: Cluster) -> None:

@@ -117,6 +117,7 @@ def run_worker(spec: WorkerSpec, channel: FollowerChannel) -> None:
 def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
     import torch
 
+    from services.common.startup_heap import freeze_startup_objects
     from services.engine.executor.tp_weights import FollowerWeights
     from services.engine.parallel.tp_group import init_tp_group
     from services.engine.worker.batch import StepArrays
@@ -141,6 +142,7 @@ def _serve(spec: WorkerSpec, channel: FollowerChannel) -> None:
     runner = ModelRunner(config, pooler=spec.pooler)
     runner.warm_onednn(spec.onednn_rows)
     keep_freed_memory()
+    freeze_startup_objects()
     channel.report(("ready", runner.num_blocks))
     weights = FollowerWeights(runner, channel.report)
     forwards = 0
