@@ -11,8 +11,10 @@ takes, e.g. a GGUF file), through `ModelRunner.execute` (no scheduler, no gRPC):
 Each round runs every workload on both backends (`corestream_kernels.backend`: "cpp", then
 "torch") back to back, so that a loaded machine slows both alike; the script prints
 each side's median step and the ratio cpp/torch (`--backends cpp` times the C++ side
-alone: on a GGUF model the torch path dequantizes every weight at every step). Prefills
-of the decode workloads are not timed.
+alone: on a GGUF model the torch path dequantizes every weight at every step), and where
+the C++ step ran as one StagePlan, the time its threads spent waiting at stage ends for
+each other's items (mean per step, summed over threads). Prefills of the decode
+workloads are not timed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ from services.engine.worker.heap import keep_freed_memory  # noqa: E402
 from services.engine.worker.model_runner import ModelRunner  # noqa: E402
 
 BACKENDS = ("cpp", "torch")
+
+
+def plan_counters() -> list[int]:
+    """The C++ decode step's StagePlan counters (work_items.h), zeros before it is built."""
+    ops = torch.ops.corestream_cpu
+    return list(ops.stage_plan_counters()) if hasattr(ops, "stage_plan_counters") else [0] * 5
 
 
 def random_prompts(num_seqs: int, prompt_len: int, vocab: int = VOCAB) -> list[list[int]]:
@@ -109,6 +117,7 @@ def main() -> None:
     chosen = args.workloads.split(",")
     workloads = {w: workload(runner, w, args.steps) for w in chosen}
     samples = {(w, b): [] for w in chosen for b in backends}
+    waits = {w: [0, 0] for w in chosen}  # [plans run, ns waited] on the cpp side
     for backend in backends:  # builds the kernels and warms both paths up
         set_backend(backend)
         runner.warmup()
@@ -118,14 +127,22 @@ def main() -> None:
         for w in chosen:
             for backend in backends:
                 set_backend(backend)
+                before = plan_counters()
                 samples[w, backend] += workloads[w](f"{w}-{backend}-{r}-")
+                if backend == "cpp":
+                    after = plan_counters()
+                    waits[w][0] += after[0] - before[0]
+                    waits[w][1] += after[4] - before[4]
     print(f"{model.name}: threads {torch.get_num_threads()}, {args.rounds} rounds")
     for w in chosen:
         medians = [statistics.median(samples[w, b]) * 1000 for b in backends]
         sides = "  ".join(f"{b} {ms:8.2f} ms" for b, ms in zip(backends, medians, strict=True))
         ratio = (f"  {backends[0]}/{backends[1]} {medians[0] / medians[1]:.3f}"
                  if len(backends) > 1 else "")
-        print(f"{w:12s} {sides}{ratio}")
+        plans, waited_ns = waits[w]
+        wait = (f"  stage-end waits {waited_ns / plans / 1000:.0f} us a step (all threads)"
+                if plans else "")
+        print(f"{w:12s} {sides}{ratio}{wait}")
 
 
 if __name__ == "__main__":

@@ -117,11 +117,11 @@ def test_quantized_layers_give_the_python_model_bits(
     want = decode_logits(runner, prompts, STEPS, "py-")
     python_tokens = greedy_decode(runner, prompts, STEPS, "py-greedy-")
     fused = DecodeCalls(monkeypatch, enabled=True)
-    plans, _, _, built = cpu_ops.stage_plan_counters()
+    plans, _, _, built = cpu_ops.stage_plan_counters()[:4]
     got = decode_logits(runner, prompts, STEPS, "cpp-")
     # Three sequences: one StagePlan per step, the head's logits among its outputs.
     assert fused.count == STEPS
-    plans_after, _, _, built_after = cpu_ops.stage_plan_counters()
+    plans_after, _, _, built_after = cpu_ops.stage_plan_counters()[:4]
     assert (plans_after - plans, built_after - built) == (STEPS, 1)
     assert_same_steps(got, want)
     # Greedy steps take the op's own argmax (`decode_greedy`).
@@ -205,13 +205,13 @@ def test_quantized_items_retaken_from_a_late_thread_give_the_same_bits(
     DecodeCalls(monkeypatch, enabled=False)
     want = decode_logits(runner, prompts, 2, "py-")
     DecodeCalls(monkeypatch, enabled=True)
-    _, stages, retaken, _ = cpu_ops.stage_plan_counters()
+    _, stages, retaken, _ = cpu_ops.stage_plan_counters()[:4]
     cpu_ops.set_stage_plan_late_us(2000)
     try:
         got = decode_logits(runner, prompts, 2, "late-")
     finally:
         cpu_ops.set_stage_plan_late_us(0)
-    _, stages_after, retaken_after, _ = cpu_ops.stage_plan_counters()
+    _, stages_after, retaken_after, _ = cpu_ops.stage_plan_counters()[:4]
     assert retaken_after - retaken > (stages_after - stages) // 2
     assert_same_steps(got, want)
 

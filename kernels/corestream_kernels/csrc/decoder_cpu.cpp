@@ -896,11 +896,11 @@ TORCH_LIBRARY_FRAGMENT(corestream_cpu, m) {
       "Tensor seq_lens, int num_heads, int num_kv_heads, int head_dim, float scale, "
       "int[] windows, Tensor final_norm, float eps, Tensor[] head) -> Tensor[]");
   // [plans run, stages run, items computed again after another thread was late, plans
-  // built] in this process.
+  // built, nanoseconds threads waited at stage ends] in this process.
   m.def("stage_plan_counters() -> int[]", [] {
     const auto& c = corestream_cpu::stage_plan_counters();
     return std::vector<int64_t>{c.plans.load(), c.stages.load(), c.items_retaken.load(),
-                                c.plans_built.load()};
+                                c.plans_built.load(), c.wait_ns.load()};
   });
   // For benchmarks: off, decode_model forks a region per op as decode_layers does.
   m.def("set_stage_plans_enabled(bool enabled) -> ()", [](bool enabled) {

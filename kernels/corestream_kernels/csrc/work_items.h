@@ -65,6 +65,9 @@ struct StagePlanCounters {
   std::atomic<int64_t> plans_built{0};  // built: a plan runs again while the batch size holds
   std::atomic<int64_t> stages{0};
   std::atomic<int64_t> items_retaken{0};  // computed again after another thread was late
+  // Nanoseconds the threads spent at stage ends waiting for others' items, summed over
+  // threads: what a step loses to imbalance and hand-offs (benchmarks/decode_step.py).
+  std::atomic<int64_t> wait_ns{0};
   // Test hook: threads other than the region's first take the first item of every stage
   // and start each item this late, as if preempted, so that the first thread retakes them.
   std::atomic<int64_t> late_us{0};
@@ -95,6 +98,7 @@ class StagePlan {
     using Clock = std::chrono::steady_clock;
     Clock::duration item_time = std::chrono::microseconds(10);
     const int64_t late_us = team > 1 ? stage_plan_counters().late_us.load() : 0;
+    Clock::duration waited{0};
     for (const auto& stage_ptr : stages_) {
       Stage& stage = *stage_ptr;
       if (late_us > 0 && thread == 0) {
@@ -122,6 +126,7 @@ class StagePlan {
           ++first_undone;
         }
         if (first_undone == stage.n) {
+          waited += Clock::now() - waiting_since;
           break;
         }
         if (Clock::now() - waiting_since < patience) {
@@ -136,6 +141,9 @@ class StagePlan {
         }
       }
     }
+    stage_plan_counters().wait_ns.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count(),
+        std::memory_order_relaxed);
   }
 
   void rethrow() {
