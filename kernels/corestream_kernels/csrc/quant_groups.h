@@ -595,7 +595,12 @@ void k_pass(const QuantMatrix& w, const QuantActivations& x, int64_t x0, int64_t
 }
 
 #ifdef CORESTREAM_GROUPS_ZMM
-constexpr int kRowsPerPass = 4;
+// Activation rows that share each unpacked weight block: with 8, their accumulators and
+// offsets and the block's unpacked words take 24 of the 32 registers. Against 4, the batch-32 decode step
+// of SmolLM2 took 42.2, 44.7 ms instead of 48.1, 46.0 (Q4_K_M, mostly Q5_0, whose fifth bits
+// cost most to unpack) and 38.4, 38.0 instead of 38.9, 40.9 (Q8_0), alternated on 2 cores
+// (AMD EPYC, Zen 4; benchmarks/decode_step.py --workloads decode32).
+constexpr int kRowsPerPass = 8;
 #else
 constexpr int kRowsPerPass = 2;  // 16 vector registers
 #endif
@@ -625,6 +630,19 @@ void group_pass(const QuantMatrix& w, const QuantActivations& x, int64_t q0, int
 #endif
 }
 
+// group_pass for `rows` rows (1 to R).
+template <GgmlType kType, int R = kRowsPerPass>
+void rows_pass(int64_t rows, const QuantMatrix& w, const QuantActivations& x, int64_t q0,
+               int64_t g0, float* out, int64_t out_stride) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      rows_pass<kType, R - 1>(rows, w, x, q0, g0, out, out_stride);
+      return;
+    }
+  }
+  group_pass<kType, R>(w, x, q0, g0, out, out_stride);
+}
+
 // Activation rows per tile of a many-row call: their blocks (76 bytes per 32 values)
 // stay in L2 while the item's weight groups pass over them.
 constexpr int64_t kRowTile = 64;
@@ -638,12 +656,8 @@ void grouped_rows(const QuantMatrix& w, const QuantActivations& x, int64_t n_beg
     for (int64_t g = n_begin; g < n_end; g += kGroupRows) {
       // The group's blocks stream from memory once; later passes find them in L1/L2.
       for (int64_t q = t; q < tile_end; q += kRowsPerPass) {
-        switch (std::min<int64_t>(kRowsPerPass, tile_end - q)) {
-          case 1: group_pass<kType, 1>(w, x, q, g, out, out_stride); break;
-          case 2: group_pass<kType, 2>(w, x, q, g, out, out_stride); break;
-          case 3: group_pass<kType, 3>(w, x, q, g, out, out_stride); break;
-          default: group_pass<kType, kRowsPerPass>(w, x, q, g, out, out_stride); break;
-        }
+        rows_pass<kType>(std::min<int64_t>(kRowsPerPass, tile_end - q), w, x, q, g, out,
+                         out_stride);
       }
     }
   }
