@@ -596,10 +596,10 @@ void k_pass(const QuantMatrix& w, const QuantActivations& x, int64_t x0, int64_t
 
 #ifdef CORESTREAM_GROUPS_ZMM
 // Activation rows that share each unpacked weight block: with 8, their accumulators and
-// offsets and the block's unpacked words take 24 of the 32 registers. Against 4, the batch-32 decode step
-// of SmolLM2 took 42.2, 44.7 ms instead of 48.1, 46.0 (Q4_K_M, mostly Q5_0, whose fifth bits
-// cost most to unpack) and 38.4, 38.0 instead of 38.9, 40.9 (Q8_0), alternated on 2 cores
-// (AMD EPYC, Zen 4; benchmarks/decode_step.py --workloads decode32).
+// offsets and the block's unpacked words take 24 of the 32 registers. Against 4, the
+// batch-32 decode step of SmolLM2 took 42.2, 44.7 ms instead of 48.1, 46.0 (Q4_K_M, mostly
+// Q5_0, whose fifth bits cost most to unpack) and 38.4, 38.0 instead of 38.9, 40.9 (Q8_0),
+// alternated on 2 cores (AMD EPYC, Zen 4; benchmarks/decode_step.py --workloads decode32).
 constexpr int kRowsPerPass = 8;
 #else
 constexpr int kRowsPerPass = 2;  // 16 vector registers
